@@ -1,0 +1,105 @@
+"""The cache-policy protocol: one policy owns the KV layout of one model for one stage.
+
+A forward pass over ``T`` new tokens talks to its policy in three steps:
+
+1. ``allocate(T)`` reserves slots for the new tokens and returns their rotary positions;
+2. each layer calls ``update(layer, keys, values)`` to write its new K/V and gets back an
+   :class:`AttentionView` of what attention must read (keys, values and, when needed, a mask);
+3. the caller later ``commit``s the tokens it keeps or ``rollback``s the ones it rejects.
+
+Models never know which policy they run under; rollback is a pointer move, never a copy.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """Shape of the KV a model produces; every policy is built from one."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    capacity: int
+    """Most tokens the policy must be able to hold at once (prompt + generation + speculation)."""
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V bytes one token occupies across all layers."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+
+@dataclass(frozen=True)
+class AttentionView:
+    """What one layer's attention reads for the current forward pass."""
+
+    keys: torch.Tensor  # [B, H_kv, S, D]
+    values: torch.Tensor  # [B, H_kv, S, D]
+    mask: torch.Tensor | None
+    """[T, S] bool, True where query t may read key s; None when every query reads every key."""
+    causal: bool = False
+    """True when ``mask`` is plain bottom-right causality, so a kernel may use its causal mode."""
+
+
+class CacheFullError(RuntimeError):
+    """Raised when a policy is asked to hold more tokens than its layout's capacity."""
+
+
+class CachePolicy(ABC):
+    """Base class of every KV cache policy (see the module docstring for the protocol)."""
+
+    def __init__(self, layout: CacheLayout) -> None:
+        self.layout = layout
+        self.length = 0
+        """Tokens written so far, speculative ones included."""
+        self.committed = 0
+        """Tokens the pipeline has accepted for good; ``rollback`` never goes below this."""
+
+    @abstractmethod
+    def allocate(self, num_new: int) -> torch.Tensor:
+        """Reserve slots for ``num_new`` tokens; returns their rotary positions, [T] int64."""
+
+    @abstractmethod
+    def update(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> AttentionView:
+        """Write one layer's new keys/values ([B, H_kv, T, D], rotated) and return what to read."""
+
+    @abstractmethod
+    def memory_bytes(self) -> int:
+        """Bytes of KV storage this policy holds (allocated, not just used)."""
+
+    @abstractmethod
+    def read_bytes(self) -> int:
+        """KV bytes one single-token decode step reads at the current length."""
+
+    def commit(self, length: int) -> None:
+        """Accept the first ``length`` tokens for good (policies may evict here)."""
+        if not self.committed <= length <= self.length:
+            raise ValueError(f"commit({length}) outside [{self.committed}, {self.length}]")
+        self.committed = length
+
+    def rollback(self, length: int) -> None:
+        """Forget every token after the first ``length``, as if they were never written."""
+        if not self.committed <= length <= self.length:
+            raise ValueError(f"rollback({length}) outside [{self.committed}, {self.length}]")
+        self.length = length
+
+    def _reserve(self, num_new: int) -> int:
+        """Advance ``length`` by ``num_new`` within capacity; returns the first new slot."""
+        if num_new < 1:
+            raise ValueError(f"allocate needs at least one token, got {num_new}")
+        if self.length + num_new > self.layout.capacity:
+            raise CacheFullError(
+                f"cache holds {self.length} of {self.layout.capacity} tokens; "
+                f"cannot add {num_new} more"
+            )
+        start = self.length
+        self.length += num_new
+        return start

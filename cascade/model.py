@@ -1,0 +1,139 @@
+"""A compact forward pass for the Llama family (Llama, Mistral, Qwen2, SmolLM2).
+
+Q/K/V and gate/up projections are fused into one matmul each; keys and values go through the
+cache policy, which decides what attention reads. Logits are computed only for the positions
+the caller asks for (the output projection dominates a small model at a 49K vocabulary).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from cache.base import CacheLayout, CachePolicy
+from cascade.attention import attend
+from cascade.rope import Rotary, apply_rotary
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Architecture hyper-parameters, read once from a checkpoint's config and weights."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    qkv_bias: bool
+    tied_embeddings: bool
+    max_context: int
+    """Most positions the model supports (after any rope scaling)."""
+
+    @property
+    def qkv_size(self) -> int:
+        return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, layer: int) -> None:
+        super().__init__()
+        self.spec = spec
+        self.layer = layer
+        self.qkv_proj = nn.Linear(spec.hidden_size, spec.qkv_size, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(spec.num_heads * spec.head_dim, spec.hidden_size, bias=False)
+        self.scale = spec.head_dim**-0.5
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: CachePolicy
+    ) -> torch.Tensor:
+        spec = self.spec
+        qkv = rearrange(self.qkv_proj(x), "b t (h d) -> b h t d", d=spec.head_dim)  # [B, H+2Hkv, T, D]
+        query, keys, values = qkv.split([spec.num_heads, spec.num_kv_heads, spec.num_kv_heads], dim=1)
+        query, keys = apply_rotary(query, cos, sin), apply_rotary(keys, cos, sin)
+        view = cache.update(self.layer, keys, values)
+        out = attend(query, view, self.scale)  # [B, H, T, D]
+        return self.o_proj(rearrange(out, "b h t d -> b t (h d)"))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, spec: ModelSpec, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = Attention(spec, layer)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = MLP(spec)
+
+    def forward(self, x, cos, sin, cache: CachePolicy) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    """Token ids in, logits out; all state lives in the cache policy passed to ``forward``."""
+
+    def __init__(self, spec: ModelSpec, rotary: Rotary) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(Block(spec, i) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.rotary = rotary
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def cache_layout(self, capacity: int) -> CacheLayout:
+        spec = self.spec
+        return CacheLayout(
+            spec.num_layers, spec.num_kv_heads, spec.head_dim, capacity, self.dtype, self.device
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self, token_ids: torch.Tensor, cache: CachePolicy, num_logits: int | None = None
+    ) -> torch.Tensor:
+        """token_ids [B, T] -> logits [B, N, V] for the last N = ``num_logits`` positions (all if None)."""
+        positions = cache.allocate(token_ids.shape[1])  # [T]
+        cos, sin = self.rotary.cos_sin(positions, self.dtype)  # [T, D] each
+        x = self.embed_tokens(token_ids)  # [B, T, C]
+        for block in self.layers:
+            x = block(x, cos, sin, cache)
+        if num_logits is not None:
+            x = x[:, -num_logits:]
+        return self.lm_head(self.norm(x))  # [B, N, V]

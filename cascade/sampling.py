@@ -1,0 +1,48 @@
+"""Turn logits into the distribution tokens are drawn from: temperature, then top-k, then top-p.
+
+The order and tie handling follow transformers' logits warpers, so a stage's distribution is the
+one transformers' ``generate()`` samples from. Temperature 0 is greedy: a one-hot at the argmax.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from configs.schema import SamplingConfig
+
+
+def token_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """logits [..., V] -> float32 probabilities [..., V] after every sampling transform."""
+    logits = logits.float()
+    if sampling.temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / sampling.temperature
+    if sampling.top_k:
+        kth_best = logits.topk(min(sampling.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth_best, float("-inf"))
+    if sampling.top_p < 1.0:
+        logits = _top_p_filter(logits, sampling.top_p)
+    return logits.softmax(-1)
+
+
+def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Drop the least likely tokens whose total probability stays within 1 - top_p (keep >= 1)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    cumulative = sorted_logits.softmax(-1).cumsum(-1)
+    drop_sorted = cumulative <= 1 - top_p
+    drop_sorted[..., -1] = False
+    drop = drop_sorted.scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Draw one token per row of probs [..., V] -> [...] int64."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+def next_token(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None):
+    """The token autoregressive decoding emits after ``logits`` [..., V]."""
+    if sampling.temperature == 0:
+        return logits.argmax(-1)
+    return sample(token_probs(logits, sampling), generator)

@@ -1,0 +1,82 @@
+"""Pydantic schemas for pipeline configs: validated once at the boundary, trusted afterwards."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from cache import POLICIES
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+CacheConfig = Annotated[
+    Union[tuple(entry.config for entry in POLICIES.values())],  # noqa: UP007 (built at import)
+    Field(discriminator="kind"),
+]
+
+
+class RopeScalingConfig(Strict):
+    kind: Literal["yarn", "linear"] = "yarn"
+    """Position-interpolation method that stretches the model's native context."""
+    factor: float = Field(2.0, gt=1.0, le=64.0)
+    """New context = native context x factor."""
+
+
+class ModelConfig(Strict):
+    path: str | None = None
+    """Checkpoint directory; null means the default model provisioned for this role."""
+    rope_scaling: RopeScalingConfig | None = None
+    """Override the checkpoint's rope scaling (e.g. YaRN to run SmolLM2 beyond 8K tokens)."""
+
+
+class SamplingConfig(Strict):
+    temperature: float = Field(0.0, ge=0.0, le=100.0)
+    """0 is greedy decoding; otherwise logits are divided by it before sampling."""
+    top_k: int = Field(0, ge=0)
+    """Keep only the k most likely tokens; 0 keeps all."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Keep the smallest set of tokens whose probability reaches top_p; 1.0 keeps all."""
+
+
+class StageConfig(Strict):
+    model: Literal["target", "draft"] = "target"
+    """Which model this stage runs; stages naming the same model share its weights."""
+    cache: CacheConfig = Field(default_factory=lambda: POLICIES["full"].config())
+    """KV cache policy of this stage, selected by ``kind``."""
+    gamma: int = Field(4, ge=1, le=64)
+    """Tokens this stage proposes to the stage above it per round (unused by the last stage)."""
+
+
+class PipelineConfig(Strict):
+    stages: list[StageConfig] = Field(min_length=1)
+    """Cheapest first; the last stage is the full-cache target that decides every token."""
+    target: ModelConfig = ModelConfig()
+    """The model whose output is reproduced exactly."""
+    draft: ModelConfig = ModelConfig()
+    """The small model used by stages with ``model: draft``."""
+    sampling: SamplingConfig = SamplingConfig()
+    """Applied identically to every stage's logits."""
+    max_new_tokens: int = Field(256, ge=1, le=1_000_000)
+    """Generation stops after this many new tokens (or at end-of-sequence)."""
+    max_context: int | None = Field(None, ge=2)
+    """Cap on prompt + new tokens; null means the target model's own context limit."""
+    prefill_chunk: int = Field(1024, ge=16, le=65536)
+    """Prompt tokens per prefill forward pass: bounds the attention working set of long prompts."""
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """Weights and KV dtype; auto picks bfloat16 on CUDA and on CPUs with AVX-512 BF16."""
+    seed: int = Field(0, ge=0)
+    """Seed of the sampling random generator."""
+
+    @model_validator(mode="after")
+    def _last_stage_is_exact(self) -> PipelineConfig:
+        last = self.stages[-1]
+        if last.model != "target" or last.cache.kind != "full":
+            raise ValueError(
+                "the last stage must be the target with a full cache (it decides every token); "
+                f"got model={last.model!r}, cache.kind={last.cache.kind!r}"
+            )
+        return self
