@@ -43,11 +43,19 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
     key, sep, raw = assignment.partition("=")
     if not sep or not key:
         raise CascadeError(f"--set expects dotted.key=value, got {assignment!r}")
+    try:
+        value = yaml.safe_load(raw) if raw else ""
+    except yaml.YAMLError:
+        value = raw
+    set_value(data, key, value)
+
+
+def set_value(data: dict[str, Any], key: str, value: Any) -> None:
+    """Set ``data[a][b][c] = value`` for ``key = "a.b.c"``, creating missing groups."""
     *parents, leaf = key.split(".")
     node: Any = data
     for part in parents:
         node = _child(node, part, key)
-    value = yaml.safe_load(raw) if raw else ""
     if isinstance(node, list):
         node[_index(node, leaf, key)] = value
     else:
@@ -72,15 +80,24 @@ def _index(node: list, part: str, key: str) -> int:
 
 
 def load_config(
-    preset: str | None = None, file: Path | None = None, overrides: list[str] = ()
+    preset: str | None = None,
+    file: Path | None = None,
+    overrides: list[str] = (),
+    settings: dict[str, Any] | None = None,
 ) -> tuple[str, PipelineConfig]:
-    """Returns (name, config): name is the preset's, or the file's stem."""
+    """Returns (name, config): name is the preset's, or the file's stem.
+
+    ``overrides`` are ``dotted.key=value`` strings (``--set``); ``settings`` maps dotted keys to
+    already-typed values (the CLI's own flags) and is applied last.
+    """
     if preset and file:
         raise CascadeError("give either --preset or --config, not both")
     name = file.stem if file else preset or DEFAULT_PRESET
     data = read_yaml(file) if file else preset_data(name)
     for assignment in overrides:
         apply_override(data, assignment)
+    for key, value in (settings or {}).items():
+        set_value(data, key, value)
     return name, validate(data)
 
 

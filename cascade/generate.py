@@ -1,0 +1,151 @@
+"""``python -m cascade.generate``: generate text with a preset or config; streams it to stdout."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import TextStreamer
+
+from cascade.errors import CascadeError
+from cascade.runtime import Runtime, build_runtime
+from configs import PipelineConfig, load_config, preset_names
+
+DEFAULT_PROMPT = "Speculative decoding makes language models faster because"
+
+FLAG_SETTINGS = {  # CLI flag -> dotted config key it overrides
+    "max_new_tokens": "max_new_tokens",
+    "temperature": "sampling.temperature",
+    "top_p": "sampling.top_p",
+    "top_k": "sampling.top_k",
+    "seed": "seed",
+    "dtype": "dtype",
+    "target": "target.path",
+    "draft": "draft.path",
+}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m cascade.generate", description=__doc__)
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--preset", help=f"one of: {', '.join(preset_names())}")
+    source.add_argument("--config", type=Path, help="a pipeline config YAML file")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config setting, e.g. sampling.temperature=0.7 (repeatable)")
+    prompt = parser.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", help="prompt text (raw, tokenized with the target's tokenizer)")
+    prompt.add_argument("--prompt-file", type=Path, help="read the prompt from a UTF-8 text file")
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
+    parser.add_argument("--max-new-tokens", type=int)
+    parser.add_argument("--temperature", type=float)
+    parser.add_argument("--top-p", type=float)
+    parser.add_argument("--top-k", type=int)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"])
+    parser.add_argument("--target", help="target checkpoint directory (default: provisioned SmolLM2)")
+    parser.add_argument("--draft", help="draft checkpoint directory")
+    parser.add_argument("--json", type=Path, help="write text, token ids, config and stats here")
+    parser.add_argument("--verbose", action="store_true", help="print stats to stderr at the end")
+    parser.add_argument("--quiet", action="store_true", help="do not stream text to stdout")
+    return parser.parse_args(argv)
+
+
+def read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt_file is None:
+        return DEFAULT_PROMPT if args.prompt is None else args.prompt
+    try:
+        return args.prompt_file.read_bytes().decode("utf-8")
+    except OSError as exc:
+        raise CascadeError(f"cannot read prompt file {args.prompt_file}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise CascadeError(f"prompt file {args.prompt_file} is not UTF-8 text ({exc.reason} "
+                           f"at byte {exc.start})") from None
+
+
+def encode_prompt(runtime: Runtime, text: str, chat: bool) -> list[int]:
+    tokenizer = runtime.tokenizer
+    if not text.strip():
+        raise CascadeError("the prompt is empty: give some text with --prompt or --prompt-file")
+    if chat:
+        messages = [{"role": "user", "content": text}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    settings = {key: getattr(args, flag) for flag, key in FLAG_SETTINGS.items()
+                if getattr(args, flag) is not None}
+    preset, config = load_config(args.preset, args.config, args.set, settings)
+    text = read_prompt(args)
+    runtime = build_runtime(config, log=lambda message: print(message, file=sys.stderr))
+    prompt_ids = encode_prompt(runtime, text, args.chat)
+    pipeline = runtime.pipeline_for(len(prompt_ids), config.max_new_tokens)
+    streamer = None if args.quiet else TextStreamer(runtime.tokenizer, skip_special_tokens=True)
+    generator = torch.Generator(device=runtime.target.model.device).manual_seed(config.seed)
+    result = pipeline.generate(
+        torch.tensor(prompt_ids, device=runtime.target.model.device),
+        runtime.stop_rule(config.max_new_tokens),
+        generator,
+        on_tokens=(lambda tokens: streamer.put(torch.tensor(tokens))) if streamer else None,
+    )
+    if streamer:
+        streamer.end()
+    return report(preset, config, prompt_ids, result, runtime)
+
+
+def report(preset: str, config: PipelineConfig, prompt_ids, result, runtime: Runtime) -> dict[str, Any]:
+    return {
+        "text": runtime.tokenizer.decode(result.token_ids, skip_special_tokens=True),
+        "token_ids": result.token_ids,
+        "prompt_token_ids": prompt_ids,
+        "preset": preset,
+        "config": config.model_dump(mode="json"),
+        "stats": result.stats.to_dict(),
+    }
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write atomically: a reader never sees half a file, an old file survives a failed write."""
+    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    try:
+        partial.write_text(json.dumps(data, indent=2) + "\n")
+        partial.replace(path)
+    except OSError as exc:
+        partial.unlink(missing_ok=True)
+        raise CascadeError(f"cannot write {path}: {exc.strerror}") from None
+
+
+def print_stats(stats: dict[str, Any]) -> None:
+    print(f"\n[{stats['prompt_tokens']} prompt tokens, prefill {stats['prefill_s']:.2f} s; "
+          f"{stats['new_tokens']} new tokens at {stats['tokens_per_s']:.1f} tokens/s "
+          f"({stats['ms_per_token']:.1f} ms/token); stop: {stats['stop_reason']}]", file=sys.stderr)
+    for stage in stats["stages"]:
+        print(f"  stage {stage['name']}: {stage['forward_calls']} forward calls, "
+              f"{stage['time_s']:.2f} s, {stage['kv_bytes_read'] / 2**20:.1f} MiB KV read", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        output = run(args)
+        if args.json:
+            write_json(args.json, output)
+    except CascadeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    if args.verbose:
+        print_stats(output["stats"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

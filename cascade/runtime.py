@@ -1,0 +1,114 @@
+"""From a validated config to runnable stages: devices, dtypes, models, tokenizers, caches."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cache import build_policy
+from cascade.checkpoint import LoadedModel, load_checkpoint
+from cascade.errors import CascadeError
+from cascade.models import default_model
+from cascade.pipeline import Pipeline, StopRule
+from cascade.stage import Stage
+from configs.schema import ModelConfig, PipelineConfig
+
+
+def pick_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def cpu_has_avx512_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return any("avx512_bf16" in line for line in cpuinfo if line.startswith("flags"))
+    except OSError:
+        return False
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        fast_bf16 = device.type == "cuda" or cpu_has_avx512_bf16()
+        return torch.bfloat16 if fast_bf16 else torch.float32
+    return getattr(torch, name)
+
+
+@dataclass
+class Runtime:
+    """Loaded models for one config; ``pipeline_for`` builds fresh caches per prompt."""
+
+    config: PipelineConfig
+    target: LoadedModel
+    draft: LoadedModel | None
+
+    @property
+    def tokenizer(self):
+        return self.target.tokenizer
+
+    def context_limit(self) -> int:
+        limit = self.target.model.spec.max_context
+        return min(limit, self.config.max_context) if self.config.max_context else limit
+
+    def check_request(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        if prompt_tokens == 0:
+            raise CascadeError("the prompt is empty: give some text with --prompt or --prompt-file")
+        limit = self.context_limit()
+        if prompt_tokens + max_new_tokens > limit:
+            raise CascadeError(
+                f"prompt ({prompt_tokens} tokens) + max-new-tokens ({max_new_tokens}) = "
+                f"{prompt_tokens + max_new_tokens} exceeds the context limit of {limit} tokens; "
+                "shorten the prompt, lower --max-new-tokens, or stretch the target's context with "
+                "--set target.rope_scaling.kind=yarn --set target.rope_scaling.factor=2"
+            )
+
+    def pipeline_for(self, prompt_tokens: int, max_new_tokens: int) -> Pipeline:
+        """Stages with caches sized for this request (checked against the context limit)."""
+        self.check_request(prompt_tokens, max_new_tokens)
+        capacity = prompt_tokens + max_new_tokens
+        stages = []
+        for index, stage in enumerate(self.config.stages):
+            model = (self.target if stage.model == "target" else self.draft).model
+            cache = build_policy(stage.cache, model.cache_layout(capacity))
+            stages.append(Stage(f"{index}:{stage.model}/{stage.cache.kind}", model, cache))
+        return Pipeline(stages, self.config.sampling, self.config.prefill_chunk)
+
+    def stop_rule(self, max_new_tokens: int) -> StopRule:
+        return StopRule(frozenset(self.target.eos_token_ids), max_new_tokens)
+
+
+def build_runtime(config: PipelineConfig, log: Callable[[str], None]) -> Runtime:
+    device = pick_device()
+    dtype = resolve_dtype(config.dtype, device)
+    target = load_model(config.target, "target", dtype, device, log)
+    uses_draft = any(stage.model == "draft" for stage in config.stages)
+    draft = None
+    if uses_draft or config.draft.path is not None:
+        draft = load_model(config.draft, "draft", dtype, device, log)
+        check_same_vocabulary(target, draft)
+    return Runtime(config, target, draft)
+
+
+def load_model(
+    config: ModelConfig, role: str, dtype: torch.dtype, device: torch.device, log: Callable[[str], None]
+) -> LoadedModel:
+    path = Path(config.path).expanduser() if config.path else default_model(role, log)
+    scaling = config.rope_scaling.model_dump() if config.rope_scaling else None
+    return load_checkpoint(path, dtype, device, scaling)
+
+
+def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
+    """Speculation compares token ids, so both models must map ids to the same strings."""
+    target_vocab, draft_vocab = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+    if target_vocab == draft_vocab and target.model.spec.vocab_size == draft.model.spec.vocab_size:
+        return
+    differing = sorted(set(target_vocab.items()) ^ set(draft_vocab.items()), key=lambda item: item[1])
+    example = f"; e.g. {differing[0][0]!r} -> id {differing[0][1]} in only one of them" if differing else ""
+    raise CascadeError(
+        f"the draft ({draft.path}, {len(draft_vocab)} tokens, {draft.model.spec.vocab_size} logits) "
+        f"and the target ({target.path}, {len(target_vocab)} tokens, "
+        f"{target.model.spec.vocab_size} logits) have different vocabularies{example}; "
+        "the draft must use the target's tokenizer"
+    )
