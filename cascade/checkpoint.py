@@ -64,6 +64,18 @@ def apply_rope_scaling(config: PreTrainedConfig, kind: str, factor: float) -> No
 def load_checkpoint(
     path: Path, dtype: torch.dtype, device: torch.device, rope_scaling: dict | None = None
 ) -> LoadedModel:
+    """Model, tokenizer and end-of-sequence ids of a checkpoint directory."""
+    model = load_model(path, dtype, device, rope_scaling)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (ValueError, OSError) as exc:
+        raise CascadeError(f"{path} has no usable tokenizer: {str(exc).splitlines()[0]}") from None
+    return LoadedModel(path, model, tokenizer, eos_token_ids(path, model.config))
+
+
+def load_model(
+    path: Path, dtype: torch.dtype, device: torch.device, rope_scaling: dict | None = None
+) -> CausalLM:
     config = read_config(path, rope_scaling)
     weights = read_weights(path)
     spec = model_spec(config, weights)
@@ -73,9 +85,8 @@ def load_checkpoint(
     model.load_state_dict(fuse_projections(weights, spec), assign=True, strict=True)
     if spec.tied_embeddings:
         model.lm_head.weight = model.embed_tokens.weight  # tie before .to() so it stays tied
-    model = model.to(device=device, dtype=dtype).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    return LoadedModel(path, model, tokenizer, eos_token_ids(path, config))
+    model.config = config
+    return model.to(device=device, dtype=dtype).eval()
 
 
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -102,8 +113,19 @@ def model_spec(config: PreTrainedConfig, weights: dict[str, torch.Tensor]) -> Mo
         rms_norm_eps=config.rms_norm_eps,
         qkv_bias="model.layers.0.self_attn.q_proj.bias" in weights,
         tied_embeddings="lm_head.weight" not in weights,
-        max_context=config.max_position_embeddings,
+        max_context=min(config.max_position_embeddings, sliding_window(config) or 1 << 62),
     )
+
+
+def sliding_window(config: PreTrainedConfig) -> int | None:
+    """Sliding-window attention span, if the checkpoint uses one.
+
+    Within the window, sliding-window attention equals full attention, so cascade caps the
+    context at the window instead of masking (Mistral v0.1: 4096 tokens).
+    """
+    if not getattr(config, "use_sliding_window", True):
+        return None
+    return getattr(config, "sliding_window", None)
 
 
 def fuse_projections(weights: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:

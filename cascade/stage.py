@@ -36,6 +36,8 @@ class Stage:
         started = time.perf_counter()
         for start in range(0, prompt_ids.numel(), chunk):
             logits = self.model(prompt_ids[None, start : start + chunk], self.cache, num_logits=1)
+            self.stats.forward_calls += 1
         self.cache.commit(self.cache.length)
         self.stats.time_s += time.perf_counter() - started
+        self.stats.tokens_processed += prompt_ids.numel()
         return logits[0, -1]  # [V]

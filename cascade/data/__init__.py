@@ -1,0 +1,13 @@
+"""Long documents for benchmarks: ``python -m cascade.data fetch`` / ``list``; ``document_text(name)``."""
+
+from cascade.data.corpus import (
+    CORPORA,
+    DOCUMENTS,
+    Corpus,
+    document_path,
+    document_text,
+    fetch_corpus,
+    is_fetched,
+)
+
+__all__ = ["CORPORA", "DOCUMENTS", "Corpus", "document_path", "document_text", "fetch_corpus", "is_fetched"]

@@ -1,0 +1,65 @@
+"""Shared fixtures: tiny random-weight checkpoints of each family, and the provisioned SmolLM2."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+from cascade.models import DEFAULTS, fetch
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,  # grouped-query attention: 2 query heads per KV head
+    max_position_embeddings=512,
+)
+
+FAMILIES = {
+    "llama-gqa-tied": (LlamaConfig, dict(tie_word_embeddings=True)),
+    "llama-untied-mha": (LlamaConfig, dict(tie_word_embeddings=False, num_key_value_heads=4)),
+    "llama-yarn": (LlamaConfig, dict(rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "rope_theta": 10000.0})),
+    "llama-linear": (LlamaConfig, dict(rope_parameters={
+        "rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})),
+    "qwen2-bias": (Qwen2Config, dict(tie_word_embeddings=False)),
+    "mistral": (MistralConfig, dict(sliding_window=None)),
+}
+
+
+def make_checkpoint(
+    path: Path, family: str, vocab_size: int = 320, tokenizer_dir: Path | None = None, seed: int = 0
+) -> Path:
+    """Save a random-weight transformers model of ``family`` (and optionally a tokenizer) to ``path``."""
+    config_class, overrides = FAMILIES[family]
+    config = config_class(vocab_size=vocab_size, **{**TINY, **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # init leaves norms at 1 and small weights; perturb all for varied outputs
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.15)
+    model.save_pretrained(path)
+    if tokenizer_dir is not None:
+        for file in tokenizer_dir.glob("tokenizer*"):
+            shutil.copy(file, path)
+        shutil.copy(tokenizer_dir / "chat_template.jinja", path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The provisioned default target (fetched on first use; CI provisions it before the tests)."""
+    return fetch(DEFAULTS["target"], log=lambda message: None)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory, smollm2_dir) -> Path:
+    """A tiny Llama with SmolLM2's tokenizer, for fast end-to-end and CLI tests."""
+    return make_checkpoint(
+        tmp_path_factory.mktemp("tiny") / "llama", "llama-gqa-tied", 49152, tokenizer_dir=smollm2_dir
+    )

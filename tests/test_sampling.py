@@ -1,0 +1,47 @@
+"""Sampling transforms equal transformers' logits warpers; greedy is a one-hot at the argmax."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from cascade.sampling import next_token, token_probs
+from configs import SamplingConfig
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.6, 0, 0.9), (1.3, 20, 1.0), (0.8, 5, 0.5)])
+def test_probs_match_transformers_warpers(temperature, top_k, top_p):
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(0)) * 3
+    expected = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if top_k:
+        expected = TopKLogitsWarper(top_k)(None, expected)
+    if top_p < 1:
+        expected = TopPLogitsWarper(top_p)(None, expected)
+    probs = token_probs(logits, SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p))
+    torch.testing.assert_close(probs, expected.softmax(-1), atol=1e-6, rtol=0)
+    if top_k:
+        assert ((probs > 0).sum(-1) <= top_k).all()
+
+
+def test_greedy_is_one_hot_at_argmax():
+    logits = torch.tensor([[0.1, 2.0, -1.0], [5.0, 4.0, 4.5]])
+    probs = token_probs(logits, SamplingConfig(temperature=0))
+    assert probs.tolist() == [[0, 1, 0], [1, 0, 0]]
+    assert next_token(logits, SamplingConfig(), None).tolist() == [1, 0]
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    probs = token_probs(logits, SamplingConfig(temperature=1.0, top_p=0.75))
+    torch.testing.assert_close(probs, torch.tensor([0.625, 0.375, 0.0, 0.0]))
+
+
+def test_sampling_is_reproducible_and_follows_the_distribution():
+    sampling = SamplingConfig(temperature=1.0)
+    logits = torch.log(torch.tensor([0.7, 0.2, 0.1]))
+    draws = [int(next_token(logits, sampling, torch.Generator().manual_seed(seed))) for seed in range(3000)]
+    again = [int(next_token(logits, sampling, torch.Generator().manual_seed(seed))) for seed in range(3000)]
+    assert draws == again
+    frequencies = torch.bincount(torch.tensor(draws), minlength=3) / len(draws)
+    assert (frequencies - torch.tensor([0.7, 0.2, 0.1])).abs().max() < 0.03
