@@ -9,7 +9,7 @@ from pathlib import Path
 from cascade.errors import CascadeError
 from cascade.home import models_dir
 from cascade.models.catalog import DEFAULTS, Role
-from cascade.models.fetch import MANIFEST, fetch, installed_path
+from cascade.models.provision import MANIFEST, fetch, installed_path
 
 
 def installed_models() -> list[dict]:

