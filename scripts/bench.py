@@ -30,7 +30,8 @@ MAX_TOKENS = 8192  # SmolLM2's native context: prompt + new tokens must fit
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python scripts/bench.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 8000], help="prompt lengths (tokens)")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 8000],
+                        help="prompt lengths in tokens")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per run")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per case (medians reported)")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
@@ -41,7 +42,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     for context in args.contexts:
         if context < 1 or context + args.new_tokens > MAX_TOKENS:
-            parser.error(f"context {context} + {args.new_tokens} new tokens must be in 2..{MAX_TOKENS}")
+            parser.error(f"context {context} + {args.new_tokens} new tokens must be between 1 and "
+                         f"{MAX_TOKENS} tokens (the target's native context) in all")
     if args.new_tokens < 2 or args.repeats < 1:
         parser.error("--new-tokens must be >= 2 and --repeats >= 1")
     return args
@@ -87,11 +89,14 @@ def run_cascade(args: argparse.Namespace, path: Path, prompt: torch.Tensor) -> t
     return runs[1:], tokens
 
 
-def run_transformers(args: argparse.Namespace, path: Path, prompt: torch.Tensor) -> tuple[list[dict], list[int]]:
+def run_transformers(
+    args: argparse.Namespace, path: Path, prompt: torch.Tensor
+) -> tuple[list[dict], list[int]]:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
     logging.set_verbosity_error()
+    logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
     inputs = {"input_ids": prompt[None, :], "attention_mask": torch.ones(1, prompt.numel(), dtype=torch.long)}
     n = args.new_tokens

@@ -39,7 +39,7 @@ def print_documents() -> None:
     for name, corpus in DOCUMENTS.items():
         path = document_path(name)
         if not is_fetched(corpus):
-            print(f"{name:12} {corpus.name:12} not fetched (run `python -m cascade.data fetch {corpus.name}`)")
+            print(f"{name:12} {corpus.name:12} not fetched; run `python -m cascade.data fetch`")
             continue
         data = path.read_bytes()
         tokens = f"{count_tokens(decode_text(data, path)):>8} tokens" if count_tokens else ""
