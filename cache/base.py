@@ -44,7 +44,8 @@ class AttentionView:
     keys: torch.Tensor  # [B, H_kv, S, D]
     values: torch.Tensor  # [B, H_kv, S, D]
     mask: torch.Tensor | None
-    """[T, S] bool, True where query t may read key s; None when every query reads every key."""
+    """[T, S] additive, in the KV dtype: 0 where query t may read key s, -inf where it may not.
+    None when every query reads every key."""
     causal: bool = False
     """True when ``mask`` is plain bottom-right causality, so a kernel may use its causal mode."""
 

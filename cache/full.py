@@ -33,7 +33,7 @@ class FullCache(CachePolicy):
     def allocate(self, num_new: int) -> torch.Tensor:
         self._start = self._reserve(num_new)
         positions = torch.arange(self._start, self.length, device=self.layout.device)  # [T]
-        self._mask = None if num_new == 1 else causal_mask(positions, self.length)
+        self._mask = None if num_new == 1 else causal_mask(positions, self.length, self.layout.dtype)
         return positions
 
     def update(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> AttentionView:
@@ -53,7 +53,8 @@ class FullCache(CachePolicy):
         return self.length * self.layout.bytes_per_token
 
 
-def causal_mask(query_slots: torch.Tensor, num_keys: int) -> torch.Tensor:
-    """[T, S] bool: query in slot p reads keys in slots 0..p (bottom-right aligned causality)."""
+def causal_mask(query_slots: torch.Tensor, num_keys: int, dtype: torch.dtype) -> torch.Tensor:
+    """[T, S] additive: query in slot p reads keys in slots 0..p (bottom-right aligned causality)."""
     key_slots = torch.arange(num_keys, device=query_slots.device)  # [S]
-    return key_slots[None, :] <= query_slots[:, None]
+    hidden = key_slots[None, :] > query_slots[:, None]  # [T, S]
+    return torch.zeros(hidden.shape, dtype=dtype, device=hidden.device).masked_fill(hidden, float("-inf"))

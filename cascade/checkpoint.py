@@ -129,8 +129,12 @@ def sliding_window(config: PreTrainedConfig) -> int | None:
 
 
 def fuse_projections(weights: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
-    """Rename a transformers state dict to ours: q/k/v -> qkv_proj, gate/up -> gate_up_proj."""
-    fused = dict(weights)
+    """Rename a transformers state dict to ours: q/k/v -> qkv_proj, gate/up -> gate_up_proj.
+
+    Consumes ``weights`` (each layer's originals are dropped as soon as they are fused) so the
+    load never holds two copies of the model.
+    """
+    fused = weights
     for layer in range(spec.num_layers):
         attn, mlp = f"model.layers.{layer}.self_attn", f"model.layers.{layer}.mlp"
         for kind in ("weight", "bias") if spec.qkv_bias else ("weight",):

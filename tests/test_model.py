@@ -61,11 +61,11 @@ def test_yarn_stretches_the_context_limit(tmp_path):
     assert scaled.spec.max_context == 1024
 
 
-@pytest.mark.parametrize("chunk", [1, 7, 64])
+@pytest.mark.parametrize("chunk", [1, 7, 64, 100])
 def test_chunked_prefill_and_decode_equal_one_pass(family_checkpoint, chunk):
-    """Token-by-token decode and chunked prefill give the logits of a single no-cache pass."""
+    """Token-by-token decode and chunked prefill (every attention path) equal a single causal pass."""
     model = load_model(family_checkpoint, torch.float32, CPU)
-    token_ids = torch.randint(0, model.spec.vocab_size, (150,), generator=torch.Generator().manual_seed(2))
+    token_ids = torch.randint(0, model.spec.vocab_size, (300,), generator=torch.Generator().manual_seed(2))
     torch.testing.assert_close(our_logits(model, token_ids, chunk), our_logits(model, token_ids), atol=2e-5, rtol=0)
 
 
