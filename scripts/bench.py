@@ -1,7 +1,10 @@
 """Decode and prefill speed of cascade's autoregressive path vs transformers' generate(), side by side.
 
 Both run the same checkpoint in the same dtype, greedy, on the first N tokens of a long document.
-Every (implementation, context) case runs in its own subprocess so that its peak RSS is its own.
+The machine's speed drifts, so the cases are interleaved: each of ``--repeats`` rounds runs every
+(implementation, context) case once, each in its own subprocess (load, one warm-up generation, one
+measured generation), odd rounds in reverse order. A case reports the median over rounds (peak RSS:
+the maximum); a ratio cascade / transformers is taken within each round, then its median reported.
 
     python scripts/bench.py [--contexts 1024 8000] [--new-tokens 64] [--repeats 3] [--dtype bfloat16]
 """
@@ -33,7 +36,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 8000],
                         help="prompt lengths in tokens")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per run")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per case (medians reported)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="rounds, each running every case once (medians reported)")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--document", choices=sorted(DOCUMENTS), default="plrabn12", help="prompt source")
     parser.add_argument("--target", help="checkpoint directory (default: the provisioned SmolLM2)")
@@ -69,7 +73,7 @@ def prompt_ids(path: Path, document: str, context: int) -> torch.Tensor:
     return torch.tensor(ids[:context])
 
 
-def run_cascade(args: argparse.Namespace, path: Path, prompt: torch.Tensor) -> tuple[list[dict], list[int]]:
+def run_cascade(args: argparse.Namespace, path: Path, prompt: torch.Tensor) -> tuple[dict, list[int]]:
     from cascade.pipeline import StopRule
     from cascade.runtime import build_runtime
     from configs import load_config
@@ -78,20 +82,16 @@ def run_cascade(args: argparse.Namespace, path: Path, prompt: torch.Tensor) -> t
     _, config = load_config(preset="autoregressive", settings=settings)
     runtime = build_runtime(config, log=log)
     stop = StopRule(frozenset(), args.new_tokens)  # no EOS: exactly N tokens, like min_new_tokens
-    runs, tokens = [], []
-    for _ in range(1 + args.repeats):  # the first run is the warm-up
-        pipeline = runtime.pipeline_for(prompt.numel(), args.new_tokens)
-        result = pipeline.generate(prompt, stop)
-        stats, tokens = result.stats, result.token_ids
-        runs.append({"prefill_s": stats.prefill_s, "decode_s": stats.decode_s,
-                     "prefill_tokens_per_s": prompt.numel() / stats.prefill_s,
-                     "decode_tokens_per_s": stats.tokens_per_s})
-    return runs[1:], tokens
+    for _ in range(2):  # the first generation is the warm-up
+        result = runtime.pipeline_for(prompt.numel(), args.new_tokens).generate(prompt, stop)
+    stats = result.stats
+    return {"prefill_s": stats.prefill_s, "decode_s": stats.decode_s,
+            "prefill_tokens_per_s": prompt.numel() / stats.prefill_s,
+            "decode_tokens_per_s": stats.tokens_per_s}, result.token_ids
 
 
-def run_transformers(
-    args: argparse.Namespace, path: Path, prompt: torch.Tensor
-) -> tuple[list[dict], list[int]]:
+def run_transformers(args: argparse.Namespace, path: Path, prompt: torch.Tensor) -> tuple[dict, list[int]]:
+    """Prefill time is a 1-token generate()'s; decode speed comes from the N-token one's extra time."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
@@ -109,59 +109,81 @@ def run_transformers(
         return time.perf_counter() - started, out[0, prompt.numel():].tolist()
 
     timed(n)  # warm-up
-    runs, tokens = [], []
-    for _ in range(args.repeats):
-        (t_1, _), (t_n, tokens) = timed(1), timed(n)
-        runs.append({"t_1_s": t_1, "t_n_s": t_n, "prefill_tokens_per_s": prompt.numel() / t_1,
-                     "decode_tokens_per_s": (n - 1) / (t_n - t_1)})
-    return runs, tokens
+    (t_1, _), (t_n, tokens) = timed(1), timed(n)
+    return {"t_1_s": t_1, "t_n_s": t_n, "prefill_tokens_per_s": prompt.numel() / t_1,
+            "decode_tokens_per_s": (n - 1) / (t_n - t_1)}, tokens
 
 
 def run_case(args: argparse.Namespace) -> dict:
+    """One measurement of one case in this process: {"run": figures, "token_ids": generated}."""
     impl, context = args.case.split(":")
     path = model_dir(args)
     prompt = prompt_ids(path, args.document, int(context))
-    runs, tokens = (run_cascade if impl == "cascade" else run_transformers)(args, path, prompt)
-    return {
-        "impl": impl, "context": int(context), "new_tokens": args.new_tokens, "dtype": args.dtype,
-        "decode_tokens_per_s": statistics.median(r["decode_tokens_per_s"] for r in runs),
-        "prefill_tokens_per_s": statistics.median(r["prefill_tokens_per_s"] for r in runs),
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "runs": runs, "token_ids": tokens,
-    }
+    run, tokens = (run_cascade if impl == "cascade" else run_transformers)(args, path, prompt)
+    run["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"run": run, "token_ids": tokens}
 
 
-# ---- the driver: one subprocess per case, then the table and the JSON --------------------------
+# ---- the driver: rounds of one subprocess per case, then the table and the JSON ---------------
+
+
+RATES = ("decode_tokens_per_s", "prefill_tokens_per_s")
 
 
 def spawn_case(args: argparse.Namespace, impl: str, context: int) -> dict:
     command = [sys.executable, __file__, "--case", f"{impl}:{context}", "--new-tokens", str(args.new_tokens),
-               "--repeats", str(args.repeats), "--dtype", args.dtype, "--document", args.document,
+               "--dtype", args.dtype, "--document", args.document,
                "--contexts", str(context), *(["--target", args.target] if args.target else [])]
-    started = time.perf_counter()
     result = subprocess.run(command, stdout=subprocess.PIPE, text=True)
     if result.returncode != 0:
         raise CascadeError(f"the {impl} case at context {context} failed (exit {result.returncode})")
-    case = json.loads(result.stdout.strip().splitlines()[-1])
-    log(f"[{impl:12} ctx {context:>5}] decode {case['decode_tokens_per_s']:7.1f} tok/s, prefill "
-        f"{case['prefill_tokens_per_s']:7.1f} tok/s, peak RSS {case['peak_rss_mb']:6.0f} MB "
-        f"({time.perf_counter() - started:.0f} s)")
-    return case
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def run_round(args: argparse.Namespace, cases: list[tuple[str, int]], index: int) -> dict:
+    """Every case once, in order on even rounds and in reverse on odd ones -> {(impl, context): case}."""
+    order = cases if index % 2 == 0 else cases[::-1]
+    measured = {}
+    for slot, (impl, context) in enumerate(order):
+        started = time.perf_counter()
+        case = spawn_case(args, impl, context)
+        run = case["run"]
+        run.update(round=index, slot=slot)
+        log(f"[round {index + 1}/{args.repeats} {impl:12} ctx {context:>5}] decode "
+            f"{run['decode_tokens_per_s']:7.1f} tok/s, prefill {run['prefill_tokens_per_s']:7.1f} tok/s, "
+            f"peak RSS {run['peak_rss_mb']:6.0f} MB ({time.perf_counter() - started:.0f} s)")
+        measured[(impl, context)] = case
+    return measured
+
+
+def summarize(args: argparse.Namespace, impl: str, context: int, cases: list[dict]) -> dict:
+    """One case over its rounds: median rates, maximum peak RSS, the per-round figures in ``runs``."""
+    runs = [case["run"] for case in cases]
+    if any(case["token_ids"] != cases[0]["token_ids"] for case in cases):
+        log(f"warning: {impl} at context {context} generated different tokens in different rounds")
+    return {"impl": impl, "context": context, "new_tokens": args.new_tokens, "dtype": args.dtype,
+            **{key: statistics.median(run[key] for run in runs) for key in RATES},
+            "peak_rss_mb": max(run["peak_rss_mb"] for run in runs),
+            "runs": runs, "token_ids": cases[0]["token_ids"]}
 
 
 def ratios(runs: list[dict]) -> list[dict]:
-    """cascade / transformers per context (above 1: cascade is faster or, for RSS, uses more)."""
+    """cascade / transformers per context: rates per round (side by side), then their median;
+    peak RSS as the ratio of the cases' peaks (above 1: cascade is faster or, for RSS, uses more)."""
     by_key = {(run["impl"], run["context"]): run for run in runs}
     out = []
     for context in sorted({run["context"] for run in runs}):
         ours, theirs = by_key[("cascade", context)], by_key[("transformers", context)]
-        same = next((i for i, (a, b) in enumerate(zip(ours["token_ids"], theirs["token_ids"])) if a != b),
-                    min(len(ours["token_ids"]), len(theirs["token_ids"])))
-        out.append({"context": context,
-                    **{key: ours[key] / theirs[key] for key in
-                       ("decode_tokens_per_s", "prefill_tokens_per_s", "peak_rss_mb")},
-                    "same_greedy_prefix_tokens": same})
+        per_round = {key: [a[key] / b[key] for a, b in zip(ours["runs"], theirs["runs"], strict=True)]
+                     for key in RATES}
+        out.append({"context": context, **{key: statistics.median(per_round[key]) for key in RATES},
+                    "peak_rss_mb": ours["peak_rss_mb"] / theirs["peak_rss_mb"], "per_round": per_round,
+                    "same_greedy_prefix_tokens": common_prefix(ours["token_ids"], theirs["token_ids"])})
     return out
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def machine() -> dict:
@@ -188,9 +210,13 @@ def table(runs: list[dict], ratio_rows: list[dict]) -> str:
 
 
 def drive(args: argparse.Namespace) -> None:
-    runs = [spawn_case(args, impl, context) for context in args.contexts for impl in IMPLS]
+    cases = [(impl, context) for context in args.contexts for impl in IMPLS]
+    rounds = [run_round(args, cases, index) for index in range(args.repeats)]
+    runs = [summarize(args, impl, context, [measured[(impl, context)] for measured in rounds])
+            for impl, context in cases]
     ratio_rows = ratios(runs)
     settings = {key: getattr(args, key) for key in ("document", "contexts", "new_tokens", "repeats", "dtype")}
+    settings["order"] = "each round runs every case once, in its own process; odd rounds in reverse"
     report = {"machine": machine(), "settings": settings, "runs": runs, "ratios": ratio_rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")

