@@ -3,8 +3,9 @@
 A forward pass over ``T`` new tokens talks to its policy in three steps:
 
 1. ``allocate(T)`` reserves slots for the new tokens and returns their rotary positions;
-2. each layer calls ``update(layer, keys, values)`` to write its new K/V and gets back an
+2. each layer calls ``update(layer, keys, values, query)`` to write its new K/V and gets back an
    :class:`AttentionView` of what attention must read (keys, values and, when needed, a mask);
+   policies that choose what to keep by attention scores (H2O, top-k) score with the query;
 3. the caller later ``commit``s the tokens it keeps or ``rollback``s the ones it rejects.
 
 Models never know which policy they run under; rollback is a pointer move, never a copy.
@@ -16,6 +17,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+
+from cascade.rope import Rotary
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,8 @@ class CacheLayout:
     """Most tokens the policy must be able to hold at once (prompt + generation + speculation)."""
     dtype: torch.dtype
     device: torch.device
+    rotary: Rotary | None = None
+    """The model's rotary embedding, for policies that move keys to new positions."""
 
     @property
     def bytes_per_token(self) -> int:
@@ -57,8 +62,11 @@ class CacheFullError(RuntimeError):
 class CachePolicy(ABC):
     """Base class of every KV cache policy (see the module docstring for the protocol)."""
 
-    def __init__(self, layout: CacheLayout) -> None:
+    def __init__(self, layout: CacheLayout, source: CachePolicy | None = None) -> None:
+        """``source``: another stage's cache of the same model whose KV this policy may read
+        instead of holding its own copy (e.g. retrieval reading the full cache's prompt)."""
         self.layout = layout
+        self.source = source
         self.length = 0
         """Tokens written so far, speculative ones included."""
         self.committed = 0
@@ -69,8 +77,12 @@ class CachePolicy(ABC):
         """Reserve slots for ``num_new`` tokens; returns their rotary positions, [T] int64."""
 
     @abstractmethod
-    def update(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> AttentionView:
-        """Write one layer's new keys/values ([B, H_kv, T, D], rotated) and return what to read."""
+    def update(
+        self, layer: int, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor
+    ) -> AttentionView:
+        """Write one layer's new keys/values ([B, H_kv, T, D], rotated) and return what to read.
+
+        ``query`` [B, H, T, D] (rotated) is the layer's query for the same tokens."""
 
     @abstractmethod
     def memory_bytes(self) -> int:

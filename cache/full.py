@@ -22,8 +22,10 @@ class FullCacheConfig(BaseModel):
 
 @register_policy(FullCacheConfig)
 class FullCache(CachePolicy):
-    def __init__(self, layout: CacheLayout, config: FullCacheConfig | None = None) -> None:
-        super().__init__(layout)
+    def __init__(
+        self, layout: CacheLayout, config: FullCacheConfig | None = None, source: CachePolicy | None = None
+    ) -> None:
+        super().__init__(layout)  # holds every token itself: a source is never needed
         shape = (layout.num_layers, 1, layout.num_kv_heads, layout.capacity, layout.head_dim)
         self.keys = torch.zeros(shape, dtype=layout.dtype, device=layout.device)  # [L, B, H_kv, S, D]
         self.values = torch.zeros_like(self.keys)
@@ -36,7 +38,9 @@ class FullCache(CachePolicy):
         self._mask = None if num_new == 1 else causal_mask(positions, self.length, self.layout.dtype)
         return positions
 
-    def update(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> AttentionView:
+    def update(
+        self, layer: int, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor
+    ) -> AttentionView:
         self.keys[layer, :, :, self._start : self.length] = keys
         self.values[layer, :, :, self._start : self.length] = values
         return AttentionView(

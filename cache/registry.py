@@ -35,6 +35,8 @@ def register_policy(config: type[BaseModel]) -> Callable[[PolicyT], PolicyT]:
     return decorate
 
 
-def build_policy(config: BaseModel, layout: CacheLayout) -> CachePolicy:
-    """Instantiate the policy a validated cache config selects."""
-    return POLICIES[config.kind].policy(layout, config)
+def build_policy(
+    config: BaseModel, layout: CacheLayout, source: CachePolicy | None = None
+) -> CachePolicy:
+    """Instantiate the policy a validated cache config selects (``source``: see ``CachePolicy``)."""
+    return POLICIES[config.kind].policy(layout, config, source)

@@ -69,7 +69,7 @@ class Attention(nn.Module):
         qkv = rearrange(self.qkv_proj(x), "b t (h d) -> b h t d", d=spec.head_dim)  # [B, H+2Hkv, T, D]
         query, keys, values = qkv.split([spec.num_heads, spec.num_kv_heads, spec.num_kv_heads], dim=1)
         query, keys = apply_rotary(query, cos, sin), apply_rotary(keys, cos, sin)
-        view = cache.update(self.layer, keys, values)
+        view = cache.update(self.layer, keys, values, query)
         out = attend(query, view, self.scale)  # [B, H, T, D]
         return self.o_proj(rearrange(out, "b h t d -> b t (h d)"))
 
@@ -121,7 +121,7 @@ class CausalLM(nn.Module):
     def cache_layout(self, capacity: int) -> CacheLayout:
         spec = self.spec
         return CacheLayout(
-            spec.num_layers, spec.num_kv_heads, spec.head_dim, capacity, self.dtype, self.device
+            spec.num_layers, spec.num_kv_heads, spec.head_dim, capacity, self.dtype, self.device, self.rotary
         )
 
     @torch.inference_mode()

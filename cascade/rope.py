@@ -30,6 +30,17 @@ class Rotary:
         return (angles.cos() * self.scale).to(dtype), (angles.sin() * self.scale).to(dtype)
 
 
+    def shift(self, x: torch.Tensor, offset: int) -> torch.Tensor:
+        """Move rotated keys x [..., S, D] by ``offset`` positions (no YaRN scale: already applied).
+
+        Rotations compose, so a key rotated for position p becomes the key for p + offset;
+        computed in float32 and cast back to x's dtype.
+        """
+        angles = offset * self.inv_freq  # [D/2]
+        angles = torch.cat((angles, angles))  # [D]
+        return apply_rotary(x.float(), angles.cos(), angles.sin()).to(x.dtype)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [B, H, T, D] by cos/sin [T, D] (half-split convention of the Llama family)."""
     first, second = x.chunk(2, dim=-1)

@@ -66,13 +66,13 @@ def test_full_cache_masks_are_bottom_right_causal():
     cache = policy("full")
     cache.allocate(3)
     positions = cache.allocate(2)
-    view = cache.update(0, torch.zeros(1, 2, 2, 8), torch.zeros(1, 2, 2, 8))
+    view = cache.update(0, torch.zeros(1, 2, 2, 8), torch.zeros(1, 2, 2, 8), torch.zeros(1, 4, 2, 8))
     assert positions.tolist() == [3, 4]
     assert view.keys.shape == (1, 2, 5, 8)
     assert (view.mask == 0).tolist() == [[True] * 4 + [False], [True] * 5]
     assert view.causal and view.mask[0, 4] == float("-inf")
     cache.allocate(1)
-    assert cache.update(0, torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1, 8)).mask is None
+    assert cache.update(0, torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1, 8), torch.zeros(1, 4, 1, 8)).mask is None
 
 
 def test_full_cache_reports_bytes():

@@ -75,3 +75,15 @@ def test_smollm2_logits_match_transformers(smollm2_dir):
     token_ids = torch.randint(0, model.spec.vocab_size, (600,), generator=torch.Generator().manual_seed(3))
     expected = reference_logits(smollm2_dir, token_ids)
     torch.testing.assert_close(our_logits(model, token_ids, chunk=256), expected, atol=2e-3, rtol=0)
+
+
+@pytest.mark.parametrize("scale", [1.0, 1.2])
+def test_rotary_shift_moves_keys_to_new_positions(scale):
+    from cascade.rope import Rotary, apply_rotary
+
+    rotary = Rotary(1.0 / (10000 ** (torch.arange(0, 16, 2) / 16)), scale, CPU)
+    keys = torch.randn(1, 2, 5, 16, dtype=torch.float64).float()
+    positions = torch.arange(100, 105)
+    at_old = apply_rotary(keys, *rotary.cos_sin(positions, torch.float32))
+    at_new = apply_rotary(keys, *rotary.cos_sin(positions - 37, torch.float32))
+    torch.testing.assert_close(rotary.shift(at_old, -37), at_new, atol=1e-5, rtol=1e-5)
