@@ -8,7 +8,7 @@ import importlib
 import pkgutil
 
 from cache.base import AttentionView, CacheFullError, CacheLayout, CachePolicy
-from cache.registry import POLICIES, build_policy, register_policy
+from cache.registry import POLICIES, build_policy, describe_policies, register_policy
 
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
@@ -20,5 +20,6 @@ __all__ = [
     "CachePolicy",
     "POLICIES",
     "build_policy",
+    "describe_policies",
     "register_policy",
 ]

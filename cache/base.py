@@ -34,6 +34,9 @@ class CacheLayout:
     device: torch.device
     rotary: Rotary | None = None
     """The model's rotary embedding, for policies that move keys to new positions."""
+    max_pending: int | None = None
+    """Most tokens written between two commits (a prefill chunk or one speculation round);
+    None means up to ``capacity``. Policies that evict on commit keep this much spare room."""
 
     @property
     def bytes_per_token(self) -> int:
@@ -103,6 +106,13 @@ class CachePolicy(ABC):
         if not self.committed <= length <= self.length:
             raise ValueError(f"rollback({length}) outside [{self.committed}, {self.length}]")
         self.length = length
+
+    def _check_room(self, used_slots: int, num_new: int, slots: int) -> None:
+        if used_slots + num_new > slots:
+            raise CacheFullError(
+                f"{type(self).__name__} has {slots - used_slots} free slots; cannot add {num_new} more "
+                "(more tokens were written between commits than its layout's max_pending allows)"
+            )
 
     def _reserve(self, num_new: int) -> int:
         """Advance ``length`` by ``num_new`` within capacity; returns the first new slot."""

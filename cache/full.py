@@ -5,16 +5,14 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict
 
 from cache.base import AttentionView, CacheLayout, CachePolicy
+from cache.config import CachePolicyConfig
 from cache.registry import register_policy
 
 
-class FullCacheConfig(BaseModel):
+class FullCacheConfig(CachePolicyConfig):
     """Keep the whole context: exact attention, cost grows with the context."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     kind: Literal["full"] = "full"
     """Policy selector."""

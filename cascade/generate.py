@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from transformers import TextStreamer
 
+from cache import describe_policies
 from cascade.errors import CascadeError
 from cascade.runtime import Runtime, build_runtime
 from configs import PipelineConfig, load_config, preset_names
@@ -52,6 +53,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="write text, token ids, config and stats here")
     parser.add_argument("--verbose", action="store_true", help="print stats to stderr at the end")
     parser.add_argument("--quiet", action="store_true", help="do not stream text to stdout")
+    parser.add_argument("--list-cache-policies", action="store_true",
+                        help="print every cache policy kind with its settings and defaults, then exit")
     return parser.parse_args(argv)
 
 
@@ -132,6 +135,9 @@ def print_stats(stats: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.list_cache_policies:
+        print(describe_policies())
+        return 0
     try:
         output = run(args)
         if args.json:

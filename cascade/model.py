@@ -118,10 +118,11 @@ class CausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
-    def cache_layout(self, capacity: int) -> CacheLayout:
+    def cache_layout(self, capacity: int, max_pending: int | None = None) -> CacheLayout:
         spec = self.spec
         return CacheLayout(
-            spec.num_layers, spec.num_kv_heads, spec.head_dim, capacity, self.dtype, self.device, self.rotary
+            spec.num_layers, spec.num_kv_heads, spec.head_dim, capacity, self.dtype, self.device,
+            self.rotary, max_pending,
         )
 
     @torch.inference_mode()

@@ -55,6 +55,11 @@ class Runtime:
     def check_request(self, prompt_tokens: int, max_new_tokens: int) -> None:
         if prompt_tokens == 0:
             raise CascadeError("the prompt is empty: give some text with --prompt or --prompt-file")
+        for index, stage in enumerate(self.config.stages):
+            try:
+                stage.cache.check_prompt(prompt_tokens)
+            except ValueError as exc:
+                raise CascadeError(f"stages.{index}.cache: {exc}") from None
         limit = self.context_limit()
         if prompt_tokens + max_new_tokens > limit:
             raise CascadeError(
@@ -68,10 +73,11 @@ class Runtime:
         """Stages with caches sized for this request (checked against the context limit)."""
         self.check_request(prompt_tokens, max_new_tokens)
         capacity = prompt_tokens + max_new_tokens
+        max_pending = max([self.config.prefill_chunk] + [stage.gamma + 1 for stage in self.config.stages])
         stages = []
         for index, stage in enumerate(self.config.stages):
             model = (self.target if stage.model == "target" else self.draft).model
-            cache = build_policy(stage.cache, model.cache_layout(capacity))
+            cache = build_policy(stage.cache, model.cache_layout(capacity, max_pending))
             stages.append(Stage(f"{index}:{stage.model}/{stage.cache.kind}", model, cache))
         return Pipeline(stages, self.config.sampling, self.config.prefill_chunk)
 

@@ -31,13 +31,14 @@ class Stage:
     def prefill(self, prompt_ids: torch.Tensor, chunk: int) -> torch.Tensor:
         """Write prompt_ids [T] into the cache ``chunk`` tokens per pass -> last position's logits [V].
 
-        Chunking bounds the attention working set at [chunk, T] instead of [T, T].
+        Chunking bounds the attention working set at [chunk, T] instead of [T, T]; each chunk is
+        committed, so policies that evict on commit never hold more than one chunk uncommitted.
         """
         started = time.perf_counter()
         for start in range(0, prompt_ids.numel(), chunk):
             logits = self.model(prompt_ids[None, start : start + chunk], self.cache, num_logits=1)
+            self.cache.commit(self.cache.length)
             self.stats.forward_calls += 1
-        self.cache.commit(self.cache.length)
         self.stats.time_s += time.perf_counter() - started
         self.stats.tokens_processed += prompt_ids.numel()
         return logits[0, -1]  # [V]

@@ -6,15 +6,43 @@ import pytest
 import torch
 
 from cache import POLICIES, CacheFullError, CacheLayout, build_policy
+from cache.full import FullCache
 from cascade.checkpoint import load_model
 from tests.conftest import make_checkpoint
 
 LAYOUT = CacheLayout(num_layers=2, num_kv_heads=2, head_dim=8, capacity=64, dtype=torch.float32,
                      device=torch.device("cpu"))
 
+SMALL_CONFIGS = {  # every registered policy, sized so it really drops tokens on a 30-40 token test
+    "full": {},
+    "streaming": {"sinks": 2, "window": 16},
+    "retrieval": {"budget": 16, "chunk_size": 4},
+}
+NEEDS_SOURCE = {"retrieval"}
 
-def policy(kind: str, layout: CacheLayout = LAYOUT):
-    return build_policy(POLICIES[kind].config(), layout)
+
+def test_every_policy_has_a_test_config():
+    assert set(POLICIES) == set(SMALL_CONFIGS)
+
+
+def after_prompt(kind: str, model, prompt: torch.Tensor, capacity: int = 64):
+    """A ``kind`` policy that has seen ``prompt`` [1, T] (via a full source where it reads one)
+    and decoded one committed token after it (retrieval selects its chunks there)."""
+    layout = model.cache_layout(capacity, max_pending=8)
+    config = POLICIES[kind].config(**SMALL_CONFIGS[kind])
+    if kind in NEEDS_SOURCE:
+        source = FullCache(layout)
+        model(prompt, source)
+        source.commit(source.length)
+        policy = build_policy(config, layout, source)
+        chunks = [prompt[:, -1:]]
+    else:
+        policy = build_policy(config, layout)
+        chunks = [*prompt.split(8, dim=1), prompt[:, -1:]]
+    for chunk in chunks:
+        model(chunk, policy)
+        policy.commit(policy.length)
+    return policy
 
 
 @pytest.fixture(scope="module")
@@ -23,47 +51,46 @@ def tiny_model(tmp_path_factory):
                       torch.float32, torch.device("cpu"))
 
 
+def random_tokens(model, count: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, model.spec.vocab_size, (1, count), generator=torch.Generator().manual_seed(seed))
+
+
 @pytest.mark.parametrize("kind", sorted(POLICIES))
 def test_rollback_then_rewrite_equals_never_written(kind, tiny_model):
-    tokens = torch.randint(0, tiny_model.spec.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
-    rejected = torch.randint(0, tiny_model.spec.vocab_size, (1, 5), generator=torch.Generator().manual_seed(1))
-    layout = tiny_model.cache_layout(64)
+    prompt, tokens, rejected = (random_tokens(tiny_model, n, seed) for seed, n in enumerate((30, 6, 5)))
+    clean = after_prompt(kind, tiny_model, prompt)
+    expected = [tiny_model(token[None], clean) for token in tokens[0, :, None]]
 
-    clean = build_policy(POLICIES[kind].config(), layout)
-    tiny_model(tokens[:, :30], clean)
-    expected = tiny_model(tokens[:, 30:], clean)
-
-    rolled = build_policy(POLICIES[kind].config(), layout)
-    tiny_model(tokens[:, :30], rolled)
-    rolled.commit(30)
+    rolled = after_prompt(kind, tiny_model, prompt)
     tiny_model(rejected, rolled)  # speculative tokens that get rejected
-    rolled.rollback(30)
-    torch.testing.assert_close(tiny_model(tokens[:, 30:], rolled), expected, atol=0, rtol=0)
+    rolled.rollback(rolled.committed)
+    got = [tiny_model(token[None], rolled) for token in tokens[0, :, None]]
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("kind", sorted(POLICIES))
-def test_capacity_is_enforced(kind):
-    cache = policy(kind)
-    cache.allocate(60)
-    with pytest.raises(CacheFullError, match="cannot add 5 more"):
-        cache.allocate(5)
+def test_commit_and_rollback_bounds(kind, tiny_model):
+    cache = after_prompt(kind, tiny_model, random_tokens(tiny_model, 30, 0))
+    committed = cache.committed
+    tiny_model(random_tokens(tiny_model, 4, 1), cache)
+    cache.commit(committed + 2)
+    with pytest.raises(ValueError, match="outside"):
+        cache.rollback(committed + 1)
+    with pytest.raises(ValueError, match="outside"):
+        cache.commit(committed + 5)
+    cache.rollback(committed + 2)
+    assert cache.length == committed + 2
 
 
 @pytest.mark.parametrize("kind", sorted(POLICIES))
-def test_rollback_never_goes_below_committed(kind):
-    cache = policy(kind)
-    cache.allocate(10)
-    cache.commit(8)
-    with pytest.raises(ValueError, match="outside"):
-        cache.rollback(7)
-    with pytest.raises(ValueError, match="outside"):
-        cache.commit(11)
-    cache.rollback(8)
-    assert cache.length == 8
+def test_capacity_is_enforced(kind, tiny_model):
+    cache = after_prompt(kind, tiny_model, random_tokens(tiny_model, 30, 0), capacity=37)
+    with pytest.raises(CacheFullError, match="cannot add 7 more"):
+        tiny_model(random_tokens(tiny_model, 7, 1), cache)
 
 
 def test_full_cache_masks_are_bottom_right_causal():
-    cache = policy("full")
+    cache = FullCache(LAYOUT)
     cache.allocate(3)
     positions = cache.allocate(2)
     view = cache.update(0, torch.zeros(1, 2, 2, 8), torch.zeros(1, 2, 2, 8), torch.zeros(1, 4, 2, 8))
@@ -76,7 +103,7 @@ def test_full_cache_masks_are_bottom_right_causal():
 
 
 def test_full_cache_reports_bytes():
-    cache = policy("full")
+    cache = FullCache(LAYOUT)
     assert cache.memory_bytes() == 2 * 2 * 2 * 64 * 8 * 4  # K and V, layers, heads, capacity, dim, fp32
     cache.allocate(10)
     assert cache.read_bytes() == 10 * LAYOUT.bytes_per_token == 10 * 2 * 2 * 2 * 8 * 4

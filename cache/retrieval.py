@@ -1,0 +1,156 @@
+"""``retrieval`` (TriForce): the prompt's KV in chunks, the chunks the current query needs, kept
+within a token budget, plus every token generated after the prompt.
+
+The prompt is split into chunks of ``chunk_size`` tokens, each represented by its mean key. Per
+layer and per KV head the chunks are scored against the query and the best ``budget / chunk_size``
+are gathered into this policy's own small buffer: the first chunk always (attention sinks), the
+prompt's last partial chunk always (it is the most recent context), the rest by score. The keys
+are read from the ``source`` full cache of the same model, so the prompt is never held twice.
+
+Grouped-query attention: the score of a chunk for a KV head is the sum over the query heads
+sharing it (and over the pass's queries) of query . mean key, i.e. the group's summed query
+against the chunk's mean key; all heads of a group then read the same chunks.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from cache.base import AttentionView, CacheLayout, CachePolicy
+from cache.config import CachePolicyConfig
+from cache.full import FullCache, causal_mask
+from cache.registry import register_policy
+
+
+class EveryRefresh(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    every: int = Field(ge=1)
+    """Re-select the chunks after this many committed tokens."""
+
+
+class OnDropRefresh(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    on_drop: float = Field(gt=0.0, lt=1.0)
+    """Re-select when the stage's running acceptance rate falls below this."""
+
+
+class RetrievalCacheConfig(CachePolicyConfig):
+    """Chunk retrieval within a token budget: the target reads B tokens of KV, not the context."""
+
+    kind: Literal["retrieval"] = "retrieval"
+    """Policy selector."""
+    budget: int = Field(4096, ge=2)
+    """Prompt tokens kept (sink chunk, selected chunks and the prompt's partial last chunk)."""
+    chunk_size: int = Field(8, ge=1)
+    """Tokens per chunk; each chunk is scored by its mean key."""
+    refresh: Literal["never"] | EveryRefresh | OnDropRefresh = "never"
+    """When chunks are re-selected: never (TriForce), every N tokens, or on an acceptance drop."""
+
+    @model_validator(mode="after")
+    def _budget_in_whole_chunks(self) -> RetrievalCacheConfig:
+        if self.budget % self.chunk_size:
+            raise ValueError(f"budget ({self.budget}) must be a multiple of chunk_size ({self.chunk_size})")
+        if self.budget // self.chunk_size < 2:
+            raise ValueError("budget must hold at least 2 chunks (the sink chunk and one more)")
+        return self
+
+    def check_prompt(self, prompt_tokens: int) -> None:
+        if self.budget >= prompt_tokens:
+            raise ValueError(
+                f"retrieval budget ({self.budget}) is not smaller than the prompt ({prompt_tokens} "
+                "tokens): it would keep everything and degenerate to the full cache; use kind: full "
+                "or a smaller budget"
+            )
+
+
+@register_policy(RetrievalCacheConfig)
+class RetrievalCache(CachePolicy):
+    def __init__(
+        self, layout: CacheLayout, config: RetrievalCacheConfig, source: CachePolicy | None = None
+    ) -> None:
+        if not isinstance(source, FullCache):
+            raise ValueError("the retrieval cache reads the prompt from a full cache of the same model")
+        super().__init__(layout, source)
+        self.config = config
+        generated = layout.capacity - source.committed
+        shape = (layout.num_layers, 1, layout.num_kv_heads, config.budget + generated, layout.head_dim)
+        self.keys = torch.zeros(shape, dtype=layout.dtype, device=layout.device)  # [L, B, H_kv, slots, D]
+        self.values = torch.zeros_like(self.keys)
+        self.prompt_length = self.length = self.committed = source.committed
+        self.kept = 0
+        """Prompt tokens held (the same for every layer and head)."""
+        self.selections = 0
+        """How many times chunks were (re-)selected."""
+        self._select_pending = True
+        self._committed_at_selection = self.committed
+        self._start = 0
+        self._mask: torch.Tensor | None = None
+
+    def request_refresh(self) -> None:
+        """Re-select the chunks on the next forward pass (the pipeline's ``on_drop`` hook)."""
+        self._select_pending = True
+
+    def commit(self, length: int) -> None:
+        super().commit(length)
+        refresh = self.config.refresh
+        if isinstance(refresh, EveryRefresh) and length - self._committed_at_selection >= refresh.every:
+            self._select_pending = True
+
+    def allocate(self, num_new: int) -> torch.Tensor:
+        start = self._reserve(num_new)
+        positions = torch.arange(start, self.length, device=self.layout.device)  # [T] absolute
+        if self._select_pending:
+            self.kept = self._kept_tokens()
+        self._start = self.kept + start - self.prompt_length
+        end = self._start + num_new
+        slots = torch.arange(self._start, end, device=self.layout.device)
+        self._mask = None if num_new == 1 else causal_mask(slots, end, self.layout.dtype)
+        return positions
+
+    def update(self, layer: int, keys, values, query) -> AttentionView:
+        if self._select_pending:
+            self._select(layer, query)
+        end = self._start + keys.shape[2]
+        self.keys[layer, :, :, self._start : end] = keys
+        self.values[layer, :, :, self._start : end] = values
+        return AttentionView(
+            self.keys[layer, :, :, :end], self.values[layer, :, :, :end], self._mask, self._mask is not None
+        )
+
+    def _kept_tokens(self) -> int:
+        """Sink chunk + selected chunks + the partial last chunk, within the budget."""
+        size = self.config.chunk_size
+        whole_chunks, tail = divmod(self.prompt_length, size)
+        chosen = min(self.config.budget // size - (1 if tail else 0), whole_chunks)
+        return chosen * size + tail
+
+    def _select(self, layer: int, query: torch.Tensor) -> None:
+        """Gather this layer's best chunks (per KV head) from the source into the buffer."""
+        size, prompt = self.config.chunk_size, self.prompt_length
+        whole_chunks, tail = divmod(prompt, size)
+        chosen = (self.kept - tail) // size
+        source_keys = self.source.keys[layer, 0, :, : whole_chunks * size]  # [H_kv, C*size, D]
+        chunk_means = source_keys.unflatten(1, (whole_chunks, size)).float().mean(2)  # [H_kv, C, D]
+        group_query = query[0].float().unflatten(0, (source_keys.shape[0], -1)).sum((1, 2))  # [H_kv, D]
+        scores = torch.einsum("hcd,hd->hc", chunk_means, group_query)  # [H_kv, C]
+        scores[:, 0] = float("inf")  # the sink chunk is always kept
+        best = scores.topk(chosen, dim=1).indices.sort(dim=1).values  # [H_kv, chosen]
+        chunk_tokens = (best[:, :, None] * size + torch.arange(size, device=best.device)).flatten(1)
+        tail_tokens = torch.arange(prompt - tail, prompt, device=best.device).expand(len(best), -1)
+        tokens = torch.cat([chunk_tokens, tail_tokens], dim=1)  # [H_kv, kept]
+        index = tokens[:, :, None].expand(-1, -1, self.layout.head_dim)  # [H_kv, kept, D]
+        for own, source in ((self.keys, self.source.keys), (self.values, self.source.values)):
+            own[layer, 0, :, : self.kept] = source[layer, 0, :, :prompt].gather(1, index)
+        if layer == self.layout.num_layers - 1:
+            self._select_pending = False
+            self._committed_at_selection = self.committed
+            self.selections += 1
+
+    def memory_bytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+    def read_bytes(self) -> int:
+        return (self.kept + self.length - self.prompt_length) * self.layout.bytes_per_token

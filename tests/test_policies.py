@@ -1,0 +1,176 @@
+"""Properties of the individual cache policies: degenerate cases equal full, selection, eviction."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cache import CacheLayout
+from cache.full import FullCache
+from cache.retrieval import RetrievalCache, RetrievalCacheConfig
+from cache.streaming import StreamingCache, StreamingCacheConfig
+from cascade.checkpoint import load_model
+from cascade.rope import Rotary, apply_rotary
+from tests.conftest import make_checkpoint
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return load_model(make_checkpoint(tmp_path_factory.mktemp("p") / "m", "llama-gqa-tied"), torch.float32, CPU)
+
+
+def tokens(model, count: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, model.spec.vocab_size, (1, count), generator=torch.Generator().manual_seed(seed))
+
+
+def decode_logits(model, cache, token_ids: torch.Tensor) -> list[torch.Tensor]:
+    logits = []
+    for token in token_ids[0]:
+        logits.append(model(token.reshape(1, 1), cache))
+        cache.commit(cache.length)
+    return logits
+
+
+def test_streaming_with_a_window_covering_everything_equals_full(tiny_model):
+    prompt, generated = tokens(tiny_model, 40, 0), tokens(tiny_model, 10, 1)
+    layout = tiny_model.cache_layout(64)
+    full, streaming = FullCache(layout), StreamingCache(layout, StreamingCacheConfig(sinks=4, window=60))
+    for cache in (full, streaming):
+        tiny_model(prompt, cache)
+        cache.commit(40)
+    torch.testing.assert_close(decode_logits(tiny_model, streaming, generated),
+                               decode_logits(tiny_model, full, generated), atol=1e-5, rtol=0)
+    assert streaming.evicted == 0
+
+
+def test_streaming_keeps_sinks_and_window_with_contiguous_rotated_positions():
+    """After eviction every kept key equals the raw key rotated at its new in-cache slot."""
+    rotary = Rotary(1.0 / (10000 ** (torch.arange(0, 8, 2) / 8)), 1.0, CPU)
+    layout = CacheLayout(1, 2, 8, capacity=100, dtype=torch.float32, device=CPU, rotary=rotary, max_pending=4)
+    cache = StreamingCache(layout, StreamingCacheConfig(sinks=2, window=6))
+    raw = torch.randn(1, 2, 30, 8, generator=torch.Generator().manual_seed(0))  # unrotated keys
+    for start in range(0, 30, 3):
+        positions = cache.allocate(3)
+        rotated = apply_rotary(raw[:, :, start : start + 3], *rotary.cos_sin(positions, torch.float32))
+        view = cache.update(0, rotated, raw[:, :, start : start + 3], None)
+        cache.commit(cache.length)
+    assert cache.evicted == 30 - 8 and cache.used_slots == 8
+    kept = torch.cat([raw[:, :, :2], raw[:, :, -6:]], dim=2)  # sinks + the last 6 tokens
+    expected = apply_rotary(kept, *rotary.cos_sin(torch.arange(8), torch.float32))
+    torch.testing.assert_close(cache.keys[0, :, :, :8], expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(cache.values[0, :, :, :8], kept)
+    assert positions.tolist() == [8, 9, 10]  # written after sinks + window, evicted at its commit
+    assert view.keys.shape[2] == 11
+
+
+def test_streaming_rejects_sinks_not_below_window():
+    with pytest.raises(ValueError, match=r"sinks \(8\) must be smaller than window \(8\)"):
+        StreamingCacheConfig(sinks=8, window=8)
+
+
+def test_retrieval_with_budget_covering_the_prompt_equals_full(tiny_model):
+    prompt, generated = tokens(tiny_model, 40, 0), tokens(tiny_model, 8, 1)
+    layout = tiny_model.cache_layout(64)
+    source = FullCache(layout)
+    tiny_model(prompt, source)
+    source.commit(40)
+    retrieval = RetrievalCache(layout, RetrievalCacheConfig(budget=48, chunk_size=8), source)
+    reference = FullCache(layout)
+    tiny_model(prompt, reference)
+    reference.commit(40)
+    torch.testing.assert_close(decode_logits(tiny_model, retrieval, generated),
+                               decode_logits(tiny_model, reference, generated), atol=1e-5, rtol=0)
+    assert retrieval.kept == 40
+
+
+def hand_made_source(prompt: int = 14) -> tuple[FullCache, CacheLayout]:
+    """2 KV heads, chunk size 2, key of token t = (t + 1) * e_(t % 4) scaled per head."""
+    layout = CacheLayout(1, 2, 4, capacity=32, dtype=torch.float32, device=CPU)
+    source = FullCache(layout)
+    source.allocate(prompt)
+    keys = torch.zeros(1, 2, prompt, 4)
+    for t in range(prompt):
+        keys[0, 0, t, t % 4] = t + 1
+        keys[0, 1, t, (t + 2) % 4] = t + 1
+    source.update(0, keys, -keys, None)
+    source.commit(prompt)
+    return source, layout
+
+
+def brute_force_chunks(source: FullCache, group_query: torch.Tensor, prompt: int, size: int, chosen: int):
+    """Per KV head: score every whole chunk by (summed group query) . (mean key), keep chunk 0 + best."""
+    picks = []
+    for head in range(source.keys.shape[2]):
+        scores = [float(source.keys[0, 0, head, c * size : (c + 1) * size].mean(0) @ group_query[head])
+                  for c in range(prompt // size)]
+        rest = sorted(range(1, len(scores)), key=lambda c: -scores[c])[: chosen - 1]
+        picks.append(sorted([0, *rest]))
+    return picks
+
+
+def test_retrieval_picks_the_brute_force_chunks_with_gqa():
+    source, layout = hand_made_source(prompt=14)  # 7 whole chunks of 2, no tail
+    retrieval = RetrievalCache(layout, RetrievalCacheConfig(budget=6, chunk_size=2), source)
+    query = torch.zeros(1, 4, 1, 4)  # 4 query heads, 2 per KV head
+    query[0, 0, 0] = torch.tensor([0.0, 1.0, 0.0, 0.0])
+    query[0, 1, 0] = torch.tensor([0.0, 0.0, 0.0, 2.0])  # head 0's group: sum = (0, 1, 0, 2)
+    query[0, 2, 0] = torch.tensor([0.0, 0.0, 1.0, 0.0])
+    query[0, 3, 0] = torch.tensor([0.0, 0.0, 1.0, 0.0])  # head 1's group: sum = (0, 0, 2, 0)
+    retrieval.allocate(1)
+    retrieval.update(0, torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4), query)
+    group_query = query[0, :, 0].reshape(2, 2, 4).sum(1)
+    expected = brute_force_chunks(source, group_query, 14, 2, chosen=3)
+    for head, chunks in enumerate(expected):
+        wanted = torch.cat([source.keys[0, 0, head, c * 2 : c * 2 + 2] for c in chunks])
+        torch.testing.assert_close(retrieval.keys[0, 0, head, :6], wanted)
+    assert expected == [[0, 3, 5], [0, 4, 6]]  # the two KV heads really read different chunks
+    assert all(chunks[0] == 0 for chunks in expected)  # the sink chunk, although it scores lowest
+
+
+def test_retrieval_keeps_the_partial_last_chunk():
+    source, layout = hand_made_source(prompt=13)  # 6 whole chunks + 1 tail token
+    retrieval = RetrievalCache(layout, RetrievalCacheConfig(budget=6, chunk_size=2), source)
+    retrieval.allocate(1)
+    retrieval.update(0, torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4), torch.ones(1, 4, 1, 4))
+    assert retrieval.kept == 5  # sink chunk + 1 chosen chunk + the tail token: within the budget of 6
+    torch.testing.assert_close(retrieval.keys[0, 0, :, 4], source.keys[0, 0, :, 12])
+
+
+def test_retrieval_refresh_every_n_reselects(tiny_model):
+    prompt = tokens(tiny_model, 64, 0)
+    layout = tiny_model.cache_layout(96)
+    source = FullCache(layout)
+    tiny_model(prompt, source)
+    source.commit(64)
+    never = RetrievalCache(layout, RetrievalCacheConfig(budget=16, chunk_size=4), source)
+    every = RetrievalCache(layout, RetrievalCacheConfig(budget=16, chunk_size=4, refresh={"every": 3}), source)
+    for cache in (never, every):
+        decode_logits(tiny_model, cache, tokens(tiny_model, 10, 1))
+    assert never.selections == 1
+    assert every.selections == 4  # at the first token, then after 3, 6 and 9 committed tokens
+    assert not torch.equal(never.keys[:, :, :, :16], every.keys[:, :, :, :16])
+
+
+def test_retrieval_budget_checks():
+    with pytest.raises(ValueError, match=r"budget \(30\) must be a multiple of chunk_size \(8\)"):
+        RetrievalCacheConfig(budget=30, chunk_size=8)
+    with pytest.raises(ValueError, match="degenerate to the full cache"):
+        RetrievalCacheConfig(budget=4096).check_prompt(4000)
+
+
+def test_retrieval_holds_no_second_copy_of_a_32k_prompt():
+    layout = CacheLayout(num_layers=2, num_kv_heads=3, head_dim=64, capacity=32_768 + 256,
+                         dtype=torch.bfloat16, device=CPU)
+    source = FullCache(layout)
+    source.allocate(32_768)
+    source.commit(32_768)
+    retrieval = RetrievalCache(layout, RetrievalCacheConfig(budget=4096, chunk_size=8), source)
+    assert retrieval.memory_bytes() == (4096 + 256) * layout.bytes_per_token
+    assert retrieval.memory_bytes() < 0.14 * source.memory_bytes()
+    retrieval.allocate(1)
+    view = retrieval.update(0, torch.zeros(1, 3, 1, 64, dtype=torch.bfloat16),
+                            torch.zeros(1, 3, 1, 64, dtype=torch.bfloat16), torch.ones(1, 9, 1, 64))
+    assert view.keys.shape == (1, 3, 4097, 64)
+    assert retrieval.read_bytes() == 4097 * layout.bytes_per_token
