@@ -17,6 +17,8 @@ SMALL_CONFIGS = {  # every registered policy, sized so it really drops tokens on
     "full": {},
     "streaming": {"sinks": 2, "window": 16},
     "retrieval": {"budget": 16, "chunk_size": 4},
+    "h2o": {"budget": 16, "recent": 4},
+    "topk_oracle": {"budget": 16},
 }
 NEEDS_SOURCE = {"retrieval"}
 

@@ -174,3 +174,72 @@ def test_retrieval_holds_no_second_copy_of_a_32k_prompt():
                             torch.zeros(1, 3, 1, 64, dtype=torch.bfloat16), torch.ones(1, 9, 1, 64))
     assert view.keys.shape == (1, 3, 4097, 64)
     assert retrieval.read_bytes() == 4097 * layout.bytes_per_token
+
+
+def test_topk_oracle_reads_the_brute_force_most_attended_tokens():
+    from cache.topk_oracle import top_attended
+
+    generator = torch.Generator().manual_seed(0)
+    keys = torch.randn(1, 2, 20, 4, generator=generator)
+    query = torch.randn(1, 4, 3, 4, generator=generator)  # 2 query heads per KV head, 3 queries
+    expected = []
+    for head in range(2):
+        attention = torch.zeros(20)
+        for query_head in (2 * head, 2 * head + 1):
+            for t in range(3):
+                attention += (keys[0, head] @ query[0, query_head, t] / 2.0).softmax(0)
+        expected.append(sorted(attention.argsort(descending=True)[:5].tolist()))
+    assert [sorted(row) for row in top_attended(query, keys, 5).tolist()] == expected
+
+
+def test_topk_oracle_and_h2o_with_room_for_everything_equal_full(tiny_model):
+    from cache.h2o import H2OCache, H2OCacheConfig
+    from cache.topk_oracle import TopKOracleCache, TopKOracleCacheConfig
+
+    prompt, generated = tokens(tiny_model, 40, 0), tokens(tiny_model, 8, 1)
+    layout = tiny_model.cache_layout(64)
+    caches = [FullCache(layout), TopKOracleCache(layout, TopKOracleCacheConfig(budget=60)),
+              H2OCache(layout, H2OCacheConfig(budget=60, recent=8))]
+    results = []
+    for cache in caches:
+        tiny_model(prompt, cache)
+        cache.commit(40)
+        results.append(decode_logits(tiny_model, cache, generated))
+    torch.testing.assert_close(results[1], results[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(results[2], results[0], atol=1e-5, rtol=0)
+
+
+def test_h2o_keeps_the_heavy_hitter_and_the_recent_window():
+    from cache.h2o import H2OCache, H2OCacheConfig
+
+    layout = CacheLayout(1, 1, 4, capacity=40, dtype=torch.float32, device=CPU, max_pending=4)
+    cache = H2OCache(layout, H2OCacheConfig(budget=6, recent=3))
+    heavy = torch.tensor([0.0, 0.0, 0.0, 10.0])
+    for t in range(12):
+        cache.allocate(1)
+        key = torch.full((1, 1, 1, 4), 0.1 * t)
+        if t == 2:
+            key[0, 0, 0] = heavy  # every query below attends almost only to token 2
+        cache.update(0, key, key + 100, heavy.expand(1, 1, 1, 4))
+        cache.commit(cache.length)
+    assert cache.used_slots == 6 and cache.evicted == 6
+    kept_values = cache.values[0, 0, 0, :6, 3] - 100
+    # old slots: token 2 (the heavy hitter) and tokens 0-1, which got attention before it existed;
+    # tokens 3-8, which no query attends to, were evicted
+    torch.testing.assert_close(kept_values[:3], torch.tensor([0.0, 0.1, 10.0]))
+    torch.testing.assert_close(kept_values[-3:], torch.tensor([0.9, 1.0, 1.1]))  # the recent window
+
+
+def test_h2o_ignores_the_attention_of_rolled_back_tokens():
+    from cache.h2o import H2OCache, H2OCacheConfig
+
+    layout = CacheLayout(1, 1, 4, capacity=40, dtype=torch.float32, device=CPU, max_pending=4)
+    cache = H2OCache(layout, H2OCacheConfig(budget=6, recent=3))
+    cache.allocate(4)
+    cache.update(0, torch.randn(1, 1, 4, 4), torch.randn(1, 1, 4, 4), torch.randn(1, 1, 4, 4))
+    cache.commit(2)
+    scores_after_two = cache.scores.clone()
+    cache.rollback(2)
+    cache.commit(2)
+    torch.testing.assert_close(cache.scores, scores_after_two)
+    assert cache.scores[0, 0, :2].sum().item() == pytest.approx(2.0)  # two queries, probabilities sum to 1

@@ -1,0 +1,136 @@
+"""``h2o`` (Heavy-Hitter Oracle): the ``recent`` newest tokens plus the older tokens that have
+received the most attention so far, ``budget`` tokens in all, chosen per KV head.
+
+A token's score is the attention probability it received, accumulated over every committed
+query (summed over the query heads sharing its KV head). Scores are folded in on ``commit`` from
+the queries kept since the last commit, so rejected speculative tokens never count; eviction
+happens on ``commit`` too. Keys keep their original rotary positions.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field, model_validator
+
+from cache.base import AttentionView, CacheLayout, CachePolicy
+from cache.config import CachePolicyConfig
+from cache.full import causal_mask
+from cache.registry import register_policy
+
+SCORE_BLOCK = 512
+"""Queries scored per block when folding attention into the scores (bounds the [H, T, S] temporaries)."""
+
+
+class H2OCacheConfig(CachePolicyConfig):
+    """Heavy hitters by accumulated attention + a recent window (H2O)."""
+
+    kind: Literal["h2o"] = "h2o"
+    """Policy selector."""
+    budget: int = Field(4096, ge=2)
+    """Tokens each KV head keeps: heavy hitters plus the recent window."""
+    recent: int = Field(256, ge=1)
+    """Newest tokens always kept (part of the budget)."""
+
+    @model_validator(mode="after")
+    def _recent_within_budget(self) -> H2OCacheConfig:
+        if self.recent >= self.budget:
+            raise ValueError(f"recent ({self.recent}) must be smaller than budget ({self.budget})")
+        return self
+
+    def check_prompt(self, prompt_tokens: int) -> None:
+        if self.budget >= prompt_tokens:
+            raise ValueError(f"h2o budget ({self.budget}) is not smaller than the prompt "
+                             f"({prompt_tokens} tokens): it would keep everything, like kind: full")
+
+
+@register_policy(H2OCacheConfig)
+class H2OCache(CachePolicy):
+    def __init__(self, layout: CacheLayout, config: H2OCacheConfig, source: CachePolicy | None = None) -> None:
+        super().__init__(layout)
+        self.budget, self.recent = config.budget, config.recent
+        self.slots = min(layout.capacity, config.budget + (layout.max_pending or layout.capacity))
+        shape = (layout.num_layers, 1, layout.num_kv_heads, self.slots, layout.head_dim)
+        self.keys = torch.zeros(shape, dtype=layout.dtype, device=layout.device)  # [L, B, H_kv, slots, D]
+        self.values = torch.zeros_like(self.keys)
+        self.scores = torch.zeros(shape[0], shape[2], self.slots, device=layout.device)  # [L, H_kv, slots]
+        self.evicted = 0
+        """Tokens dropped so far (the same count for every head): uncommitted token i is in slot i - evicted."""
+        self.pending: list[tuple[int, torch.Tensor]] = []
+        """(first sequence index, queries [L] of [B, H, T, D]) of each pass since the last commit."""
+        self._start = 0
+        self._mask: torch.Tensor | None = None
+
+    @property
+    def used_slots(self) -> int:
+        return self.length - self.evicted
+
+    def allocate(self, num_new: int) -> torch.Tensor:
+        self._check_room(self.used_slots, num_new, self.slots)
+        first = self._reserve(num_new)
+        self._start = self.used_slots - num_new
+        self.pending.append((first, [None] * self.layout.num_layers))
+        slots = torch.arange(self._start, self.used_slots, device=self.layout.device)
+        self._mask = None if num_new == 1 else causal_mask(slots, self.used_slots, self.layout.dtype)
+        return torch.arange(first, self.length, device=self.layout.device)  # [T] absolute positions
+
+    def update(self, layer: int, keys, values, query) -> AttentionView:
+        end = self.used_slots
+        self.keys[layer, :, :, self._start : end] = keys
+        self.values[layer, :, :, self._start : end] = values
+        self.pending[-1][1][layer] = query
+        return AttentionView(
+            self.keys[layer, :, :, :end], self.values[layer, :, :, :end], self._mask, self._mask is not None
+        )
+
+    def rollback(self, length: int) -> None:
+        super().rollback(length)
+        self.pending = [(first, queries) for first, queries in self.pending if first < length]
+
+    def commit(self, length: int) -> None:
+        super().commit(length)
+        still_pending = []
+        for first, queries in self.pending:
+            accepted = max(0, min(length - first, queries[0].shape[2]))
+            for layer, query in enumerate(queries):
+                self._accumulate(layer, query[:, :, :accepted], first - self.evicted)  # [B, H, T', D]
+            if accepted < queries[0].shape[2]:
+                still_pending.append((first + accepted, [query[:, :, accepted:] for query in queries]))
+        self.pending = still_pending
+        excess = (self.committed - self.evicted) - self.budget
+        if excess > 0:
+            self._evict(excess)
+
+    def _accumulate(self, layer: int, query: torch.Tensor, first_slot: int) -> None:
+        """Add the attention that queries in slots first_slot.. pay to each earlier slot."""
+        for start in range(0, query.shape[2], SCORE_BLOCK):
+            block = query[0, :, start : start + SCORE_BLOCK].float()  # [H, T, D]
+            end = first_slot + start + block.shape[1]
+            keys = self.keys[layer, 0, :, :end].float()  # [H_kv, S, D]
+            grouped = block.unflatten(0, (keys.shape[0], -1))  # [H_kv, G, T, D]
+            logits = torch.einsum("hgtd,hsd->hgts", grouped, keys) * keys.shape[-1] ** -0.5
+            query_slots = torch.arange(end - block.shape[1], end, device=keys.device)
+            logits += causal_mask(query_slots, end, logits.dtype)
+            self.scores[layer, :, :end] += logits.softmax(-1).sum((1, 2))
+
+    def _evict(self, count: int) -> None:
+        """Per head, drop the ``count`` lowest-scored tokens older than the recent window."""
+        used = self.used_slots
+        old = self.committed - self.evicted - self.recent  # slots eligible for eviction: [0, old)
+        keep_old = self.scores[:, :, :old].topk(old - count, dim=-1).indices.sort(-1).values  # [L, H_kv, K]
+        newer = torch.arange(old, used, device=keep_old.device).expand(*keep_old.shape[:2], -1)
+        kept = torch.cat([keep_old, newer], dim=-1)  # [L, H_kv, used - count]
+        index = kept[:, None, :, :, None].expand(-1, 1, -1, -1, self.layout.head_dim)
+        kept_slots = used - count
+        self.keys[:, :, :, :kept_slots] = self.keys[:, :, :, :used].gather(3, index)
+        self.values[:, :, :, :kept_slots] = self.values[:, :, :, :used].gather(3, index)
+        self.scores[:, :, :kept_slots] = self.scores[:, :, :used].gather(2, kept)
+        self.scores[:, :, kept_slots:] = 0
+        self.evicted += count
+
+    def memory_bytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes + self.scores.nbytes
+
+    def read_bytes(self) -> int:
+        return self.used_slots * self.layout.bytes_per_token

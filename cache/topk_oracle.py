@@ -1,0 +1,68 @@
+"""``topk_oracle``: every KV head reads only the ``budget`` earlier tokens its queries attend to most.
+
+An upper bound for selection policies at equal budget, not a fast policy: it holds every token
+and scores all of them at every step. The score of a token for a KV head is its attention
+probability summed over the query heads sharing that KV head and over the pass's queries.
+Tokens of the current pass are always read (causally).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from cache.base import AttentionView, CacheLayout, CachePolicy
+from cache.config import CachePolicyConfig
+from cache.full import FullCache, causal_mask
+from cache.registry import register_policy
+
+
+class TopKOracleCacheConfig(CachePolicyConfig):
+    """Exact token-level top-k by the current attention scores (an upper bound; slow)."""
+
+    kind: Literal["topk_oracle"] = "topk_oracle"
+    """Policy selector."""
+    budget: int = Field(4096, ge=1)
+    """Earlier tokens each KV head reads per step."""
+
+    def check_prompt(self, prompt_tokens: int) -> None:
+        if self.budget >= prompt_tokens:
+            raise ValueError(f"topk_oracle budget ({self.budget}) is not smaller than the prompt "
+                             f"({prompt_tokens} tokens): it would read everything, like kind: full")
+
+
+@register_policy(TopKOracleCacheConfig)
+class TopKOracleCache(FullCache):
+    def __init__(
+        self, layout: CacheLayout, config: TopKOracleCacheConfig, source: CachePolicy | None = None
+    ) -> None:
+        super().__init__(layout)
+        self.budget = config.budget
+
+    def update(self, layer: int, keys, values, query) -> AttentionView:
+        view = super().update(layer, keys, values, query)
+        earlier = self._start
+        if earlier <= self.budget:
+            return view
+        chosen = top_attended(query, view.keys[:, :, :earlier], self.budget)  # [H_kv, budget]
+        index = chosen[None, :, :, None].expand(*view.keys.shape[:2], -1, view.keys.shape[-1])
+        picked_keys = torch.cat([view.keys.gather(2, index), view.keys[:, :, earlier:]], dim=2)
+        picked_values = torch.cat([view.values.gather(2, index), view.values[:, :, earlier:]], dim=2)
+        num_new = keys.shape[2]
+        slots = torch.arange(self.budget, self.budget + num_new, device=keys.device)
+        mask = None if num_new == 1 else causal_mask(slots, self.budget + num_new, keys.dtype)
+        return AttentionView(picked_keys, picked_values, mask, mask is not None)
+
+    def read_bytes(self) -> int:
+        return min(self.length, self.budget + 1) * self.layout.bytes_per_token
+
+
+def top_attended(query: torch.Tensor, keys: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices [H_kv, count] of the keys [B, H_kv, S, D] with the most attention from query [B, H, T, D]."""
+    num_kv_heads = keys.shape[1]
+    grouped = query[0].float().unflatten(0, (num_kv_heads, -1))  # [H_kv, G, T, D]
+    logits = torch.einsum("hgtd,hsd->hgts", grouped, keys[0].float()) * keys.shape[-1] ** -0.5
+    attention = logits.softmax(-1).sum((1, 2))  # [H_kv, S]
+    return attention.topk(count, dim=-1).indices
