@@ -48,9 +48,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused kernel
 
 
 class Attention(nn.Module):
@@ -67,8 +65,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         spec = self.spec
         qkv = rearrange(self.qkv_proj(x), "b t (h d) -> b h t d", d=spec.head_dim)  # [B, H+2Hkv, T, D]
-        query, keys, values = qkv.split([spec.num_heads, spec.num_kv_heads, spec.num_kv_heads], dim=1)
-        query, keys = apply_rotary(query, cos, sin), apply_rotary(keys, cos, sin)
+        rotated = apply_rotary(qkv[:, : spec.num_heads + spec.num_kv_heads], cos, sin)  # queries and keys
+        query, keys = rotated.split([spec.num_heads, spec.num_kv_heads], dim=1)
+        values = qkv[:, spec.num_heads + spec.num_kv_heads :]
         view = cache.update(self.layer, keys, values, query)
         out = attend(query, view, self.scale)  # [B, H, T, D]
         return self.o_proj(rearrange(out, "b h t d -> b t (h d)"))
