@@ -16,8 +16,8 @@ from pydantic import Field, model_validator
 
 from cache.base import AttentionView, CacheLayout, CachePolicy
 from cache.config import CachePolicyConfig
-from cache.full import causal_mask
 from cache.registry import register_policy
+from cache.slots import SlotCache, causal_mask, pending_room
 
 SCORE_BLOCK = 512
 """Queries scored per block when folding attention into the scores (bounds the [H, T, S] temporaries)."""
@@ -46,47 +46,28 @@ class H2OCacheConfig(CachePolicyConfig):
 
 
 @register_policy(H2OCacheConfig)
-class H2OCache(CachePolicy):
+class H2OCache(SlotCache):
     def __init__(self, layout: CacheLayout, config: H2OCacheConfig, source: CachePolicy | None = None) -> None:
-        super().__init__(layout)
+        super().__init__(layout, min(layout.capacity, config.budget + pending_room(layout)))
         self.budget, self.recent = config.budget, config.recent
-        self.slots = min(layout.capacity, config.budget + (layout.max_pending or layout.capacity))
-        shape = (layout.num_layers, 1, layout.num_kv_heads, self.slots, layout.head_dim)
-        self.keys = torch.zeros(shape, dtype=layout.dtype, device=layout.device)  # [L, B, H_kv, slots, D]
-        self.values = torch.zeros_like(self.keys)
-        self.scores = torch.zeros(shape[0], shape[2], self.slots, device=layout.device)  # [L, H_kv, slots]
-        self.evicted = 0
-        """Tokens dropped so far (the same count for every head): uncommitted token i is in slot i - evicted."""
-        self.pending: list[tuple[int, torch.Tensor]] = []
-        """(first sequence index, queries [L] of [B, H, T, D]) of each pass since the last commit."""
-        self._start = 0
-        self._mask: torch.Tensor | None = None
-
-    @property
-    def used_slots(self) -> int:
-        return self.length - self.evicted
+        self.scores = torch.zeros(layout.num_layers, layout.num_kv_heads, self.slots, device=layout.device)
+        """[L, H_kv, slots] attention each held token has received from committed queries."""
+        self.pending: list[tuple[int, list[torch.Tensor | None]]] = []
+        """(first sequence index, per-layer queries [B, H, T, D]) of each pass since the last commit."""
 
     def allocate(self, num_new: int) -> torch.Tensor:
-        self._check_room(self.used_slots, num_new, self.slots)
-        first = self._reserve(num_new)
-        self._start = self.used_slots - num_new
-        self.pending.append((first, [None] * self.layout.num_layers))
-        slots = torch.arange(self._start, self.used_slots, device=self.layout.device)
-        self._mask = None if num_new == 1 else causal_mask(slots, self.used_slots, self.layout.dtype)
-        return torch.arange(first, self.length, device=self.layout.device)  # [T] absolute positions
+        positions = self._allocate_slots(num_new)  # [T] absolute: keys keep their rotation
+        self.pending.append((self.length - num_new, [None] * self.layout.num_layers))
+        return positions
 
     def update(self, layer: int, keys, values, query) -> AttentionView:
-        end = self.used_slots
-        self.keys[layer, :, :, self._start : end] = keys
-        self.values[layer, :, :, self._start : end] = values
         self.pending[-1][1][layer] = query
-        return AttentionView(
-            self.keys[layer, :, :, :end], self.values[layer, :, :, :end], self._mask, self._mask is not None
-        )
+        return super().update(layer, keys, values, query)
 
     def rollback(self, length: int) -> None:
         super().rollback(length)
-        self.pending = [(first, queries) for first, queries in self.pending if first < length]
+        self.pending = [(first, [query[:, :, : length - first] for query in queries])
+                        for first, queries in self.pending if first < length]
 
     def commit(self, length: int) -> None:
         super().commit(length)
@@ -94,11 +75,11 @@ class H2OCache(CachePolicy):
         for first, queries in self.pending:
             accepted = max(0, min(length - first, queries[0].shape[2]))
             for layer, query in enumerate(queries):
-                self._accumulate(layer, query[:, :, :accepted], first - self.evicted)  # [B, H, T', D]
+                self._accumulate(layer, query[:, :, :accepted], first - self.dropped)  # [B, H, T', D]
             if accepted < queries[0].shape[2]:
                 still_pending.append((first + accepted, [query[:, :, accepted:] for query in queries]))
         self.pending = still_pending
-        excess = (self.committed - self.evicted) - self.budget
+        excess = (self.committed - self.dropped) - self.budget
         if excess > 0:
             self._evict(excess)
 
@@ -117,7 +98,7 @@ class H2OCache(CachePolicy):
     def _evict(self, count: int) -> None:
         """Per head, drop the ``count`` lowest-scored tokens older than the recent window."""
         used = self.used_slots
-        old = self.committed - self.evicted - self.recent  # slots eligible for eviction: [0, old)
+        old = self.committed - self.dropped - self.recent  # slots eligible for eviction: [0, old)
         keep_old = self.scores[:, :, :old].topk(old - count, dim=-1).indices.sort(-1).values  # [L, H_kv, K]
         newer = torch.arange(old, used, device=keep_old.device).expand(*keep_old.shape[:2], -1)
         kept = torch.cat([keep_old, newer], dim=-1)  # [L, H_kv, used - count]
@@ -127,10 +108,7 @@ class H2OCache(CachePolicy):
         self.values[:, :, :, :kept_slots] = self.values[:, :, :, :used].gather(3, index)
         self.scores[:, :, :kept_slots] = self.scores[:, :, :used].gather(2, kept)
         self.scores[:, :, kept_slots:] = 0
-        self.evicted += count
+        self.dropped += count
 
     def memory_bytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes + self.scores.nbytes
-
-    def read_bytes(self) -> int:
-        return self.used_slots * self.layout.bytes_per_token
+        return super().memory_bytes() + self.scores.nbytes

@@ -21,8 +21,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cache.base import AttentionView, CacheLayout, CachePolicy
 from cache.config import CachePolicyConfig
-from cache.full import FullCache, causal_mask
+from cache.full import FullCache
 from cache.registry import register_policy
+from cache.slots import SlotCache
 
 
 class EveryRefresh(BaseModel):
@@ -67,27 +68,22 @@ class RetrievalCacheConfig(CachePolicyConfig):
 
 
 @register_policy(RetrievalCacheConfig)
-class RetrievalCache(CachePolicy):
+class RetrievalCache(SlotCache):
     def __init__(
         self, layout: CacheLayout, config: RetrievalCacheConfig, source: CachePolicy | None = None
     ) -> None:
         if not isinstance(source, FullCache):
             raise ValueError("the retrieval cache reads the prompt from a full cache of the same model")
-        super().__init__(layout, source)
+        super().__init__(layout, config.budget + layout.capacity - source.committed, source)
         self.config = config
-        generated = layout.capacity - source.committed
-        shape = (layout.num_layers, 1, layout.num_kv_heads, config.budget + generated, layout.head_dim)
-        self.keys = torch.zeros(shape, dtype=layout.dtype, device=layout.device)  # [L, B, H_kv, slots, D]
-        self.values = torch.zeros_like(self.keys)
         self.prompt_length = self.length = self.committed = source.committed
-        self.kept = 0
-        """Prompt tokens held (the same for every layer and head)."""
+        self.kept = kept_prompt_tokens(self.prompt_length, config.budget, config.chunk_size)
+        """Prompt tokens held (the same for every layer and head); the rest are ``dropped``."""
+        self.dropped = self.prompt_length - self.kept
         self.selections = 0
         """How many times chunks were (re-)selected."""
         self._select_pending = True
         self._committed_at_selection = self.committed
-        self._start = 0
-        self._mask: torch.Tensor | None = None
 
     def request_refresh(self) -> None:
         """Re-select the chunks on the next forward pass (the pipeline's ``on_drop`` hook)."""
@@ -100,32 +96,12 @@ class RetrievalCache(CachePolicy):
             self._select_pending = True
 
     def allocate(self, num_new: int) -> torch.Tensor:
-        start = self._reserve(num_new)
-        positions = torch.arange(start, self.length, device=self.layout.device)  # [T] absolute
-        if self._select_pending:
-            self.kept = self._kept_tokens()
-        self._start = self.kept + start - self.prompt_length
-        end = self._start + num_new
-        slots = torch.arange(self._start, end, device=self.layout.device)
-        self._mask = None if num_new == 1 else causal_mask(slots, end, self.layout.dtype)
-        return positions
+        return self._allocate_slots(num_new)  # [T] absolute positions
 
     def update(self, layer: int, keys, values, query) -> AttentionView:
         if self._select_pending:
             self._select(layer, query)
-        end = self._start + keys.shape[2]
-        self.keys[layer, :, :, self._start : end] = keys
-        self.values[layer, :, :, self._start : end] = values
-        return AttentionView(
-            self.keys[layer, :, :, :end], self.values[layer, :, :, :end], self._mask, self._mask is not None
-        )
-
-    def _kept_tokens(self) -> int:
-        """Sink chunk + selected chunks + the partial last chunk, within the budget."""
-        size = self.config.chunk_size
-        whole_chunks, tail = divmod(self.prompt_length, size)
-        chosen = min(self.config.budget // size - (1 if tail else 0), whole_chunks)
-        return chosen * size + tail
+        return super().update(layer, keys, values, query)
 
     def _select(self, layer: int, query: torch.Tensor) -> None:
         """Gather this layer's best chunks (per KV head) from the source into the buffer."""
@@ -149,8 +125,10 @@ class RetrievalCache(CachePolicy):
             self._committed_at_selection = self.committed
             self.selections += 1
 
-    def memory_bytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
 
-    def read_bytes(self) -> int:
-        return (self.kept + self.length - self.prompt_length) * self.layout.bytes_per_token
+
+def kept_prompt_tokens(prompt: int, budget: int, chunk_size: int) -> int:
+    """Sink chunk + selected chunks + the partial last chunk, within the budget."""
+    whole_chunks, tail = divmod(prompt, chunk_size)
+    chosen = min(budget // chunk_size - (1 if tail else 0), whole_chunks)
+    return chosen * chunk_size + tail

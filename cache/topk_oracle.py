@@ -15,7 +15,8 @@ from pydantic import Field
 
 from cache.base import AttentionView, CacheLayout, CachePolicy
 from cache.config import CachePolicyConfig
-from cache.full import FullCache, causal_mask
+from cache.full import FullCache
+from cache.slots import causal_mask
 from cache.registry import register_policy
 
 

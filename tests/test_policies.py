@@ -42,7 +42,7 @@ def test_streaming_with_a_window_covering_everything_equals_full(tiny_model):
         cache.commit(40)
     torch.testing.assert_close(decode_logits(tiny_model, streaming, generated),
                                decode_logits(tiny_model, full, generated), atol=1e-5, rtol=0)
-    assert streaming.evicted == 0
+    assert streaming.dropped == 0
 
 
 def test_streaming_keeps_sinks_and_window_with_contiguous_rotated_positions():
@@ -56,7 +56,7 @@ def test_streaming_keeps_sinks_and_window_with_contiguous_rotated_positions():
         rotated = apply_rotary(raw[:, :, start : start + 3], *rotary.cos_sin(positions, torch.float32))
         view = cache.update(0, rotated, raw[:, :, start : start + 3], None)
         cache.commit(cache.length)
-    assert cache.evicted == 30 - 8 and cache.used_slots == 8
+    assert cache.dropped == 30 - 8 and cache.used_slots == 8
     kept = torch.cat([raw[:, :, :2], raw[:, :, -6:]], dim=2)  # sinks + the last 6 tokens
     expected = apply_rotary(kept, *rotary.cos_sin(torch.arange(8), torch.float32))
     torch.testing.assert_close(cache.keys[0, :, :, :8], expected, atol=1e-5, rtol=0)
@@ -222,7 +222,7 @@ def test_h2o_keeps_the_heavy_hitter_and_the_recent_window():
             key[0, 0, 0] = heavy  # every query below attends almost only to token 2
         cache.update(0, key, key + 100, heavy.expand(1, 1, 1, 4))
         cache.commit(cache.length)
-    assert cache.used_slots == 6 and cache.evicted == 6
+    assert cache.used_slots == 6 and cache.dropped == 6
     kept_values = cache.values[0, 0, 0, :6, 3] - 100
     # old slots: token 2 (the heavy hitter) and tokens 0-1, which got attention before it existed;
     # tokens 3-8, which no query attends to, were evicted
@@ -243,3 +243,23 @@ def test_h2o_ignores_the_attention_of_rolled_back_tokens():
     cache.commit(2)
     torch.testing.assert_close(cache.scores, scores_after_two)
     assert cache.scores[0, 0, :2].sum().item() == pytest.approx(2.0)  # two queries, probabilities sum to 1
+
+
+def test_h2o_forgets_the_rolled_back_part_of_a_pass():
+    from cache.h2o import H2OCache, H2OCacheConfig
+
+    layout = CacheLayout(1, 1, 4, capacity=40, dtype=torch.float32, device=CPU, max_pending=8)
+    generator = torch.Generator().manual_seed(3)
+    keys, queries = torch.randn(1, 1, 6, 4, generator=generator), torch.randn(1, 1, 6, 4, generator=generator)
+    partial, whole = (H2OCache(layout, H2OCacheConfig(budget=30, recent=3)) for _ in range(2))
+    partial.allocate(4)
+    partial.update(0, keys[:, :, :4], keys[:, :, :4], torch.randn(1, 1, 4, 4, generator=generator))
+    partial.rollback(2)  # the last two tokens of that pass are rejected ...
+    for cache, passes in ((partial, [(2, 6)]), (whole, [(0, 2), (2, 6)])):
+        for start, end in passes:  # ... and replaced by other tokens
+            cache.allocate(end - start)
+            cache.update(0, keys[:, :, start:end], keys[:, :, start:end], queries[:, :, start:end])
+    whole.pending[0] = (0, [partial.pending[0][1][0]])  # same first two queries in both
+    for cache in (partial, whole):
+        cache.commit(6)
+    torch.testing.assert_close(partial.scores, whole.scores)
