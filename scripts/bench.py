@@ -2,7 +2,7 @@
 
 Both run the same checkpoint in the same dtype, greedy, on the first N tokens of a long document.
 The machine's speed drifts, so the cases are interleaved: each of ``--repeats`` rounds runs every
-(implementation, context) case once, each in its own subprocess (load, one warm-up generation, one
+(implementation, context) case once, each in its own subprocess (load, ``--warmups`` generations, one
 measured generation), odd rounds in reverse order. A case reports the median over rounds (peak RSS:
 the maximum); a ratio cascade / transformers is taken within each round, then its median reported.
 
@@ -38,6 +38,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per run")
     parser.add_argument("--repeats", type=int, default=3,
                         help="rounds, each running every case once (medians reported)")
+    parser.add_argument("--warmups", type=int, default=2,
+                        help="generations before the measured one, per process (first-touch costs)")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--document", choices=sorted(DOCUMENTS), default="plrabn12", help="prompt source")
     parser.add_argument("--target", help="checkpoint directory (default: the provisioned SmolLM2)")
@@ -82,7 +84,7 @@ def run_cascade(args: argparse.Namespace, path: Path, prompt: torch.Tensor) -> t
     _, config = load_config(preset="autoregressive", settings=settings)
     runtime = build_runtime(config, log=log)
     stop = StopRule(frozenset(), args.new_tokens)  # no EOS: exactly N tokens, like min_new_tokens
-    for _ in range(2):  # the first generation is the warm-up
+    for _ in range(args.warmups + 1):  # the last generation is the measured one
         result = runtime.pipeline_for(prompt.numel(), args.new_tokens).generate(prompt, stop)
     stats = result.stats
     return {"prefill_s": stats.prefill_s, "decode_s": stats.decode_s,
@@ -108,7 +110,8 @@ def run_transformers(args: argparse.Namespace, path: Path, prompt: torch.Tensor)
                                  min_new_tokens=new_tokens, pad_token_id=model.config.eos_token_id)
         return time.perf_counter() - started, out[0, prompt.numel():].tolist()
 
-    timed(n)  # warm-up
+    for _ in range(args.warmups):
+        timed(n)
     (t_1, _), (t_n, tokens) = timed(1), timed(n)
     return {"t_1_s": t_1, "t_n_s": t_n, "prefill_tokens_per_s": prompt.numel() / t_1,
             "decode_tokens_per_s": (n - 1) / (t_n - t_1)}, tokens
@@ -132,7 +135,7 @@ RATES = ("decode_tokens_per_s", "prefill_tokens_per_s")
 
 def spawn_case(args: argparse.Namespace, impl: str, context: int) -> dict:
     command = [sys.executable, __file__, "--case", f"{impl}:{context}", "--new-tokens", str(args.new_tokens),
-               "--dtype", args.dtype, "--document", args.document,
+               "--dtype", args.dtype, "--document", args.document, "--warmups", str(args.warmups),
                "--contexts", str(context), *(["--target", args.target] if args.target else [])]
     result = subprocess.run(command, stdout=subprocess.PIPE, text=True)
     if result.returncode != 0:
