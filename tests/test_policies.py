@@ -151,6 +151,9 @@ def test_retrieval_refresh_every_n_reselects(tiny_model):
     assert never.selections == 1
     assert every.selections == 4  # at the first token, then after 3, 6 and 9 committed tokens
     assert not torch.equal(never.keys[:, :, :, :16], every.keys[:, :, :, :16])
+    never.request_refresh()  # what the pipeline calls for refresh: {on_drop: r}
+    decode_logits(tiny_model, never, tokens(tiny_model, 1, 2))
+    assert never.selections == 2
 
 
 def test_retrieval_budget_checks():
