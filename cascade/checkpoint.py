@@ -65,18 +65,23 @@ def load_checkpoint(
     path: Path, dtype: torch.dtype, device: torch.device, rope_scaling: dict | None = None
 ) -> LoadedModel:
     """Model, tokenizer and end-of-sequence ids of a checkpoint directory."""
-    model = load_model(path, dtype, device, rope_scaling)
+    config = read_config(path, rope_scaling)
+    model = build_model(path, config, dtype, device)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (ValueError, OSError) as exc:
         raise CascadeError(f"{path} has no usable tokenizer: {str(exc).splitlines()[0]}") from None
-    return LoadedModel(path, model, tokenizer, eos_token_ids(path, model.config))
+    return LoadedModel(path, model, tokenizer, eos_token_ids(path, config))
 
 
 def load_model(
     path: Path, dtype: torch.dtype, device: torch.device, rope_scaling: dict | None = None
 ) -> CausalLM:
-    config = read_config(path, rope_scaling)
+    """Just the model (no tokenizer needed)."""
+    return build_model(path, read_config(path, rope_scaling), dtype, device)
+
+
+def build_model(path: Path, config: PreTrainedConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
     weights = read_weights(path)
     spec = model_spec(config, weights)
     rotary = Rotary(*rope_frequencies(config), device=device)
@@ -85,7 +90,6 @@ def load_model(
     model.load_state_dict(fuse_projections(weights, spec), assign=True, strict=True)
     if spec.tied_embeddings:
         model.lm_head.weight = model.embed_tokens.weight  # tie before .to() so it stays tied
-    model.config = config
     return model.to(device=device, dtype=dtype).eval()
 
 
