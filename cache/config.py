@@ -9,4 +9,14 @@ class CachePolicyConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     def check_prompt(self, prompt_tokens: int) -> None:
-        """Raise ValueError (with what is allowed) if this policy cannot serve such a prompt."""
+        """Raise ValueError (with what is allowed) if this policy cannot serve such a prompt.
+
+        Policies with a token ``budget`` must be given a prompt longer than it: otherwise they
+        keep everything and degenerate to the full cache.
+        """
+        budget = getattr(self, "budget", None)
+        if budget is not None and budget >= prompt_tokens:
+            raise ValueError(
+                f"{self.kind} budget ({budget}) is not smaller than the prompt ({prompt_tokens} tokens): "
+                "it would keep everything and degenerate to the full cache; use kind: full or a smaller budget"
+            )

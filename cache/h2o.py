@@ -39,11 +39,6 @@ class H2OCacheConfig(CachePolicyConfig):
             raise ValueError(f"recent ({self.recent}) must be smaller than budget ({self.budget})")
         return self
 
-    def check_prompt(self, prompt_tokens: int) -> None:
-        if self.budget >= prompt_tokens:
-            raise ValueError(f"h2o budget ({self.budget}) is not smaller than the prompt "
-                             f"({prompt_tokens} tokens): it would keep everything, like kind: full")
-
 
 @register_policy(H2OCacheConfig)
 class H2OCache(SlotCache):

@@ -58,14 +58,6 @@ class RetrievalCacheConfig(CachePolicyConfig):
             raise ValueError("budget must hold at least 2 chunks (the sink chunk and one more)")
         return self
 
-    def check_prompt(self, prompt_tokens: int) -> None:
-        if self.budget >= prompt_tokens:
-            raise ValueError(
-                f"retrieval budget ({self.budget}) is not smaller than the prompt ({prompt_tokens} "
-                "tokens): it would keep everything and degenerate to the full cache; use kind: full "
-                "or a smaller budget"
-            )
-
 
 @register_policy(RetrievalCacheConfig)
 class RetrievalCache(SlotCache):
@@ -124,7 +116,6 @@ class RetrievalCache(SlotCache):
             self._select_pending = False
             self._committed_at_selection = self.committed
             self.selections += 1
-
 
 
 def kept_prompt_tokens(prompt: int, budget: int, chunk_size: int) -> int:

@@ -16,8 +16,8 @@ from pydantic import Field
 from cache.base import AttentionView, CacheLayout, CachePolicy
 from cache.config import CachePolicyConfig
 from cache.full import FullCache
-from cache.slots import causal_mask
 from cache.registry import register_policy
+from cache.slots import causal_mask
 
 
 class TopKOracleCacheConfig(CachePolicyConfig):
@@ -27,11 +27,6 @@ class TopKOracleCacheConfig(CachePolicyConfig):
     """Policy selector."""
     budget: int = Field(4096, ge=1)
     """Earlier tokens each KV head reads per step."""
-
-    def check_prompt(self, prompt_tokens: int) -> None:
-        if self.budget >= prompt_tokens:
-            raise ValueError(f"topk_oracle budget ({self.budget}) is not smaller than the prompt "
-                             f"({prompt_tokens} tokens): it would read everything, like kind: full")
 
 
 @register_policy(TopKOracleCacheConfig)
