@@ -113,3 +113,11 @@ def test_models_list_and_idempotent_fetch(smollm2_dir):
     target = models["smollm2-135m-instruct"]
     assert target["role"] == "target" and Path(target["path"]) == smollm2_dir
     assert target["parameters"] == 134_515_008 and target["context_length"] == 8192
+
+
+def test_budget_larger_than_the_prompt_is_refused(tiny_dir, tmp_path):
+    config = tmp_path / "two-stage.yaml"
+    config.write_text("stages:\n  - {model: target, cache: {kind: retrieval, budget: 4096}}\n"
+                      "  - {model: target, cache: {kind: full}}\n")
+    result = generate("--target", str(tiny_dir), "--config", str(config), "--prompt", "A short prompt")
+    assert_fails_with(result, "stages.0.cache: retrieval budget (4096) is not smaller than the prompt")
