@@ -107,13 +107,6 @@ class CachePolicy(ABC):
             raise ValueError(f"rollback({length}) outside [{self.committed}, {self.length}]")
         self.length = length
 
-    def _check_room(self, used_slots: int, num_new: int, slots: int) -> None:
-        if used_slots + num_new > slots:
-            raise CacheFullError(
-                f"{type(self).__name__} has {slots - used_slots} free slots; cannot add {num_new} more "
-                "(more tokens were written between commits than its layout's max_pending allows)"
-            )
-
     def _reserve(self, num_new: int) -> int:
         """Advance ``length`` by ``num_new`` within capacity; returns the first new slot."""
         if num_new < 1:

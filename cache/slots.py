@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from cache.base import AttentionView, CacheLayout, CachePolicy
+from cache.base import AttentionView, CacheFullError, CacheLayout, CachePolicy
 
 
 class SlotCache(CachePolicy):
@@ -30,7 +30,11 @@ class SlotCache(CachePolicy):
 
     def _allocate_slots(self, num_new: int) -> torch.Tensor:
         """Reserve ``num_new`` slots after the used ones; returns the sequence indices [T]."""
-        self._check_room(self.used_slots, num_new, self.slots)
+        if self.used_slots + num_new > self.slots:
+            raise CacheFullError(
+                f"{type(self).__name__} has {self.slots - self.used_slots} free slots; cannot add "
+                f"{num_new} more (more tokens were written between commits than max_pending allows)"
+            )
         first = self._reserve(num_new)
         self._start = self.used_slots - num_new
         slots = torch.arange(self._start, self.used_slots, device=self.layout.device)  # [T]
