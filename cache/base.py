@@ -65,6 +65,9 @@ class CacheFullError(RuntimeError):
 class CachePolicy(ABC):
     """Base class of every KV cache policy (see the module docstring for the protocol)."""
 
+    reads_source = False
+    """True for policies built from another stage's full cache of the same model (``source``)."""
+
     def __init__(self, layout: CacheLayout, source: CachePolicy | None = None) -> None:
         """``source``: another stage's cache of the same model whose KV this policy may read
         instead of holding its own copy (e.g. retrieval reading the full cache's prompt)."""
@@ -106,6 +109,10 @@ class CachePolicy(ABC):
         if not self.committed <= length <= self.length:
             raise ValueError(f"rollback({length}) outside [{self.committed}, {self.length}]")
         self.length = length
+
+    def observe_acceptance(self, proposed: int, accepted: int) -> None:
+        """The stage above verified ``proposed`` tokens this cache's stage proposed and kept
+        ``accepted``; policies that refresh on an acceptance drop listen here."""
 
     def _reserve(self, num_new: int) -> int:
         """Advance ``length`` by ``num_new`` within capacity; returns the first new slot."""

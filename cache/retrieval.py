@@ -35,7 +35,10 @@ class EveryRefresh(BaseModel):
 class OnDropRefresh(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
     on_drop: float = Field(gt=0.0, lt=1.0)
-    """Re-select when the stage's running acceptance rate falls below this."""
+    """Re-select when the acceptance rate of this stage's proposals since the last selection
+    falls below this."""
+    min_proposals: int = Field(32, ge=1)
+    """Proposals since the last selection before that rate is judged."""
 
 
 class RetrievalCacheConfig(CachePolicyConfig):
@@ -61,6 +64,7 @@ class RetrievalCacheConfig(CachePolicyConfig):
 
 @register_policy(RetrievalCacheConfig)
 class RetrievalCache(SlotCache):
+    reads_source = True
     def __init__(
         self, layout: CacheLayout, config: RetrievalCacheConfig, source: CachePolicy | None = None
     ) -> None:
@@ -76,10 +80,21 @@ class RetrievalCache(SlotCache):
         """How many times chunks were (re-)selected."""
         self._select_pending = True
         self._committed_at_selection = self.committed
+        self._proposed_since_selection = self._accepted_since_selection = 0
 
     def request_refresh(self) -> None:
-        """Re-select the chunks on the next forward pass (the pipeline's ``on_drop`` hook)."""
+        """Re-select the chunks on the next forward pass."""
         self._select_pending = True
+
+    def observe_acceptance(self, proposed: int, accepted: int) -> None:
+        refresh = self.config.refresh
+        if not isinstance(refresh, OnDropRefresh):
+            return
+        self._proposed_since_selection += proposed
+        self._accepted_since_selection += accepted
+        if self._proposed_since_selection >= refresh.min_proposals:
+            if self._accepted_since_selection < refresh.on_drop * self._proposed_since_selection:
+                self.request_refresh()
 
     def commit(self, length: int) -> None:
         super().commit(length)
@@ -115,6 +130,7 @@ class RetrievalCache(SlotCache):
         if layer == self.layout.num_layers - 1:
             self._select_pending = False
             self._committed_at_selection = self.committed
+            self._proposed_since_selection = self._accepted_since_selection = 0
             self.selections += 1
 
 

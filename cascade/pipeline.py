@@ -1,4 +1,15 @@
-"""The generation loop over N stages; returns tokens and stats and prints nothing."""
+"""The speculate-verify loop over N stages; returns tokens and stats and prints nothing.
+
+Stage k draws tokens from its own distribution by letting stage k - 1 propose and verifying the
+proposals in one forward pass; stage 0 decodes by itself. The last stage (the full-cache target)
+decides every emitted token, so the output is distributed exactly as its own autoregressive
+samples. The probabilities a stage hands upward are its own: the tokens a verified round emits
+follow the verifier's distribution (accepted proposals and the recovered token together).
+
+Every stage's cache holds K/V for a prefix of the shared ``context`` (prompt + tokens so far);
+a stage catches up on what it has not seen at its next forward pass, and rejected tokens are
+rolled back in every stage below the one that rejected them.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
-from cascade.errors import CascadeError
-from cascade.sampling import next_token
+from cascade.sampling import sample, token_probs
+from cascade.schedule import expected_speedup
 from cascade.stage import Stage
 from cascade.stats import GenerationStats
+from cascade.verification import Verdict, verify, verify_greedy
 from configs.schema import SamplingConfig
 
 TokenCallback = Callable[[list[int]], None]
@@ -40,16 +52,33 @@ class StopRule:
         return new, None
 
 
+@dataclass
+class Draw:
+    """Tokens drawn from one stage's distribution, with that distribution at each of them."""
+
+    tokens: list[int]
+    probs: torch.Tensor | None
+    """[n, V] float32; None under greedy decoding, where the tokens are the argmaxes."""
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __add__(self, other: Draw) -> Draw:
+        if self.probs is None:
+            return Draw(self.tokens + other.tokens, None)
+        return Draw(self.tokens + other.tokens, torch.cat([self.probs, other.probs]))
+
+    def first(self, count: int) -> Draw:
+        return Draw(self.tokens[:count], None if self.probs is None else self.probs[:count])
+
+
 class Pipeline:
     def __init__(self, stages: list[Stage], sampling: SamplingConfig, prefill_chunk: int) -> None:
-        if len(stages) != 1:
-            raise CascadeError(
-                f"this build runs single-stage pipelines; the config has {len(stages)} stages "
-                "(multi-stage speculation is not implemented yet)"
-            )
         self.stages = stages
         self.sampling = sampling
         self.prefill_chunk = prefill_chunk
+        self.greedy = sampling.temperature == 0
+        self.generator: torch.Generator | None = None
 
     @property
     def target(self) -> Stage:
@@ -63,23 +92,104 @@ class Pipeline:
         on_tokens: TokenCallback | None = None,
     ) -> GenerationResult:
         """Generate after prompt_ids [T]; ``on_tokens`` receives each run of emitted tokens."""
+        self.generator = generator
         stats = GenerationStats(prompt_tokens=prompt_ids.numel(), stages=[s.stats for s in self.stages])
         started = time.perf_counter()
-        logits = self.target.prefill(prompt_ids, self.prefill_chunk)  # [V]
-        emitted: list[int] = []
+        first = self._draw_from_logits(self._prefill(prompt_ids)[None, :])
+        context, emitted = prompt_ids.tolist(), []
+        new = first
         while True:
-            token = next_token(logits, self.sampling, generator)  # [] int64
-            kept, stats.stop_reason = stop.cut(emitted, [int(token)])
+            kept, stats.stop_reason = stop.cut(emitted, new.tokens)
             emitted += kept
+            context += kept
+            for stage in self.stages:
+                stage.commit(len(context))
             if on_tokens:
                 on_tokens(kept)
-            if len(emitted) == 1:
+            if new is first:
                 stats.prefill_s = time.perf_counter() - started
                 started = time.perf_counter()
             if stats.stop_reason:
                 break
-            logits = self.target.forward(token.reshape(1), num_logits=1)[0]
-        self.target.cache.commit(self.target.cache.length)
+            new = self._round(len(self.stages) - 1, context, stop.max_new_tokens - len(emitted))
         stats.decode_s = time.perf_counter() - started
         stats.new_tokens = len(emitted)
+        stats.predicted_speedup = self._predicted_speedup()
         return GenerationResult(emitted, stats)
+
+    def _prefill(self, prompt_ids: torch.Tensor) -> torch.Tensor:
+        """Prefill every stage (sources before the stages reading them) -> the target's logits [V]."""
+        target_logits = self.target.prefill(prompt_ids, self.prefill_chunk)
+        for stage in sorted(self.stages[:-1], key=lambda s: s.source is not None):
+            stage.prefill(prompt_ids, self.prefill_chunk)
+        return target_logits
+
+    def _draw(self, level: int, context: list[int], count: int) -> Draw:
+        """``count`` tokens from stage ``level``'s distribution after ``context`` (left unchanged)."""
+        start = len(context)
+        drawn = self._round(level, context, count)
+        while len(drawn) < count:
+            context += drawn.tokens[len(context) - start :]
+            drawn += self._round(level, context, count - len(drawn))
+        del context[start:]
+        if len(drawn) > count:
+            for stage in self.stages[: level + 1]:
+                stage.truncate(start + count)
+        return drawn.first(count)
+
+    def _round(self, level: int, context: list[int], room: int) -> Draw:
+        """One round of stage ``level``: >= 1 tokens of its distribution (at most ``room`` + 1)."""
+        stage = self.stages[level]
+        proposer = self.stages[level - 1] if level > 0 else None
+        gamma = proposer.schedule.next_gamma(room) if proposer else 0
+        if proposer:
+            proposer.stats.gamma_choices[gamma] = proposer.stats.gamma_choices.get(gamma, 0) + 1
+        if gamma == 0:
+            return self._draw_from_logits(stage.extend(context, 1))
+        proposing = time.perf_counter()
+        proposal = self._draw(level - 1, context, gamma)
+        verifying = time.perf_counter()
+        context += proposal.tokens
+        logits = stage.extend(context, gamma + 1)  # [G + 1, V]
+        del context[-gamma:]
+        verdict, target_probs = self._verify(level, proposal, logits)
+        finished = time.perf_counter()
+        for lower in self.stages[: level + 1]:
+            lower.truncate(len(context) + verdict.accepted)
+        self._record(proposer, gamma, verdict, verifying - proposing, finished - verifying)
+        tokens = proposal.tokens[: verdict.accepted] + [verdict.next_token]
+        return Draw(tokens, None if target_probs is None else target_probs[: verdict.accepted + 1])
+
+    def _verify(self, level: int, proposal: Draw, logits: torch.Tensor):
+        """Stage ``level``'s verdict on ``proposal`` given its logits [G + 1, V] -> (verdict, probs)."""
+        draft_tokens = torch.tensor(proposal.tokens, device=logits.device)  # [G]
+        if self.greedy:
+            return verify_greedy(draft_tokens, logits.argmax(-1)), None
+        target_probs = token_probs(logits, self.sampling)  # [G + 1, V]
+        uniforms = torch.rand(len(draft_tokens), generator=self.generator, device=logits.device)
+        return verify(draft_tokens, proposal.probs, target_probs, uniforms, self.generator), target_probs
+
+    def _draw_from_logits(self, logits: torch.Tensor) -> Draw:
+        """One token from logits [1, V], as autoregressive decoding draws it."""
+        if self.greedy:
+            return Draw([int(logits[0].argmax())], None)
+        probs = token_probs(logits, self.sampling)  # [1, V]
+        return Draw([int(sample(probs[0], self.generator))], probs)
+
+    def _record(self, proposer: Stage, gamma: int, verdict: Verdict, propose_s: float, verify_s: float) -> None:
+        stats = proposer.stats
+        stats.rounds += 1
+        stats.proposed += gamma
+        stats.accepted += verdict.accepted
+        stats.rejections += verdict.accepted < gamma
+        stats.propose_s += propose_s
+        stats.verify_s += verify_s
+        proposer.schedule.observe(stats, gamma, verdict.accepted)
+        proposer.cache.observe_acceptance(gamma, verdict.accepted)
+
+    def _predicted_speedup(self) -> float:
+        """The cost model's expectation for the last stage, from what this run measured."""
+        if len(self.stages) == 1 or not self.stages[-2].stats.rounds:
+            return 1.0
+        proposer = self.stages[-2].stats
+        return expected_speedup(proposer.acceptance_mle, proposer.cost_ratio, proposer.mean_gamma)

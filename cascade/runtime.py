@@ -8,11 +8,11 @@ from pathlib import Path
 
 import torch
 
-from cache import build_policy
 from cascade.checkpoint import LoadedModel, load_checkpoint
 from cascade.errors import CascadeError
 from cascade.models import default_model
 from cascade.pipeline import Pipeline, StopRule
+from cascade.schedule import SCHEDULES
 from cascade.stage import Stage
 from configs.schema import ModelConfig, PipelineConfig
 
@@ -43,6 +43,7 @@ class Runtime:
     config: PipelineConfig
     target: LoadedModel
     draft: LoadedModel | None
+    log: Callable[[str], None]
 
     @property
     def tokenizer(self):
@@ -52,14 +53,21 @@ class Runtime:
         limit = self.target.model.spec.max_context
         return min(limit, self.config.max_context) if self.config.max_context else limit
 
-    def check_request(self, prompt_tokens: int, max_new_tokens: int) -> None:
+    def check_request(self, prompt_tokens: int, max_new_tokens: int) -> PipelineConfig:
+        """The config this request runs (optional stages that cannot serve it dropped), or an error."""
         if prompt_tokens == 0:
             raise CascadeError("the prompt is empty: give some text with --prompt or --prompt-file")
+        kept = []
         for index, stage in enumerate(self.config.stages):
             try:
                 stage.cache.check_prompt(prompt_tokens)
             except ValueError as exc:
-                raise CascadeError(f"stages.{index}.cache: {exc}") from None
+                if not stage.optional:
+                    raise CascadeError(f"stages.{index}.cache: {exc}") from None
+                self.log(f"cascade: stage {index} ({stage.model}/{stage.cache.kind}) skipped for this "
+                         f"prompt: {exc}")
+                continue
+            kept.append(stage)
         limit = self.context_limit()
         if prompt_tokens + max_new_tokens > limit:
             raise CascadeError(
@@ -68,18 +76,29 @@ class Runtime:
                 "shorten the prompt, lower --max-new-tokens, or stretch the target's context with "
                 "--set target.rope_scaling.kind=yarn --set target.rope_scaling.factor=2"
             )
+        return self.config.model_copy(update={"stages": kept})
 
     def pipeline_for(self, prompt_tokens: int, max_new_tokens: int) -> Pipeline:
         """Stages with caches sized for this request (checked against the context limit)."""
-        self.check_request(prompt_tokens, max_new_tokens)
-        capacity = prompt_tokens + max_new_tokens
-        max_pending = max([self.config.prefill_chunk] + [stage.gamma + 1 for stage in self.config.stages])
-        stages = []
-        for index, stage in enumerate(self.config.stages):
+        config = self.check_request(prompt_tokens, max_new_tokens)
+        speculation = sum(stage.gamma + 1 for stage in config.stages[:-1])
+        capacity = prompt_tokens + max_new_tokens + speculation
+        max_pending = max(config.prefill_chunk, speculation + 1)
+        last = len(config.stages) - 1
+        stages: dict[int, Stage] = {}
+        for index in range(last, -1, -1):  # sources (full-cache stages) come after their readers
+            stage = config.stages[index]
             model = (self.target if stage.model == "target" else self.draft).model
-            cache = build_policy(stage.cache, model.cache_layout(capacity, max_pending))
-            stages.append(Stage(f"{index}:{stage.model}/{stage.cache.kind}", model, cache))
-        return Pipeline(stages, self.config.sampling, self.config.prefill_chunk)
+            source = config.source_of(index)
+            stages[index] = Stage(
+                f"{index}:{stage.model}/{stage.cache.kind}",
+                model,
+                stage.cache,
+                model.cache_layout(capacity, max_pending),
+                SCHEDULES[stage.schedule](stage.gamma) if index < last else None,
+                None if source is None else stages[source],
+            )
+        return Pipeline([stages[i] for i in range(last + 1)], config.sampling, config.prefill_chunk)
 
     def stop_rule(self, max_new_tokens: int) -> StopRule:
         return StopRule(frozenset(self.target.eos_token_ids), max_new_tokens)
@@ -94,7 +113,7 @@ def build_runtime(config: PipelineConfig, log: Callable[[str], None]) -> Runtime
     if uses_draft or config.draft.path is not None:
         draft = load_model(config.draft, "draft", dtype, device, log)
         check_same_vocabulary(target, draft)
-    return Runtime(config, target, draft)
+    return Runtime(config, target, draft, log)
 
 
 def load_model(

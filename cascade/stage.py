@@ -1,4 +1,4 @@
-"""A stage: one model under one cache policy, with its own counters."""
+"""A stage: one model under one cache policy, with its gamma schedule and its own counters."""
 
 from __future__ import annotations
 
@@ -6,21 +6,62 @@ import time
 
 import torch
 
-from cache.base import CachePolicy
+from cache import build_policy
+from cache.base import CacheLayout, CachePolicy
+from cache.config import CachePolicyConfig
 from cascade.model import CausalLM
+from cascade.schedule import Schedule
 from cascade.stats import StageStats
 
 
 class Stage:
-    def __init__(self, name: str, model: CausalLM, cache: CachePolicy) -> None:
+    def __init__(
+        self,
+        name: str,
+        model: CausalLM,
+        cache_config: CachePolicyConfig,
+        layout: CacheLayout,
+        schedule: Schedule | None = None,
+        source: Stage | None = None,
+    ) -> None:
+        """``schedule``: how many tokens this stage proposes per round (None for the last stage).
+        ``source``: the full-cache stage of the same model whose prompt KV this stage's policy
+        reads; such a stage gets its cache when the source has prefilled, and no prefill of its own."""
         self.name = name
         self.model = model
-        self.cache = cache
-        self.stats = StageStats(name)
+        self.cache_config = cache_config
+        self.layout = layout
+        self.schedule = schedule
+        self.source = source
+        self.cache: CachePolicy | None = None if source else build_policy(cache_config, layout)
+        self.stats = StageStats(name, schedule=schedule.name if schedule else "")
 
-    def forward(self, token_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
-        """Run token_ids [T] through the model at the cache's current end -> logits [N, V]."""
+    @property
+    def length(self) -> int:
+        """Sequence tokens whose K/V this stage holds (or has dropped by policy)."""
+        return self.cache.length
+
+    def prefill(self, prompt_ids: torch.Tensor, chunk: int) -> torch.Tensor | None:
+        """Write prompt_ids [T] into the cache ``chunk`` tokens per pass -> last position's logits [V]
+        (None for a stage that reads its source's prompt KV instead).
+
+        Chunking bounds the attention working set at [chunk, T] instead of [T, T]; each chunk is
+        committed, so policies that evict on commit never hold more than one chunk uncommitted.
+        """
+        if self.source is not None:
+            self.cache = build_policy(self.cache_config, self.layout, self.source.cache)
+            return None
         started = time.perf_counter()
+        for start in range(0, prompt_ids.numel(), chunk):
+            logits = self.model(prompt_ids[None, start : start + chunk], self.cache, num_logits=1)
+            self.cache.commit(self.cache.length)
+        self.stats.prefill_s += time.perf_counter() - started
+        return logits[0, -1]  # [V]
+
+    def extend(self, context: list[int], num_logits: int) -> torch.Tensor:
+        """Feed the tokens of ``context`` this stage has not seen -> logits [N, V] of the last N."""
+        started = time.perf_counter()
+        token_ids = torch.tensor(context[self.cache.length :], device=self.model.device)  # [T]
         logits = self.model(token_ids[None, :], self.cache, num_logits)[0]  # [N, V]
         self.stats.time_s += time.perf_counter() - started
         self.stats.forward_calls += 1
@@ -28,17 +69,11 @@ class Stage:
         self.stats.kv_bytes_read += self.cache.read_bytes()
         return logits
 
-    def prefill(self, prompt_ids: torch.Tensor, chunk: int) -> torch.Tensor:
-        """Write prompt_ids [T] into the cache ``chunk`` tokens per pass -> last position's logits [V].
+    def truncate(self, length: int) -> None:
+        """Forget tokens past ``length`` of the sequence (those were rejected or cut)."""
+        self.cache.rollback(min(self.cache.length, length))
 
-        Chunking bounds the attention working set at [chunk, T] instead of [T, T]; each chunk is
-        committed, so policies that evict on commit never hold more than one chunk uncommitted.
-        """
-        started = time.perf_counter()
-        for start in range(0, prompt_ids.numel(), chunk):
-            logits = self.model(prompt_ids[None, start : start + chunk], self.cache, num_logits=1)
-            self.cache.commit(self.cache.length)
-            self.stats.forward_calls += 1
-        self.stats.time_s += time.perf_counter() - started
-        self.stats.tokens_processed += prompt_ids.numel()
-        return logits[0, -1]  # [V]
+    def commit(self, length: int) -> None:
+        """The first ``length`` sequence tokens are final: forget anything after, keep the rest."""
+        self.truncate(length)
+        self.cache.commit(self.cache.length)

@@ -8,11 +8,62 @@ from dataclasses import asdict, dataclass, field
 @dataclass
 class StageStats:
     name: str
+    prefill_s: float = 0.0
+    """Time this stage spent on the prompt (0 for stages that read another stage's KV)."""
     forward_calls: int = 0
+    """Decode and verification passes after the prompt."""
     tokens_processed: int = 0
+    """Tokens fed through those passes."""
     time_s: float = 0.0
+    """Time in those passes."""
     kv_bytes_read: int = 0
-    """KV bytes the stage's decode steps read (prefill excluded)."""
+    """KV bytes those passes read."""
+    rounds: int = 0
+    """Times this stage's proposals were verified by the stage above."""
+    proposed: int = 0
+    accepted: int = 0
+    rejections: int = 0
+    """Rounds that ended in a rejection (the others accepted every proposal)."""
+    propose_s: float = 0.0
+    """Time drawing this stage's proposals, the stages below it included."""
+    verify_s: float = 0.0
+    """Time the stage above spent verifying them."""
+    schedule: str = ""
+    """The gamma schedule of this stage's proposals ('' for the last stage, which proposes nothing)."""
+    gamma_choices: dict[int, int] = field(default_factory=dict)
+    """Rounds run at each gamma the schedule chose (0: bypassed, the verifier decoded alone)."""
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def mean_accepted_run(self) -> float:
+        """Proposals accepted per verification round."""
+        return self.accepted / self.rounds if self.rounds else 0.0
+
+    @property
+    def acceptance_mle(self) -> float:
+        """Per-token acceptance a, maximum likelihood: each run ends at a rejection or is cut at gamma."""
+        trials = self.accepted + self.rejections
+        return self.accepted / trials if trials else 0.0
+
+    @property
+    def cost_ratio(self) -> float:
+        """Time of one proposed token over one verification pass (c in the cost model)."""
+        if not self.proposed or not self.verify_s:
+            return 0.0
+        return (self.propose_s / self.proposed) / (self.verify_s / self.rounds)
+
+    @property
+    def mean_gamma(self) -> float:
+        return self.proposed / self.rounds if self.rounds else 0.0
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        for name in ("acceptance_rate", "acceptance_mle", "mean_accepted_run", "cost_ratio", "mean_gamma"):
+            data[name] = getattr(self, name)
+        return data
 
 
 @dataclass
@@ -26,6 +77,8 @@ class GenerationStats:
     stop_reason: str = ""
     """"eos" or "max_new_tokens"."""
     stages: list[StageStats] = field(default_factory=list)
+    predicted_speedup: float = 1.0
+    """What the cost model expects from the last stage's measured acceptance and cost ratio."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -35,8 +88,26 @@ class GenerationStats:
     def ms_per_token(self) -> float:
         return 1000 / self.tokens_per_s if self.tokens_per_s else 0.0
 
+    @property
+    def tokens_per_verify(self) -> float:
+        """Tokens emitted after the first per forward pass of the full-cache stage."""
+        calls = self.stages[-1].forward_calls if self.stages else 0
+        return (self.new_tokens - 1) / calls if calls > 0 else 0.0
+
+    @property
+    def measured_speedup(self) -> float:
+        """Decode time an autoregressive run would take (one full-cache pass per token, at this run's
+        mean verification-pass time) over this run's decode time."""
+        if not self.stages or self.decode_s <= 0:
+            return 0.0
+        top = self.stages[-1]
+        if top.forward_calls == 0:
+            return 0.0
+        return (self.new_tokens - 1) * (top.time_s / top.forward_calls) / self.decode_s
+
     def to_dict(self) -> dict:
         data = asdict(self)
-        data["tokens_per_s"] = self.tokens_per_s
-        data["ms_per_token"] = self.ms_per_token
+        data["stages"] = [stage.to_dict() for stage in self.stages]
+        for name in ("tokens_per_s", "ms_per_token", "tokens_per_verify", "measured_speedup"):
+            data[name] = getattr(self, name)
         return data

@@ -48,7 +48,14 @@ class StageConfig(Strict):
     cache: CacheConfig = Field(default_factory=lambda: POLICIES["full"].config())
     """KV cache policy of this stage, selected by ``kind``."""
     gamma: int = Field(4, ge=1, le=64)
-    """Tokens this stage proposes to the stage above it per round (unused by the last stage)."""
+    """Tokens this stage proposes to the stage above it per round (the most, for adaptive
+    schedules); unused by the last stage."""
+    optional: bool = False
+    """Drop this stage for a prompt its cache cannot serve (e.g. one within a retrieval budget,
+    where it would degenerate to the full cache) instead of refusing the request."""
+    schedule: Literal["fixed", "heuristic", "cost_model"] = "fixed"
+    """How gamma is chosen each round: fixed; +2/-1 after full/partial acceptance (transformers'
+    heuristic); or the cost model from measured acceptance and cost, which may bypass the stage."""
 
 
 class PipelineConfig(Strict):
@@ -80,3 +87,24 @@ class PipelineConfig(Strict):
                 f"got model={last.model!r}, cache.kind={last.cache.kind!r}"
             )
         return self
+
+    @model_validator(mode="after")
+    def _sources_exist(self) -> PipelineConfig:
+        for index, stage in enumerate(self.stages):
+            if POLICIES[stage.cache.kind].policy.reads_source and self.source_of(index) is None:
+                raise ValueError(
+                    f"stages.{index}: a {stage.cache.kind} cache reads the prompt's KV from a full-cache "
+                    f"stage of the same model ({stage.model}), and there is none; add one above it"
+                )
+        return self
+
+    def source_of(self, index: int) -> int | None:
+        """The full-cache stage of the same model whose KV stage ``index``'s policy reads, if any."""
+        stage = self.stages[index]
+        if not POLICIES[stage.cache.kind].policy.reads_source:
+            return None
+        for other in range(len(self.stages) - 1, index, -1):
+            candidate = self.stages[other]
+            if candidate.model == stage.model and candidate.cache.kind == "full":
+                return other
+        return None

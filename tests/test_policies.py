@@ -151,9 +151,30 @@ def test_retrieval_refresh_every_n_reselects(tiny_model):
     assert never.selections == 1
     assert every.selections == 4  # at the first token, then after 3, 6 and 9 committed tokens
     assert not torch.equal(never.keys[:, :, :, :16], every.keys[:, :, :, :16])
-    never.request_refresh()  # what the pipeline calls for refresh: {on_drop: r}
+    never.request_refresh()
     decode_logits(tiny_model, never, tokens(tiny_model, 1, 2))
     assert never.selections == 2
+
+
+def test_retrieval_refreshes_when_acceptance_drops(tiny_model):
+    prompt = tokens(tiny_model, 64, 0)
+    layout = tiny_model.cache_layout(96)
+    source = FullCache(layout)
+    tiny_model(prompt, source)
+    source.commit(64)
+    config = RetrievalCacheConfig(budget=16, chunk_size=4, refresh={"on_drop": 0.5, "min_proposals": 8})
+    cache = RetrievalCache(layout, config, source)
+    decode_logits(tiny_model, cache, tokens(tiny_model, 1, 1))
+    cache.observe_acceptance(4, 4)
+    cache.observe_acceptance(4, 1)  # 5 of 8 since the selection: above 0.5
+    decode_logits(tiny_model, cache, tokens(tiny_model, 1, 2))
+    assert cache.selections == 1
+    cache.observe_acceptance(4, 0)  # 5 of 12: below
+    decode_logits(tiny_model, cache, tokens(tiny_model, 1, 3))
+    assert cache.selections == 2
+    cache.observe_acceptance(4, 0)  # the count restarts at each selection: 0 of 4 is not judged yet
+    decode_logits(tiny_model, cache, tokens(tiny_model, 1, 4))
+    assert cache.selections == 2
 
 
 def test_retrieval_budget_checks():

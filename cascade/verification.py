@@ -1,0 +1,69 @@
+"""Speculative verification as pure functions: randomness comes in as arguments.
+
+Vocabulary (as in the literature, with roles instead of letters):
+- ``draft_tokens`` [G]: what the stage below proposed, drawn from ``draft_probs`` [G, V];
+- ``target_probs`` [G + 1, V]: the verifying stage's distribution at each proposal's position
+  and one past the last;
+- accepted: the leading proposals kept, each with probability min(1, target / draft);
+- recovered token: on the first rejection, a draw from the residual normalize(max(target - draft, 0));
+- bonus token: when every proposal is accepted, a draw from the verifier's next distribution.
+
+Together they emit tokens distributed exactly as the verifier's own autoregressive samples.
+Greedy decoding is the limit case (one-hot distributions), handled without building them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cascade.sampling import sample
+
+
+@dataclass(frozen=True)
+class Verdict:
+    accepted: int
+    """How many leading draft tokens were accepted."""
+    next_token: int
+    """The recovered token after a rejection, or the bonus token when all were accepted."""
+
+
+def verify(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    uniforms: torch.Tensor,
+    generator: torch.Generator | None,
+) -> Verdict:
+    """Sampling verification. ``uniforms`` [G] in [0, 1) decide acceptance; ``generator`` draws the
+    recovered or bonus token."""
+    proposals = len(draft_tokens)
+    rows = torch.arange(proposals, device=draft_tokens.device)
+    target_at_draft = target_probs[rows, draft_tokens]  # [G]
+    draft_at_draft = draft_probs[rows, draft_tokens]  # [G]
+    rejected = uniforms * draft_at_draft >= target_at_draft  # [G]: u >= target / draft, no division
+    accepted = int(rejected.int().argmax()) if bool(rejected.any()) else proposals
+    if accepted == proposals:
+        return Verdict(accepted, int(sample(target_probs[proposals], generator)))
+    residual = residual_probs(target_probs[accepted], draft_probs[accepted])
+    return Verdict(accepted, int(sample(residual, generator)))
+
+
+def residual_probs(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
+    """normalize(max(target - draft, 0)) [V]: what a rejection must be resampled from.
+
+    Rejection implies target(x) < draft(x) for the drafted x, so target != draft and the excess is
+    positive in exact arithmetic; if rounding erases it, target itself is the limit."""
+    excess = (target_probs - draft_probs).clamp_min(0)  # [V]
+    total = excess.sum()
+    return excess / total if total > 0 else target_probs
+
+
+def verify_greedy(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> Verdict:
+    """Greedy verification: keep proposals while they equal the verifier's argmax ``target_tokens``
+    [G + 1], then emit the verifier's argmax."""
+    proposals = len(draft_tokens)
+    mismatch = draft_tokens != target_tokens[:proposals]  # [G]
+    accepted = int(mismatch.int().argmax()) if bool(mismatch.any()) else proposals
+    return Verdict(accepted, int(target_tokens[accepted]))
