@@ -125,12 +125,21 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def print_stats(stats: dict[str, Any]) -> None:
-    print(f"\n[{stats['prompt_tokens']} prompt tokens, prefill {stats['prefill_s']:.2f} s; "
-          f"{stats['new_tokens']} new tokens at {stats['tokens_per_s']:.1f} tokens/s "
-          f"({stats['ms_per_token']:.1f} ms/token); stop: {stats['stop_reason']}]", file=sys.stderr)
+    say = lambda line: print(line, file=sys.stderr)  # noqa: E731
+    say(f"\n[{stats['prompt_tokens']} prompt tokens, prefill {stats['prefill_s']:.2f} s; "
+        f"{stats['new_tokens']} new tokens at {stats['tokens_per_s']:.1f} tokens/s "
+        f"({stats['ms_per_token']:.1f} ms/token); stop: {stats['stop_reason']}]")
+    if len(stats["stages"]) > 1:
+        say(f"  {stats['tokens_per_verify']:.2f} tokens per full-cache pass; speed-up over the last "
+            f"stage alone: cost model {stats['predicted_speedup']:.2f}x, measured {stats['measured_speedup']:.2f}x")
     for stage in stats["stages"]:
-        print(f"  stage {stage['name']}: {stage['forward_calls']} forward calls, "
-              f"{stage['time_s']:.2f} s, {stage['kv_bytes_read'] / 2**20:.1f} MiB KV read", file=sys.stderr)
+        line = (f"  stage {stage['name']}: {stage['forward_calls']} passes, {stage['time_s']:.2f} s, "
+                f"{stage['kv_bytes_read'] / 2**20:.1f} MiB KV read")
+        if stage["rounds"]:
+            line += (f"; proposed {stage['proposed']}, accepted {stage['accepted']} "
+                     f"({stage['acceptance_rate']:.0%}, {stage['mean_accepted_run']:.2f} per round); "
+                     f"{stage['schedule']} gamma, rounds per gamma {stage['gamma_choices']}")
+        say(line)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,18 +1,23 @@
-"""Decode and prefill speed of cascade's autoregressive path vs transformers' generate(), side by side.
+"""Decode and prefill speed of cascade's presets vs transformers' generate() (and its assisted
+generation with the same draft), side by side.
 
-Both run the same checkpoint in the same dtype, greedy, on the first N tokens of a long document.
-The machine's speed drifts, so the cases are interleaved: each of ``--repeats`` rounds runs every
-(implementation, context) case once, each in its own subprocess (load, ``--warmups`` generations, one
-measured generation), odd rounds in reverse order. A case reports the median over rounds (peak RSS:
-the maximum); a ratio cascade / transformers is taken within each round, then its median reported.
+All run the same checkpoint in the same dtype on the first N tokens of a long document, greedy or
+sampled (temperature 0.6, top-p 0.9); beyond the target's native context its rope is stretched with
+YaRN. The machine's speed drifts, so the cases are interleaved: each of ``--repeats`` rounds runs
+every (implementation, context) case once, each in its own subprocess (load, ``--warmups``
+generations on a shorter prompt, one measured generation), odd rounds in reverse order. A case
+reports the median over rounds (peak RSS: the maximum); every ratio to the baseline implementation
+is taken within each round, then its median reported.
 
-    python scripts/bench.py [--contexts 1024 8000] [--new-tokens 64] [--repeats 3] [--dtype bfloat16]
+    python scripts/bench.py [--impls autoregressive self-spec transformers] [--contexts 1024 8000]
+        [--new-tokens 64] [--repeats 3] [--sampling greedy|sample] [--dtype bfloat16]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import resource
@@ -27,41 +32,56 @@ import torch
 from cascade.data import DOCUMENTS, document_text
 from cascade.errors import CascadeError
 
-IMPLS = ("cascade", "transformers")
-MAX_TOKENS = 8192  # SmolLM2's native context: prompt + new tokens must fit
+PRESETS = ("autoregressive", "speculative", "self-spec", "triforce")
+IMPLS = (*PRESETS, "transformers", "transformers-assisted")
+NEEDS_DRAFT = {"speculative", "triforce", "transformers-assisted"}
+NATIVE_CONTEXT = 8192  # SmolLM2's; longer runs stretch the rope with YaRN
+WARMUP_TOKENS = 5000  # warm-up prompts are at most this long: first-touch costs without long prefills
+SAMPLING = {"greedy": {"temperature": 0.0, "top_p": 1.0}, "sample": {"temperature": 0.6, "top_p": 0.9}}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python scripts/bench.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 8000],
-                        help="prompt lengths in tokens")
+    parser.add_argument("--impls", nargs="+", choices=IMPLS, default=["autoregressive", "self-spec", "transformers"],
+                        help="what to measure; the first is the baseline of the ratios")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 8000], help="prompt lengths in tokens")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per run")
     parser.add_argument("--repeats", type=int, default=3,
                         help="rounds, each running every case once (medians reported)")
     parser.add_argument("--warmups", type=int, default=2,
-                        help="generations before the measured one, per process (first-touch costs)")
+                        help="generations on a shorter prompt before the measured one, per process")
+    parser.add_argument("--sampling", choices=sorted(SAMPLING), default="greedy",
+                        help="greedy, or sample at temperature 0.6 / top-p 0.9 (seeded)")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--document", choices=sorted(DOCUMENTS), default="plrabn12", help="prompt source")
     parser.add_argument("--target", help="checkpoint directory (default: the provisioned SmolLM2)")
-    parser.add_argument("--out", type=Path, default=Path("results/bench_foundation.json"))
+    parser.add_argument("--draft", help="draft checkpoint directory (default: the provisioned draft)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override for every cascade preset (repeatable)")
+    parser.add_argument("--out", type=Path, default=Path("results/bench.json"))
     parser.add_argument("--case", help=argparse.SUPPRESS)  # "impl:context": run one case, print JSON
     args = parser.parse_args(argv)
-    for context in args.contexts:
-        if context < 1 or context + args.new_tokens > MAX_TOKENS:
-            parser.error(f"context {context} + {args.new_tokens} new tokens must be between 1 and "
-                         f"{MAX_TOKENS} tokens (the target's native context) in all")
-    if args.new_tokens < 2 or args.repeats < 1:
-        parser.error("--new-tokens must be >= 2 and --repeats >= 1")
+    if args.new_tokens < 2 or args.repeats < 1 or min(args.contexts) < 1:
+        parser.error("--new-tokens must be >= 2, --repeats >= 1 and every context >= 1")
     return args
+
+
+def yarn_factor(context: int, new_tokens: int) -> float | None:
+    """The power-of-two YaRN factor that fits prompt + new tokens (None within the native context)."""
+    needed = (context + new_tokens) / NATIVE_CONTEXT
+    return None if needed <= 1 else float(2 ** math.ceil(math.log2(needed)))
 
 
 # ---- one case, in its own process -------------------------------------------------------------
 
 
-def model_dir(args: argparse.Namespace) -> Path:
+def model_dirs(args: argparse.Namespace, impl: str) -> tuple[Path, Path | None]:
     from cascade.models import default_model
 
-    return Path(args.target) if args.target else default_model("target", log=log)
+    target = Path(args.target) if args.target else default_model("target", log=log)
+    if impl not in NEEDS_DRAFT:
+        return target, None
+    return target, Path(args.draft) if args.draft else default_model("draft", log=log)
 
 
 def prompt_ids(path: Path, document: str, context: int) -> torch.Tensor:
@@ -75,54 +95,92 @@ def prompt_ids(path: Path, document: str, context: int) -> torch.Tensor:
     return torch.tensor(ids[:context])
 
 
-def run_cascade(args: argparse.Namespace, path: Path, prompt: torch.Tensor) -> tuple[dict, list[int]]:
+def run_cascade(args, impl: str, target: Path, draft: Path | None, prompt: torch.Tensor) -> tuple[dict, list[int]]:
     from cascade.pipeline import StopRule
     from cascade.runtime import build_runtime
     from configs import load_config
 
-    settings = {"dtype": args.dtype, "max_new_tokens": args.new_tokens, "target.path": str(path)}
-    _, config = load_config(preset="autoregressive", settings=settings)
+    settings = {"dtype": args.dtype, "max_new_tokens": args.new_tokens, "target.path": str(target),
+                **{f"sampling.{key}": value for key, value in SAMPLING[args.sampling].items()}}
+    if draft is not None:
+        settings["draft.path"] = str(draft)
+    if factor := yarn_factor(prompt.numel(), args.new_tokens):
+        settings["target.rope_scaling"] = {"kind": "yarn", "factor": factor}
+    _, config = load_config(impl, None, args.set, settings)
     runtime = build_runtime(config, log=log)
     stop = StopRule(frozenset(), args.new_tokens)  # no EOS: exactly N tokens, like min_new_tokens
-    for _ in range(args.warmups + 1):  # the last generation is the measured one
-        result = runtime.pipeline_for(prompt.numel(), args.new_tokens).generate(prompt, stop)
-    stats = result.stats
-    return {"prefill_s": stats.prefill_s, "decode_s": stats.decode_s,
-            "prefill_tokens_per_s": prompt.numel() / stats.prefill_s,
-            "decode_tokens_per_s": stats.tokens_per_s}, result.token_ids
+    warmup = prompt[: min(prompt.numel(), WARMUP_TOKENS)]
+    for prompt_now in [warmup] * args.warmups + [prompt]:  # the last generation is the measured one
+        pipeline = runtime.pipeline_for(prompt_now.numel(), args.new_tokens)
+        result = pipeline.generate(prompt_now, stop, torch.Generator().manual_seed(0))
+    stats = result.stats.to_dict()
+    return {"prefill_s": stats["prefill_s"], "decode_s": stats["decode_s"],
+            "prefill_tokens_per_s": prompt.numel() / stats["prefill_s"],
+            "decode_tokens_per_s": stats["tokens_per_s"], "stats": stats}, result.token_ids
 
 
-def run_transformers(args: argparse.Namespace, path: Path, prompt: torch.Tensor) -> tuple[dict, list[int]]:
-    """Prefill time is a 1-token generate()'s; decode speed comes from the N-token one's extra time."""
-    from transformers import AutoModelForCausalLM
+class FirstTokenClock:
+    """A generate() streamer that notes when the first new token arrives (after the prompt)."""
+
+    def __init__(self) -> None:
+        self.calls, self.first_token_at = 0, 0.0
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            self.first_token_at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def run_transformers(args, impl: str, target: Path, draft: Path | None, prompt: torch.Tensor) -> tuple[dict, list[int]]:
+    """Prefill = time to the first new token; decode = the rest."""
+    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging
+
+    from cascade.checkpoint import apply_rope_scaling
 
     logging.set_verbosity_error()
     logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
-    inputs = {"input_ids": prompt[None, :], "attention_mask": torch.ones(1, prompt.numel(), dtype=torch.long)}
-    n = args.new_tokens
+    dtype = getattr(torch, args.dtype)
+    config = AutoConfig.from_pretrained(target)
+    if factor := yarn_factor(prompt.numel(), args.new_tokens):
+        apply_rope_scaling(config, "yarn", factor)  # the same stretch cascade applies
+    model = AutoModelForCausalLM.from_pretrained(target, config=config, dtype=dtype).eval()
+    extra = {}
+    if impl == "transformers-assisted":
+        extra["assistant_model"] = AutoModelForCausalLM.from_pretrained(draft, dtype=dtype).eval()
+    sampling = SAMPLING[args.sampling]
+    if sampling["temperature"]:
+        extra.update(do_sample=True, temperature=sampling["temperature"], top_p=sampling["top_p"], top_k=0)
+    else:
+        extra.update(do_sample=False)
 
-    def timed(new_tokens: int) -> tuple[float, list[int]]:
+    def timed(ids: torch.Tensor) -> tuple[float, float, list[int]]:
+        clock = FirstTokenClock()
+        torch.manual_seed(0)
         started = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(**inputs, do_sample=False, max_new_tokens=new_tokens,
-                                 min_new_tokens=new_tokens, pad_token_id=model.config.eos_token_id)
-        return time.perf_counter() - started, out[0, prompt.numel():].tolist()
+            out = model.generate(ids[None, :], attention_mask=torch.ones(1, ids.numel(), dtype=torch.long),
+                                 max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                                 pad_token_id=model.config.eos_token_id, streamer=clock, **extra)
+        return clock.first_token_at - started, time.perf_counter() - clock.first_token_at, out[0, ids.numel():].tolist()
 
     for _ in range(args.warmups):
-        timed(n)
-    (t_1, _), (t_n, tokens) = timed(1), timed(n)
-    return {"t_1_s": t_1, "t_n_s": t_n, "prefill_tokens_per_s": prompt.numel() / t_1,
-            "decode_tokens_per_s": (n - 1) / (t_n - t_1)}, tokens
+        timed(prompt[:WARMUP_TOKENS])
+    prefill_s, decode_s, tokens = timed(prompt)
+    return {"prefill_s": prefill_s, "decode_s": decode_s, "prefill_tokens_per_s": prompt.numel() / prefill_s,
+            "decode_tokens_per_s": (args.new_tokens - 1) / decode_s}, tokens
 
 
 def run_case(args: argparse.Namespace) -> dict:
     """One measurement of one case in this process: {"run": figures, "token_ids": generated}."""
     impl, context = args.case.split(":")
-    path = model_dir(args)
-    prompt = prompt_ids(path, args.document, int(context))
-    run, tokens = (run_cascade if impl == "cascade" else run_transformers)(args, path, prompt)
+    target, draft = model_dirs(args, impl)
+    prompt = prompt_ids(target, args.document, int(context))
+    runner = run_transformers if impl.startswith("transformers") else run_cascade
+    run, tokens = runner(args, impl, target, draft, prompt)
     run["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"run": run, "token_ids": tokens}
 
@@ -136,7 +194,10 @@ RATES = ("decode_tokens_per_s", "prefill_tokens_per_s")
 def spawn_case(args: argparse.Namespace, impl: str, context: int) -> dict:
     command = [sys.executable, __file__, "--case", f"{impl}:{context}", "--new-tokens", str(args.new_tokens),
                "--dtype", args.dtype, "--document", args.document, "--warmups", str(args.warmups),
-               "--contexts", str(context), *(["--target", args.target] if args.target else [])]
+               "--sampling", args.sampling, "--contexts", str(context),
+               *(["--target", args.target] if args.target else []),
+               *(["--draft", args.draft] if args.draft else []),
+               *[arg for setting in args.set for arg in ("--set", setting)]]
     result = subprocess.run(command, stdout=subprocess.PIPE, text=True)
     if result.returncode != 0:
         raise CascadeError(f"the {impl} case at context {context} failed (exit {result.returncode})")
@@ -152,7 +213,7 @@ def run_round(args: argparse.Namespace, cases: list[tuple[str, int]], index: int
         case = spawn_case(args, impl, context)
         run = case["run"]
         run.update(round=index, slot=slot)
-        log(f"[round {index + 1}/{args.repeats} {impl:12} ctx {context:>5}] decode "
+        log(f"[round {index + 1}/{args.repeats} {impl:21} ctx {context:>6}] decode "
             f"{run['decode_tokens_per_s']:7.1f} tok/s, prefill {run['prefill_tokens_per_s']:7.1f} tok/s, "
             f"peak RSS {run['peak_rss_mb']:6.0f} MB ({time.perf_counter() - started:.0f} s)")
         measured[(impl, context)] = case
@@ -162,26 +223,28 @@ def run_round(args: argparse.Namespace, cases: list[tuple[str, int]], index: int
 def summarize(args: argparse.Namespace, impl: str, context: int, cases: list[dict]) -> dict:
     """One case over its rounds: median rates, maximum peak RSS, the per-round figures in ``runs``."""
     runs = [case["run"] for case in cases]
-    if any(case["token_ids"] != cases[0]["token_ids"] for case in cases):
+    if args.sampling == "greedy" and any(case["token_ids"] != cases[0]["token_ids"] for case in cases):
         log(f"warning: {impl} at context {context} generated different tokens in different rounds")
     return {"impl": impl, "context": context, "new_tokens": args.new_tokens, "dtype": args.dtype,
-            **{key: statistics.median(run[key] for run in runs) for key in RATES},
+            "sampling": args.sampling, **{key: statistics.median(run[key] for run in runs) for key in RATES},
             "peak_rss_mb": max(run["peak_rss_mb"] for run in runs),
             "runs": runs, "token_ids": cases[0]["token_ids"]}
 
 
-def ratios(runs: list[dict]) -> list[dict]:
-    """cascade / transformers per context: rates per round (side by side), then their median;
-    peak RSS as the ratio of the cases' peaks (above 1: cascade is faster or, for RSS, uses more)."""
+def ratios(runs: list[dict], baseline: str) -> list[dict]:
+    """Each implementation over the baseline per context: rates per round (side by side), then their
+    median; peak RSS as the ratio of the cases' peaks. Greedy runs also count the tokens shared."""
     by_key = {(run["impl"], run["context"]): run for run in runs}
     out = []
-    for context in sorted({run["context"] for run in runs}):
-        ours, theirs = by_key[("cascade", context)], by_key[("transformers", context)]
-        per_round = {key: [a[key] / b[key] for a, b in zip(ours["runs"], theirs["runs"], strict=True)]
-                     for key in RATES}
-        out.append({"context": context, **{key: statistics.median(per_round[key]) for key in RATES},
-                    "peak_rss_mb": ours["peak_rss_mb"] / theirs["peak_rss_mb"], "per_round": per_round,
-                    "same_greedy_prefix_tokens": common_prefix(ours["token_ids"], theirs["token_ids"])})
+    for run in runs:
+        if run["impl"] == baseline:
+            continue
+        base = by_key[(baseline, run["context"])]
+        per_round = {key: [a[key] / b[key] for a, b in zip(run["runs"], base["runs"], strict=True)] for key in RATES}
+        out.append({"impl": run["impl"], "baseline": baseline, "context": run["context"],
+                    **{key: statistics.median(per_round[key]) for key in RATES},
+                    "peak_rss_mb": run["peak_rss_mb"] / base["peak_rss_mb"], "per_round": per_round,
+                    "same_prefix_tokens": common_prefix(run["token_ids"], base["token_ids"])})
     return out
 
 
@@ -200,25 +263,28 @@ def machine() -> dict:
 
 
 def table(runs: list[dict], ratio_rows: list[dict]) -> str:
-    lines = ["| context | implementation | decode tok/s | prefill tok/s | peak RSS (MB) |",
-             "|---:|---|---:|---:|---:|"]
-    for ratio in ratio_rows:
-        for run in (r for r in runs if r["context"] == ratio["context"]):
-            lines.append(f"| {run['context']} | {run['impl']} | {run['decode_tokens_per_s']:.1f} | "
-                         f"{run['prefill_tokens_per_s']:.1f} | {run['peak_rss_mb']:.0f} |")
-        lines.append(f"| {ratio['context']} | **cascade / transformers** | "
-                     f"**{ratio['decode_tokens_per_s']:.2f}x** | **{ratio['prefill_tokens_per_s']:.2f}x** | "
-                     f"{ratio['peak_rss_mb']:.2f}x |")
+    lines = ["| context | implementation | decode tok/s | prefill tok/s | peak RSS (MB) | decode vs "
+             f"{ratio_rows[0]['baseline'] if ratio_rows else 'baseline'} | accepted per round |",
+             "|---:|---|---:|---:|---:|---:|---|"]
+    ratio_of = {(row["impl"], row["context"]): row for row in ratio_rows}
+    for run in runs:
+        ratio = ratio_of.get((run["impl"], run["context"]))
+        accepted = " / ".join(f"{stage['mean_accepted_run']:.2f}" for stage in
+                              run["runs"][0].get("stats", {}).get("stages", [])[:-1])
+        lines.append(f"| {run['context']} | {run['impl']} | {run['decode_tokens_per_s']:.1f} | "
+                     f"{run['prefill_tokens_per_s']:.1f} | {run['peak_rss_mb']:.0f} | "
+                     f"{f'**{ratio[RATES[0]]:.2f}x**' if ratio else '1'} | {accepted} |")
     return "\n".join(lines)
 
 
 def drive(args: argparse.Namespace) -> None:
-    cases = [(impl, context) for context in args.contexts for impl in IMPLS]
+    cases = [(impl, context) for context in args.contexts for impl in args.impls]
     rounds = [run_round(args, cases, index) for index in range(args.repeats)]
     runs = [summarize(args, impl, context, [measured[(impl, context)] for measured in rounds])
             for impl, context in cases]
-    ratio_rows = ratios(runs)
-    settings = {key: getattr(args, key) for key in ("document", "contexts", "new_tokens", "repeats", "dtype")}
+    ratio_rows = ratios(runs, args.impls[0])
+    settings = {key: getattr(args, key) for key in
+                ("impls", "document", "contexts", "new_tokens", "repeats", "warmups", "sampling", "dtype", "set")}
     settings["order"] = "each round runs every case once, in its own process; odd rounds in reverse"
     report = {"machine": machine(), "settings": settings, "runs": runs, "ratios": ratio_rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -63,3 +63,12 @@ def tiny_dir(tmp_path_factory, smollm2_dir) -> Path:
     return make_checkpoint(
         tmp_path_factory.mktemp("tiny") / "llama", "llama-gqa-tied", 49152, tokenizer_dir=smollm2_dir
     )
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_dir(tmp_path_factory, smollm2_dir) -> Path:
+    """Another tiny Llama (other weights, same tokenizer): a draft that rarely agrees with tiny_dir."""
+    return make_checkpoint(
+        tmp_path_factory.mktemp("tiny-draft") / "llama", "llama-gqa-tied", 49152, tokenizer_dir=smollm2_dir,
+        seed=1,
+    )

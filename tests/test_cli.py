@@ -37,7 +37,7 @@ def test_json_output(tiny_dir, tmp_path):
     assert result.returncode == 0, result.stderr
     data = json.loads(out.read_text())
     assert set(data) == {"text", "token_ids", "prompt_token_ids", "preset", "config", "stats"}
-    assert data["preset"] == "autoregressive" and data["config"]["max_context"] == 100
+    assert data["preset"] == "self-spec" and data["config"]["max_context"] == 100
     assert 1 <= len(data["token_ids"]) <= 7 and data["stats"]["new_tokens"] == len(data["token_ids"])
     stats = data["stats"]
     assert {"prompt_tokens", "prefill_s", "decode_s", "tokens_per_s", "stages"} <= set(stats)
@@ -58,7 +58,7 @@ def test_streams_text_and_applies_the_chat_template(tiny_dir, tmp_path):
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["--preset", "warp"], "unknown preset 'warp'; available presets: autoregressive"),
+        (["--preset", "warp"], "unknown preset 'warp'; available presets: autoregressive, self-spec, speculative, triforce"),
         (["--set", "sampling.tempreature=1"], "sampling.tempreature: unknown setting; allowed here: temperature"),
         (["--temperature", "-1"], "sampling.temperature: Input should be greater than or equal to 0"),
         (["--top-p", "0"], "sampling.top_p: Input should be greater than 0"),

@@ -37,18 +37,25 @@ def test_overrides_and_flags_apply_in_order():
         ("stages.0.cache.kind=magic", "does not match any of the expected tags: 'full'"),
         ("stages.0.model=draft", "the last stage must be the target with a full cache"),
         ("stages.2.gamma=1", "'2' is not an index of a 1-item list"),
+        ("stages.0.schedule=greedy", "stages.0.schedule: Input should be 'fixed', 'heuristic' or 'cost_model'"),
         ("sampling", "--set expects dotted.key=value"),
         ("stages.0.model.name=x", "'model' is a single value, not a group of settings"),
     ],
 )
 def test_bad_settings_get_specific_messages(override, message):
     with pytest.raises(CascadeError) as error:
-        load_config(overrides=[override])
+        load_config("autoregressive", overrides=[override])
     assert message in str(error.value)
 
 
+def test_a_retrieval_stage_needs_a_full_cache_stage_of_its_model_above_it():
+    with pytest.raises(CascadeError, match="a retrieval cache reads the prompt's KV from a full-cache stage "
+                                           r"of the same model \(draft\), and there is none"):
+        load_config("self-spec", overrides=["stages.0.model=draft"])
+
+
 def test_unknown_preset_lists_the_available_ones():
-    with pytest.raises(CascadeError, match="unknown preset 'fastest'; available presets: autoregressive"):
+    with pytest.raises(CascadeError, match="unknown preset 'fastest'; available presets: autoregressive, self-spec, speculative, triforce"):
         load_config(preset="fastest")
 
 

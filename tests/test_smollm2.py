@@ -1,4 +1,5 @@
-"""Real-model checks on SmolLM2 (slow): the CLI's greedy output equals transformers' generate()."""
+"""Real-model checks on SmolLM2 (slow): the CLI's greedy output equals transformers' generate(), and
+every preset's greedy output equals autoregressive decoding on a 3000-token prompt (float32)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cascade.data import document_text
+from cascade.pipeline import StopRule
+from cascade.runtime import build_runtime
+from configs import load_config
 
 pytestmark = pytest.mark.slow
 
@@ -34,3 +38,26 @@ def test_cli_greedy_equals_transformers_generate(smollm2_dir, tmp_path, document
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
     expected = model.generate(torch.tensor([ours["prompt_token_ids"]]), max_new_tokens=48, do_sample=False)
     assert ours["token_ids"] == expected[0, len(ours["prompt_token_ids"]):].tolist()
+
+
+@pytest.fixture(scope="module")
+def long_prompt(smollm2_dir) -> list[int]:
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    return tokenizer.encode(document_text("lcet10"))[:3000]
+
+
+def smollm2_generate(smollm2_dir, preset: str, overrides: list[str], prompt: list[int]) -> list[int]:
+    settings = {"dtype": "float32", "target.path": str(smollm2_dir), "draft.path": str(smollm2_dir)}
+    _, config = load_config(preset, None, overrides, settings)
+    runtime = build_runtime(config, log=lambda message: None)
+    stop = StopRule(frozenset(), 48)
+    return runtime.pipeline_for(len(prompt), 48).generate(torch.tensor(prompt), stop).token_ids
+
+
+@pytest.mark.parametrize("preset,overrides", [
+    ("self-spec", ["stages.0.cache.budget=512"]),
+    ("triforce", ["stages.1.cache.budget=512"]),  # draft = target, reading a 256-token streaming cache
+])
+def test_presets_greedy_equal_autoregressive(smollm2_dir, long_prompt, preset, overrides):
+    expected = smollm2_generate(smollm2_dir, "autoregressive", [], long_prompt)
+    assert smollm2_generate(smollm2_dir, preset, overrides, long_prompt) == expected

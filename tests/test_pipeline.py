@@ -1,0 +1,108 @@
+"""The cascade on tiny random models: every preset's greedy output equals autoregressive greedy
+token for token (float32), with a useless draft and with draft = target; stop rules cut exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+
+from cascade.pipeline import StopRule
+from cascade.runtime import build_runtime
+from configs import load_config
+
+PROMPT = torch.randint(0, 49152, (300,), generator=torch.Generator().manual_seed(0)).tolist()
+SMALL_CACHES = {  # budgets below the 300-token prompt, so every policy really drops tokens
+    "triforce": ["stages.0.cache.window=40", "stages.1.cache.budget=64"],
+    "self-spec": ["stages.0.cache.budget=64"],
+    "speculative": [],
+    "autoregressive": [],
+}
+
+
+def runtime_for(preset, target, draft, overrides=(), config_file=None, logs=None, **settings):
+    settings = {"target.path": str(target), "draft.path": str(draft), "dtype": "float32", **settings}
+    _, config = load_config(None if config_file else preset, config_file, list(overrides), settings)
+    return build_runtime(config, log=(logs.append if logs is not None else lambda message: None))
+
+
+def generate(runtime, prompt_ids, max_new_tokens=40, eos=(), seed=0):
+    pipeline = runtime.pipeline_for(len(prompt_ids), max_new_tokens)
+    stop = StopRule(frozenset(eos), max_new_tokens)
+    return pipeline.generate(torch.tensor(prompt_ids), stop, torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def autoregressive_tokens(tiny_dir, tiny_draft_dir):
+    return generate(runtime_for("autoregressive", tiny_dir, tiny_draft_dir), PROMPT).token_ids
+
+
+@pytest.mark.parametrize("draft_is_target", [False, True], ids=["random-draft", "draft=target"])
+@pytest.mark.parametrize("preset", ["speculative", "self-spec", "triforce"])
+def test_preset_greedy_equals_autoregressive(preset, draft_is_target, tiny_dir, tiny_draft_dir,
+                                             autoregressive_tokens):
+    draft = tiny_dir if draft_is_target else tiny_draft_dir
+    result = generate(runtime_for(preset, tiny_dir, draft, SMALL_CACHES[preset]), PROMPT)
+    assert result.token_ids == autoregressive_tokens
+    proposers = result.stats.stages[:-1]
+    assert all(stage.rounds > 0 and stage.accepted <= stage.proposed for stage in proposers)
+    if preset == "speculative":
+        assert proposers[0].acceptance_rate == (1.0 if draft_is_target else pytest.approx(0.0, abs=0.1))
+
+
+@pytest.mark.parametrize("schedule", ["heuristic", "cost_model"])
+def test_adaptive_schedules_stay_exact(schedule, tiny_dir, tiny_draft_dir, autoregressive_tokens):
+    overrides = SMALL_CACHES["triforce"] + [f"stages.{i}.schedule={schedule}" for i in (0, 1)]
+    result = generate(runtime_for("triforce", tiny_dir, tiny_draft_dir, overrides), PROMPT)
+    assert result.token_ids == autoregressive_tokens
+    assert result.stats.stages[0].schedule == schedule
+
+
+def test_four_stages_from_a_yaml_file(tmp_path, tiny_dir, tiny_draft_dir, autoregressive_tokens):
+    config = tmp_path / "four.yaml"
+    config.write_text(yaml.safe_dump({"stages": [
+        {"model": "draft", "cache": {"kind": "streaming", "sinks": 4, "window": 28}, "gamma": 3},
+        {"model": "target", "cache": {"kind": "h2o", "budget": 96, "recent": 32}, "gamma": 4},
+        {"model": "target", "cache": {"kind": "retrieval", "budget": 128, "chunk_size": 8}, "gamma": 5},
+        {"model": "target", "cache": {"kind": "full"}},
+    ]}))
+    result = generate(runtime_for(None, tiny_dir, tiny_draft_dir, config_file=config), PROMPT)
+    assert result.token_ids == autoregressive_tokens
+    assert [stage.name for stage in result.stats.stages] == [
+        "0:draft/streaming", "1:target/h2o", "2:target/retrieval", "3:target/full"]
+
+
+def test_a_prompt_within_the_retrieval_budget_skips_that_optional_stage(tiny_dir, tiny_draft_dir):
+    logs = []
+    runtime = runtime_for("triforce", tiny_dir, tiny_draft_dir, logs=logs)
+    prompt = PROMPT[:100]
+    result = generate(runtime, prompt, 20)
+    assert [stage.name for stage in result.stats.stages] == ["0:draft/streaming", "1:target/full"]
+    assert "stage 1 (target/retrieval) skipped" in logs[0] and "budget (4096)" in logs[0]
+    autoregressive = generate(runtime_for("autoregressive", tiny_dir, tiny_draft_dir), prompt, 20)
+    assert result.token_ids == autoregressive.token_ids
+
+
+@pytest.mark.parametrize("preset", ["speculative", "triforce"])
+def test_eos_inside_an_accepted_run_cuts_there(preset, tiny_dir, autoregressive_tokens):
+    stop_token = autoregressive_tokens[9]
+    first = autoregressive_tokens.index(stop_token)
+    runtime = runtime_for(preset, tiny_dir, tiny_dir, SMALL_CACHES[preset])  # draft = target: long runs
+    result = generate(runtime, PROMPT, eos=[stop_token])
+    assert result.token_ids == autoregressive_tokens[: first + 1]
+    assert result.stats.stop_reason == "eos"
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 7])
+def test_max_new_tokens_cuts_inside_an_accepted_run(max_new_tokens, tiny_dir, autoregressive_tokens):
+    runtime = runtime_for("speculative", tiny_dir, tiny_dir)
+    result = generate(runtime, PROMPT, max_new_tokens)
+    assert result.token_ids == autoregressive_tokens[:max_new_tokens]
+
+
+def test_sampled_cascade_is_seeded(tiny_dir, tiny_draft_dir):
+    overrides = SMALL_CACHES["triforce"] + ["sampling.temperature=0.8", "sampling.top_p=0.9"]
+    runtime = runtime_for("triforce", tiny_dir, tiny_draft_dir, overrides)
+    first, again = (generate(runtime, PROMPT, 20, seed=3).token_ids for _ in range(2))
+    assert first == again
+    assert first != generate(runtime, PROMPT, 20, seed=4).token_ids
