@@ -8,8 +8,13 @@ prompt's last partial chunk always (it is the most recent context), the rest by 
 are read from the ``source`` full cache of the same model, so the prompt is never held twice.
 
 Grouped-query attention: the score of a chunk for a KV head is the sum over the query heads
-sharing it (and over the pass's queries) of query . mean key, i.e. the group's summed query
-against the chunk's mean key; all heads of a group then read the same chunks.
+sharing it of query . mean key, i.e. the group's summed query against the chunk's mean key; all
+heads of a group then read the same chunks.
+
+Only the first query of the pass that selects counts. Its token is one the stage has already
+decided; the pass's later tokens may be proposals the stage is verifying, and a selection that
+looked at them would make the stage's distribution at a position depend on the tokens proposed
+after it, which breaks the lossless guarantee of every stage above.
 """
 
 from __future__ import annotations
@@ -117,7 +122,8 @@ class RetrievalCache(SlotCache):
         chosen = (self.kept - tail) // size
         source_keys = self.source.keys[layer, 0, :, : whole_chunks * size]  # [H_kv, C*size, D]
         chunk_means = source_keys.unflatten(1, (whole_chunks, size)).float().mean(2)  # [H_kv, C, D]
-        group_query = query[0].float().unflatten(0, (source_keys.shape[0], -1)).sum((1, 2))  # [H_kv, D]
+        first_query = query[0, :, 0].float()  # [H, D]: the pass's first token (see module docstring)
+        group_query = first_query.unflatten(0, (source_keys.shape[0], -1)).sum(1)  # [H_kv, D]
         scores = torch.einsum("hcd,hd->hc", chunk_means, group_query)  # [H_kv, C]
         scores[:, 0] = float("inf")  # the sink chunk is always kept
         best = scores.topk(chosen, dim=1).indices.sort(dim=1).values  # [H_kv, chosen]

@@ -2,7 +2,9 @@
 
 An upper bound for selection policies at equal budget, not a fast policy: it holds every token
 and scores all of them at every step. The score of a token for a KV head is its attention
-probability summed over the query heads sharing that KV head and over the pass's queries.
+probability summed over the query heads sharing that KV head, from the pass's first query: the
+later tokens of a pass may be proposals under verification, and a selection that looked at them
+would let a stage's distribution depend on tokens after the position (see ``retrieval``).
 Tokens of the current pass are always read (causally).
 """
 
@@ -42,7 +44,7 @@ class TopKOracleCache(FullCache):
         earlier = self._start
         if earlier <= self.budget:
             return view
-        chosen = top_attended(query, view.keys[:, :, :earlier], self.budget)  # [H_kv, budget]
+        chosen = top_attended(query[:, :, :1], view.keys[:, :, :earlier], self.budget)  # [H_kv, budget]
         index = chosen[None, :, :, None].expand(*view.keys.shape[:2], -1, view.keys.shape[-1])
         picked_keys = torch.cat([view.keys.gather(2, index), view.keys[:, :, earlier:]], dim=2)
         picked_values = torch.cat([view.values.gather(2, index), view.values[:, :, earlier:]], dim=2)

@@ -104,6 +104,8 @@ class Pipeline:
             context += kept
             for stage in self.stages:
                 stage.commit(len(context))
+                if len(context) - stage.length > self.prefill_chunk:  # bypassed for long
+                    stage.catch_up(context, self.prefill_chunk)
             if on_tokens:
                 on_tokens(kept)
             if new is first:

@@ -83,7 +83,7 @@ class Runtime:
         config = self.check_request(prompt_tokens, max_new_tokens)
         speculation = sum(stage.gamma + 1 for stage in config.stages[:-1])
         capacity = prompt_tokens + max_new_tokens + speculation
-        max_pending = max(config.prefill_chunk, speculation + 1)
+        max_pending = config.prefill_chunk + speculation + 1  # a lagging stage's catch-up + a round
         last = len(config.stages) - 1
         stages: dict[int, Stage] = {}
         for index in range(last, -1, -1):  # sources (full-cache stages) come after their readers

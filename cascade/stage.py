@@ -69,6 +69,14 @@ class Stage:
         self.stats.kv_bytes_read += self.cache.read_bytes()
         return logits
 
+    def catch_up(self, context: list[int], chunk: int) -> None:
+        """Feed the final tokens of ``context`` this stage skipped, all but the last, ``chunk`` per
+        pass, committing each: a stage the cost model bypassed for long then fits its pending room."""
+        while self.cache.length < len(context) - 1:
+            end = min(len(context) - 1, self.cache.length + chunk)
+            self.extend(context[:end], 1)
+            self.cache.commit(end)
+
     def truncate(self, length: int) -> None:
         """Forget tokens past ``length`` of the sequence (those were rejected or cut)."""
         self.cache.rollback(min(self.cache.length, length))

@@ -78,7 +78,9 @@ class GenerationStats:
     """"eos" or "max_new_tokens"."""
     stages: list[StageStats] = field(default_factory=list)
     predicted_speedup: float = 1.0
-    """What the cost model expects from the last stage's measured acceptance and cost ratio."""
+    """The cost model's speed-up from the last stage's measured acceptance and cost ratio, counting a
+    verification pass as one step of the last stage; scripts/bench.py measures the real one
+    against an autoregressive run."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -94,20 +96,9 @@ class GenerationStats:
         calls = self.stages[-1].forward_calls if self.stages else 0
         return (self.new_tokens - 1) / calls if calls > 0 else 0.0
 
-    @property
-    def measured_speedup(self) -> float:
-        """Decode time an autoregressive run would take (one full-cache pass per token, at this run's
-        mean verification-pass time) over this run's decode time."""
-        if not self.stages or self.decode_s <= 0:
-            return 0.0
-        top = self.stages[-1]
-        if top.forward_calls == 0:
-            return 0.0
-        return (self.new_tokens - 1) * (top.time_s / top.forward_calls) / self.decode_s
-
     def to_dict(self) -> dict:
         data = asdict(self)
         data["stages"] = [stage.to_dict() for stage in self.stages]
-        for name in ("tokens_per_s", "ms_per_token", "tokens_per_verify", "measured_speedup"):
+        for name in ("tokens_per_s", "ms_per_token", "tokens_per_verify"):
             data[name] = getattr(self, name)
         return data

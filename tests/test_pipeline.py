@@ -58,6 +58,18 @@ def test_adaptive_schedules_stay_exact(schedule, tiny_dir, tiny_draft_dir, autor
     assert result.stats.stages[0].schedule == schedule
 
 
+def test_a_stage_bypassed_for_long_catches_up_within_its_room(tiny_dir, tiny_draft_dir):
+    """The cost model bypasses the useless draft; its streaming cache then lags the context by more
+    than a prefill chunk and must be fed the missed tokens in chunks, not overflow."""
+    overrides = ["stages.0.cache.kind=streaming", "stages.0.cache.window=40", "stages.0.schedule=cost_model",
+                 "prefill_chunk=16"]
+    result = generate(runtime_for("speculative", tiny_dir, tiny_draft_dir, overrides), PROMPT, 120)
+    draft = result.stats.stages[0]
+    assert draft.gamma_choices.get(0, 0) > 16  # bypassed for longer than a probe interval
+    expected = generate(runtime_for("autoregressive", tiny_dir, tiny_draft_dir), PROMPT, 120).token_ids
+    assert result.token_ids == expected
+
+
 def test_four_stages_from_a_yaml_file(tmp_path, tiny_dir, tiny_draft_dir, autoregressive_tokens):
     config = tmp_path / "four.yaml"
     config.write_text(yaml.safe_dump({"stages": [

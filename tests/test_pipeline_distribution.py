@@ -25,9 +25,9 @@ TV_BOUND = 0.03
 
 
 class ToyStage:
-    """A Markov-chain "model" behind the stage interface the pipeline uses. It checks that every
-    context it is fed extends what it already holds (its last tokens, to stay fast), i.e. that
-    rollbacks kept it consistent."""
+    """A Markov-chain "model" behind the stage interface the pipeline uses. It checks the protocol:
+    every context it is fed extends what it holds, it is fed at least the positions it must score,
+    and nothing committed is ever rolled back."""
 
     def __init__(self, name: str, logits: torch.Tensor, schedule: Schedule | None = None) -> None:
         self.logits = logits  # [V, V]: row = previous token
@@ -36,24 +36,35 @@ class ToyStage:
         self.cache = self
         self.source = None
         self.seen: list[int] = []
+        self.committed = 0
+
+    @property
+    def length(self) -> int:
+        return len(self.seen)
 
     def prefill(self, prompt_ids: torch.Tensor, chunk: int) -> torch.Tensor:
         self.seen = prompt_ids.tolist()
+        self.committed = len(self.seen)
         return self.logits[self.seen[-1]]  # [V]
 
     def extend(self, context: list[int], num_logits: int) -> torch.Tensor:
         held = len(self.seen)
-        assert context[max(0, held - 8) : held] == self.seen[-8:], "fed a context that contradicts the cache"
-        assert len(context) > held, "fed nothing new"
+        assert context[:held] == self.seen, "fed a context that contradicts the cache"
+        assert len(context) - held >= num_logits, "asked for logits of positions it was not fed"
         self.stats.forward_calls += 1
         self.seen += context[held:]
         return self.logits[context[-num_logits:]]  # [N, V]
 
+    def catch_up(self, context: list[int], chunk: int) -> None:
+        self.seen = context[:-1]
+
     def truncate(self, length: int) -> None:
+        assert length >= self.committed, "rolled back a committed token"
         del self.seen[length:]
 
     def commit(self, length: int) -> None:
-        self.truncate(length)
+        del self.seen[length:]
+        self.committed = len(self.seen)
 
     def observe_acceptance(self, proposed: int, accepted: int) -> None:
         pass

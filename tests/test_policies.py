@@ -129,6 +129,20 @@ def test_retrieval_picks_the_brute_force_chunks_with_gqa():
     assert all(chunks[0] == 0 for chunks in expected)  # the sink chunk, although it scores lowest
 
 
+def test_retrieval_selects_by_the_first_query_of_a_pass_only():
+    """Later tokens of a pass may be proposals under verification: they must not steer the choice."""
+    source, layout = hand_made_source(prompt=14)
+    first = torch.randn(1, 4, 1, 4, generator=torch.Generator().manual_seed(0))
+    chosen_keys = []
+    for seed in (1, 2):
+        later = torch.randn(1, 4, 2, 4, generator=torch.Generator().manual_seed(seed)) * 10
+        retrieval = RetrievalCache(layout, RetrievalCacheConfig(budget=6, chunk_size=2), source)
+        retrieval.allocate(3)
+        retrieval.update(0, torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4), torch.cat([first, later], 2))
+        chosen_keys.append(retrieval.keys[0, 0, :, :6].clone())
+    torch.testing.assert_close(chosen_keys[0], chosen_keys[1])
+
+
 def test_retrieval_keeps_the_partial_last_chunk():
     source, layout = hand_made_source(prompt=13)  # 6 whole chunks + 1 tail token
     retrieval = RetrievalCache(layout, RetrievalCacheConfig(budget=6, chunk_size=2), source)
