@@ -7,6 +7,7 @@ embeddings are detected from the weights themselves, so no branch names a ``mode
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +48,13 @@ def read_config(path: Path, rope_scaling: dict | None = None) -> PreTrainedConfi
     if rope_scaling is not None:
         apply_rope_scaling(config, **rope_scaling)
     return config
+
+
+def stretch_factor(tokens: int, native_context: int) -> float | None:
+    """The power-of-two rope-scaling factor that fits ``tokens`` positions (None if they fit as is)."""
+    if tokens <= native_context:
+        return None
+    return float(2 ** math.ceil(math.log2(tokens / native_context)))
 
 
 def apply_rope_scaling(config: PreTrainedConfig, kind: str, factor: float) -> None:

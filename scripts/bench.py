@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import resource
@@ -29,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from cascade.checkpoint import stretch_factor
 from cascade.data import DOCUMENTS, document_text
 from cascade.errors import CascadeError
 
@@ -66,12 +66,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def yarn_factor(context: int, new_tokens: int) -> float | None:
-    """The power-of-two YaRN factor that fits prompt + new tokens (None within the native context)."""
-    needed = (context + new_tokens) / NATIVE_CONTEXT
-    return None if needed <= 1 else float(2 ** math.ceil(math.log2(needed)))
-
-
 # ---- one case, in its own process -------------------------------------------------------------
 
 
@@ -104,7 +98,7 @@ def run_cascade(args, impl: str, target: Path, draft: Path | None, prompt: torch
                 **{f"sampling.{key}": value for key, value in SAMPLING[args.sampling].items()}}
     if draft is not None:
         settings["draft.path"] = str(draft)
-    if factor := yarn_factor(prompt.numel(), args.new_tokens):
+    if factor := stretch_factor(prompt.numel() + args.new_tokens, NATIVE_CONTEXT):
         settings["target.rope_scaling"] = {"kind": "yarn", "factor": factor}
     _, config = load_config(impl, None, args.set, settings)
     runtime = build_runtime(config, log=log)
@@ -145,7 +139,7 @@ def run_transformers(args, impl: str, target: Path, draft: Path | None, prompt: 
     logging.disable_progress_bar()
     dtype = getattr(torch, args.dtype)
     config = AutoConfig.from_pretrained(target)
-    if factor := yarn_factor(prompt.numel(), args.new_tokens):
+    if factor := stretch_factor(prompt.numel() + args.new_tokens, NATIVE_CONTEXT):
         apply_rope_scaling(config, "yarn", factor)  # the same stretch cascade applies
     model = AutoModelForCausalLM.from_pretrained(target, config=config, dtype=dtype).eval()
     extra = {}

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from cache.full import FullCache
-from cascade.checkpoint import load_model
+from cascade.checkpoint import load_model, stretch_factor
 from tests.conftest import FAMILIES, make_checkpoint
 
 CPU = torch.device("cpu")
@@ -87,3 +87,10 @@ def test_rotary_shift_moves_keys_to_new_positions(scale):
     at_old = apply_rotary(keys, *rotary.cos_sin(positions, torch.float32))
     at_new = apply_rotary(keys, *rotary.cos_sin(positions - 37, torch.float32))
     torch.testing.assert_close(rotary.shift(at_old, -37), at_new, atol=1e-5, rtol=1e-5)
+
+
+def test_stretch_factor_is_the_smallest_power_of_two_that_fits():
+    assert stretch_factor(8192, 8192) is None
+    assert stretch_factor(8193, 8192) == 2.0
+    assert stretch_factor(32_064, 8192) == 4.0
+    assert stretch_factor(64_064, 8192) == 8.0
