@@ -15,9 +15,12 @@ FLASH_ATTN_INSTALLED = importlib.util.find_spec("flash_attn") is not None
 CPU_FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 """PyTorch's CPU flash kernel, which also returns the log-sum-exp that lets two halves merge."""
 
+MATMUL_MAX_QUERIES = 8
+"""Up to this many queries per pass (decode steps, verification of up to 7 proposals) attention
+runs as plain matrix products per KV head."""
 FOLD_MAX_QUERIES = 64
-"""Up to this many queries per pass (decode, verification) the grouped layout is used; beyond it
-(prefill chunks) repeating the mask per group costs more than it saves."""
+"""Up to this many queries per pass the grouped SDPA layout is used; beyond it (prefill chunks)
+repeating the mask per group costs more than it saves."""
 
 
 def attend(query: torch.Tensor, view: AttentionView, scale: float) -> torch.Tensor:
@@ -28,8 +31,8 @@ def attend(query: torch.Tensor, view: AttentionView, scale: float) -> torch.Tens
     if FLASH_ATTN_INSTALLED and query.is_cuda and (view.mask is None or view.causal):
         return _flash_attend(query, view, scale)
     num_queries, num_keys = query.shape[2], view.keys.shape[2]
-    if num_queries == 1 and view.mask is None and not query.is_cuda:
-        return _single_query_bmm(query, view, scale)
+    if num_queries <= MATMUL_MAX_QUERIES and not query.is_cuda:
+        return _per_head_matmul(query, view, scale)
     if num_queries <= FOLD_MAX_QUERIES:
         return _grouped_sdpa(query, view, scale)
     if view.causal and num_queries == num_keys:  # a first prefill chunk: skip the upper half
@@ -66,23 +69,31 @@ def _prefix_plus_causal_block(query: torch.Tensor, view: AttentionView, scale: f
     return merged.to(query.dtype)  # [B, H, T, D]
 
 
-def _single_query_bmm(query: torch.Tensor, view: AttentionView, scale: float) -> torch.Tensor:
-    """One decode step as two matrix products per KV head: its query group [G, D] against its keys.
+def _per_head_matmul(query: torch.Tensor, view: AttentionView, scale: float) -> torch.Tensor:
+    """A pass of a few queries as two matrix products per KV head: its query group folded with the
+    pass's tokens [G*T, D] against its keys, then the weights against its values.
 
-    Reading K and V once is all this costs, so it runs near memory speed: 2-3x faster than the CPU
-    flash kernel over 8K-64K keys. It loops over KV heads because a cache view is a slice of a
-    longer buffer, which batched matmul would first copy (3x slower at 16K keys). Scores come out of
-    the product in the KV dtype (as in transformers' eager attention); the softmax runs in float32.
+    Reading K and V once dominates, so it runs near memory speed: 2-3x faster than the CPU flash
+    kernel over 8K-64K keys. It loops over KV heads because a cache view is a slice of a longer
+    buffer, which batched matmul would first copy (3x slower at 16K keys). Scores come out of the
+    product in the KV dtype (as in transformers' eager attention); the softmax runs in float32. A
+    causal view only hides keys among the pass's own T tokens, so only those columns are masked.
     """
     batch, num_kv_heads = view.keys.shape[:2]
-    groups = rearrange(query * scale, "b (k g) 1 d -> b k g d", k=num_kv_heads)  # [B, H_kv, G, D]
+    num_queries = query.shape[2]
+    groups = rearrange(query * scale, "b (k g) t d -> b k (g t) d", k=num_kv_heads)  # [B, H_kv, G*T, D]
+    rows = groups.shape[2]
+    columns = slice(-num_queries, None) if view.causal else slice(None)
+    mask = None if view.mask is None else view.mask[:, columns].repeat(rows // num_queries, 1)  # [G*T, *]
     out = torch.empty_like(groups)
     for b in range(batch):
         for head in range(num_kv_heads):
-            scores = groups[b, head] @ view.keys[b, head].T  # [G, S]
+            scores = groups[b, head] @ view.keys[b, head].T  # [G*T, S]
+            if mask is not None:
+                scores[:, columns] += mask
             weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(view.values.dtype)
-            out[b, head] = weights @ view.values[b, head]  # [G, D]
-    return rearrange(out, "b k g d -> b (k g) 1 d")  # [B, H, 1, D]
+            out[b, head] = weights @ view.values[b, head]  # [G*T, D]
+    return rearrange(out, "b k (g t) d -> b (k g) t d", t=num_queries)  # [B, H, T, D]
 
 
 def _grouped_sdpa(query: torch.Tensor, view: AttentionView, scale: float) -> torch.Tensor:
