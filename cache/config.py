@@ -8,6 +8,13 @@ from pydantic import BaseModel, ConfigDict
 class CachePolicyConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
+    @classmethod
+    def at_budget(cls, budget: int) -> CachePolicyConfig:
+        """This policy holding ``budget`` tokens of KV: ablations compare policies at equal cost."""
+        if "budget" not in cls.model_fields:
+            raise ValueError(f"{cls.model_fields['kind'].default} caches have no token budget")
+        return cls(budget=budget)
+
     def check_prompt(self, prompt_tokens: int) -> None:
         """Raise ValueError (with what is allowed) if this policy cannot serve such a prompt.
 

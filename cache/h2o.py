@@ -33,6 +33,10 @@ class H2OCacheConfig(CachePolicyConfig):
     recent: int = Field(256, ge=1)
     """Newest tokens always kept (part of the budget)."""
 
+    @classmethod
+    def at_budget(cls, budget: int) -> H2OCacheConfig:
+        return cls(budget=budget, recent=budget // 2)  # half heavy hitters, half recent
+
     @model_validator(mode="after")
     def _recent_within_budget(self) -> H2OCacheConfig:
         if self.recent >= self.budget:

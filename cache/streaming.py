@@ -29,6 +29,10 @@ class StreamingCacheConfig(CachePolicyConfig):
     window: int = Field(1024, ge=1)
     """Most recent committed tokens kept after the sinks."""
 
+    @classmethod
+    def at_budget(cls, budget: int) -> StreamingCacheConfig:
+        return cls(sinks=4, window=budget - 4)
+
     @model_validator(mode="after")
     def _sinks_below_window(self) -> StreamingCacheConfig:
         if self.sinks >= self.window:

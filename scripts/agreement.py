@@ -27,16 +27,6 @@ from cascade.models import default_model
 NATIVE_CONTEXT = 8192  # SmolLM2; longer runs use YaRN with factor 2
 
 
-def policy_config(kind: str, budget: int):
-    settings = {
-        "streaming": {"sinks": 4, "window": budget - 4},
-        "retrieval": {"budget": budget, "chunk_size": 8},
-        "h2o": {"budget": budget, "recent": budget // 2},
-        "topk_oracle": {"budget": budget},
-    }[kind]
-    return POLICIES[kind].config(kind=kind, **settings)
-
-
 def reference_run(model, prompt: torch.Tensor, new_tokens: int) -> tuple[FullCache, list[int]]:
     """Full-cache greedy generation; returns the cache as it was after the prompt, and the tokens."""
     full = FullCache(model.cache_layout(prompt.numel() + new_tokens))
@@ -52,7 +42,7 @@ def reference_run(model, prompt: torch.Tensor, new_tokens: int) -> tuple[FullCac
 
 def agreement(model, kind: str, budget: int, prompt: torch.Tensor, full: FullCache, tokens: list[int]) -> float:
     layout = model.cache_layout(prompt.numel() + len(tokens))
-    config = policy_config(kind, budget)
+    config = POLICIES[kind].config.at_budget(budget)
     if kind == "retrieval":
         cache = build_policy(config, layout, full)
     else:

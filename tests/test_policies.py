@@ -301,3 +301,13 @@ def test_h2o_forgets_the_rolled_back_part_of_a_pass():
     for cache in (partial, whole):
         cache.commit(6)
     torch.testing.assert_close(partial.scores, whole.scores)
+
+
+def test_at_budget_gives_each_budgeted_policy_that_many_tokens():
+    from cache import POLICIES
+
+    assert POLICIES["streaming"].config.at_budget(64).model_dump() == {"kind": "streaming", "sinks": 4, "window": 60}
+    assert POLICIES["h2o"].config.at_budget(64).recent == 32
+    assert POLICIES["retrieval"].config.at_budget(64).budget == 64
+    with pytest.raises(ValueError, match="full caches have no token budget"):
+        POLICIES["full"].config.at_budget(64)
