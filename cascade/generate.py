@@ -131,7 +131,7 @@ def print_stats(stats: dict[str, Any]) -> None:
         f"({stats['ms_per_token']:.1f} ms/token); stop: {stats['stop_reason']}]")
     if len(stats["stages"]) > 1:
         say(f"  {stats['tokens_per_verify']:.2f} tokens per full-cache pass; cost model speed-up "
-            f"{stats['predicted_speedup']:.2f}x (a verification pass counted as one step)")
+            f"{stats['predicted_speedup']:.2f}x")
     for stage in stats["stages"]:
         line = (f"  stage {stage['name']}: {stage['forward_calls']} passes, {stage['time_s']:.2f} s, "
                 f"{stage['kv_bytes_read'] / 2**20:.1f} MiB KV read")
@@ -139,6 +139,8 @@ def print_stats(stats: dict[str, Any]) -> None:
             line += (f"; proposed {stage['proposed']}, accepted {stage['accepted']} "
                      f"({stage['acceptance_rate']:.0%}, {stage['mean_accepted_run']:.2f} per round); "
                      f"{stage['schedule']} gamma, rounds per gamma {stage['gamma_choices']}")
+            if stage["verify_over_step"]:
+                line += f"; a verification pass costs {stage['verify_over_step']:.2f} plain steps"
         say(line)
 
 

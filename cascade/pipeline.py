@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 
 from cascade.sampling import sample, token_probs
-from cascade.schedule import expected_speedup
 from cascade.stage import Stage
 from cascade.stats import GenerationStats
 from cascade.verification import Verdict, verify, verify_greedy
@@ -143,11 +142,16 @@ class Pipeline:
         """One round of stage ``level``: >= 1 tokens of its distribution (at most ``room`` + 1)."""
         stage = self.stages[level]
         proposer = self.stages[level - 1] if level > 0 else None
-        gamma = proposer.schedule.next_gamma(room) if proposer else 0
+        gamma = proposer.schedule.next_gamma(proposer.stats, room) if proposer else 0
         if proposer:
             proposer.stats.gamma_choices[gamma] = proposer.stats.gamma_choices.get(gamma, 0) + 1
         if gamma == 0:
-            return self._draw_from_logits(stage.extend(context, 1))
+            stepping = time.perf_counter()
+            drawn = self._draw_from_logits(stage.extend(context, 1))
+            if proposer:
+                proposer.stats.plain_steps += 1
+                proposer.stats.plain_s += time.perf_counter() - stepping
+            return drawn
         proposing = time.perf_counter()
         proposal = self._draw(level - 1, context, gamma)
         verifying = time.perf_counter()
@@ -191,7 +195,7 @@ class Pipeline:
 
     def _predicted_speedup(self) -> float:
         """The cost model's expectation for the last stage, from what this run measured."""
-        if len(self.stages) == 1 or not self.stages[-2].stats.rounds:
+        if len(self.stages) == 1:
             return 1.0
         proposer = self.stages[-2].stats
-        return expected_speedup(proposer.acceptance_mle, proposer.cost_ratio, proposer.mean_gamma)
+        return proposer.expected_speedup(proposer.mean_gamma)

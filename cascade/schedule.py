@@ -3,10 +3,14 @@
 - ``fixed``: always the configured gamma.
 - ``heuristic``: transformers' assisted-generation rule: +2 after a round where every proposal was
   accepted, -1 otherwise (at least 1, at most the configured gamma).
-- ``cost_model``: from the stage's measured per-token acceptance ``a`` and cost ratio ``c`` (one
-  proposed token over one verification pass), pick the gamma maximising the expected speed-up
-  (1 - a^(g+1)) / ((1 - a)(c g + 1)); gamma 0 bypasses the stage (the verifier then decodes by
-  itself) when no gamma pays, and the stage is probed again every ``PROBE_EVERY`` rounds.
+- ``cost_model``: from the stage's measured per-token acceptance ``a``, the time ``p`` of one
+  proposed token, the time ``v`` of one verification pass and the time ``s`` of one plain step of
+  the verifier (measured by decoding one round without speculation first), pick the gamma with the
+  most tokens per second, (1 - a^(g+1)) / ((1 - a)(p g + v)), against 1 / s for gamma 0. With
+  ``v = s`` this is the textbook speed-up (1 - a^(g+1)) / ((1 - a)(c g + 1)), c = p / s; on a CPU a
+  multi-token verification pass costs more than a plain step, which is why ``v`` is measured
+  apart. Gamma 0 bypasses the stage (the verifier decodes by itself) when no gamma pays; the
+  stage is probed again every ``PROBE_EVERY`` rounds.
 """
 
 from __future__ import annotations
@@ -19,18 +23,6 @@ WARMUP_ROUNDS = 4
 """Verified rounds at the configured gamma before the cost model trusts its measurements."""
 
 
-def expected_tokens(acceptance: float, gamma: int) -> float:
-    """Tokens one verification pass yields with i.i.d. acceptance: (1 - a^(g+1)) / (1 - a)."""
-    if acceptance >= 1.0:
-        return gamma + 1.0
-    return (1 - acceptance ** (gamma + 1)) / (1 - acceptance)
-
-
-def expected_speedup(acceptance: float, cost_ratio: float, gamma: float) -> float:
-    """Tokens per verification over the time of gamma proposals plus one verification pass."""
-    return expected_tokens(acceptance, gamma) / (cost_ratio * gamma + 1)
-
-
 class Schedule:
     """``fixed``; subclasses adapt ``current`` from the stage's stats after each verified round."""
 
@@ -41,7 +33,7 @@ class Schedule:
         """The configured (largest) gamma."""
         self.current = gamma
 
-    def next_gamma(self, room: int) -> int:
+    def next_gamma(self, stats: StageStats, room: int) -> int:
         """Gamma for the next round, never more than the ``room`` tokens still wanted."""
         return min(self.current, room)
 
@@ -64,21 +56,23 @@ class CostModelSchedule(Schedule):
         super().__init__(gamma)
         self.bypassed = 0
 
-    def next_gamma(self, room: int) -> int:
+    def next_gamma(self, stats: StageStats, room: int) -> int:
+        if not stats.plain_steps:
+            return 0  # time one plain step of the verifier first
         if self.current == 0:
             self.bypassed += 1
             if self.bypassed > PROBE_EVERY:
                 self.current, self.bypassed = 1, 0
-        return super().next_gamma(room)
+        return super().next_gamma(stats, room)
 
     def observe(self, stats: StageStats, proposed: int, accepted: int) -> None:
         if stats.rounds >= WARMUP_ROUNDS:
-            self.current = best_gamma(stats.acceptance_mle, stats.cost_ratio, self.gamma)
+            self.current = best_gamma(stats, self.gamma)
 
 
-def best_gamma(acceptance: float, cost_ratio: float, largest: int) -> int:
+def best_gamma(stats: StageStats, largest: int) -> int:
     """The gamma in [0, largest] with the highest expected speed-up (0: speculation does not pay)."""
-    return max(range(largest + 1), key=lambda g: (expected_speedup(acceptance, cost_ratio, g), -g))
+    return max(range(largest + 1), key=lambda g: (stats.expected_speedup(g), -g))
 
 
 SCHEDULES: dict[str, type[Schedule]] = {

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from cascade.costs import expected_speedup
+
 
 @dataclass
 class StageStats:
@@ -28,6 +30,10 @@ class StageStats:
     """Time drawing this stage's proposals, the stages below it included."""
     verify_s: float = 0.0
     """Time the stage above spent verifying them."""
+    plain_steps: int = 0
+    """Rounds the stage above decoded alone (gamma 0: bypassed, or timing a plain step)."""
+    plain_s: float = 0.0
+    """Time of those one-token passes."""
     schedule: str = ""
     """The gamma schedule of this stage's proposals ('' for the last stage, which proposes nothing)."""
     gamma_choices: dict[int, int] = field(default_factory=dict)
@@ -50,10 +56,26 @@ class StageStats:
 
     @property
     def cost_ratio(self) -> float:
-        """Time of one proposed token over one verification pass (c in the cost model)."""
+        """Time of one proposed token over one verification pass."""
         if not self.proposed or not self.verify_s:
             return 0.0
         return (self.propose_s / self.proposed) / (self.verify_s / self.rounds)
+
+    @property
+    def verify_over_step(self) -> float:
+        """Time of one verification pass over one plain step of the verifier (0 if not measured)."""
+        if not self.rounds or not self.plain_steps:
+            return 0.0
+        return (self.verify_s / self.rounds) / (self.plain_s / self.plain_steps)
+
+    def expected_speedup(self, gamma: float) -> float:
+        """The cost model's speed-up at ``gamma`` from these measurements; a verification pass counts
+        as one plain step until a plain step has been timed."""
+        if not self.rounds or not self.proposed:
+            return 1.0
+        verify_s = self.verify_s / self.rounds
+        step_s = self.plain_s / self.plain_steps if self.plain_steps else verify_s
+        return expected_speedup(self.acceptance_mle, self.propose_s / self.proposed, verify_s, step_s, gamma)
 
     @property
     def mean_gamma(self) -> float:
@@ -61,7 +83,8 @@ class StageStats:
 
     def to_dict(self) -> dict:
         data = asdict(self)
-        for name in ("acceptance_rate", "acceptance_mle", "mean_accepted_run", "cost_ratio", "mean_gamma"):
+        for name in ("acceptance_rate", "acceptance_mle", "mean_accepted_run", "cost_ratio", "verify_over_step",
+                     "mean_gamma"):
             data[name] = getattr(self, name)
         return data
 
@@ -78,9 +101,9 @@ class GenerationStats:
     """"eos" or "max_new_tokens"."""
     stages: list[StageStats] = field(default_factory=list)
     predicted_speedup: float = 1.0
-    """The cost model's speed-up from the last stage's measured acceptance and cost ratio, counting a
-    verification pass as one step of the last stage; scripts/bench.py measures the real one
-    against an autoregressive run."""
+    """The cost model's speed-up over plain decoding, from what the run measured of the stage
+    proposing to the last one (see ``StageStats.expected_speedup``); scripts/bench.py measures
+    the real one against an autoregressive run."""
 
     @property
     def tokens_per_s(self) -> float:

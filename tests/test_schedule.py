@@ -1,0 +1,68 @@
+"""Gamma schedules and the cost model, on hand-set measurements."""
+
+from __future__ import annotations
+
+import pytest
+
+from cascade.costs import expected_speedup, expected_tokens
+from cascade.schedule import PROBE_EVERY, WARMUP_ROUNDS, CostModelSchedule, HeuristicSchedule, Schedule
+from cascade.stats import StageStats
+
+
+def measured(acceptance_runs: list[tuple[int, int]], propose_s: float, verify_s: float, step_s: float) -> StageStats:
+    """Stats of rounds (proposed, accepted), each proposal costing propose_s, each verification verify_s."""
+    stats = StageStats("proposer", plain_steps=1, plain_s=step_s)
+    for proposed, accepted in acceptance_runs:
+        stats.rounds += 1
+        stats.proposed += proposed
+        stats.accepted += accepted
+        stats.rejections += accepted < proposed
+        stats.propose_s += propose_s * proposed
+        stats.verify_s += verify_s
+    return stats
+
+
+def test_expected_tokens_per_verification():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+def test_with_verification_as_cheap_as_a_step_the_speedup_is_the_textbook_one():
+    acceptance, cost_ratio, gamma = 0.8, 0.1, 4
+    textbook = (1 - acceptance ** (gamma + 1)) / ((1 - acceptance) * (cost_ratio * gamma + 1))
+    assert expected_speedup(acceptance, 0.01, 0.1, 0.1, gamma) == pytest.approx(textbook)
+    assert expected_speedup(acceptance, 0.01, 0.2, 0.1, gamma) == pytest.approx(textbook / 2 * 1.4 / 1.2)
+
+
+def test_fixed_and_heuristic_schedules():
+    stats = StageStats("proposer")
+    assert Schedule(5).next_gamma(stats, room=3) == 3
+    heuristic = HeuristicSchedule(6)
+    heuristic.current = 4
+    heuristic.observe(stats, 4, 4)
+    assert heuristic.current == 6
+    heuristic.observe(stats, 6, 6)
+    assert heuristic.current == 6  # at most the configured gamma
+    for _ in range(10):
+        heuristic.observe(stats, 6, 0)
+    assert heuristic.current == 1  # at least 1
+
+
+def test_cost_model_times_a_plain_step_first_then_picks_the_best_gamma():
+    schedule = CostModelSchedule(8)
+    assert schedule.next_gamma(StageStats("proposer"), room=100) == 0
+    good = measured([(8, 8)] * WARMUP_ROUNDS, propose_s=0.01, verify_s=0.12, step_s=0.1)
+    schedule.observe(good, 8, 8)
+    assert schedule.next_gamma(good, room=100) == 8
+    mediocre = measured([(4, 1)] * WARMUP_ROUNDS, propose_s=0.005, verify_s=0.12, step_s=0.1)  # a = 0.5
+    schedule.observe(mediocre, 4, 1)
+    assert schedule.current == 3  # long runs rarely survive: rates 1.2, 1.35, 1.39, 1.38 for gamma 1-4
+
+
+def test_cost_model_bypasses_a_stage_that_does_not_pay_and_probes_it_again():
+    schedule = CostModelSchedule(6)
+    useless = measured([(6, 0)] * WARMUP_ROUNDS, propose_s=0.05, verify_s=0.15, step_s=0.1)
+    schedule.observe(useless, 6, 0)
+    gammas = [schedule.next_gamma(useless, room=100) for _ in range(PROBE_EVERY + 1)]
+    assert gammas == [0] * PROBE_EVERY + [1]
