@@ -152,12 +152,17 @@ def test_retrieval_keeps_the_partial_last_chunk():
     torch.testing.assert_close(retrieval.keys[0, 0, :, 4], source.keys[0, 0, :, 12])
 
 
-def test_retrieval_refresh_every_n_reselects(tiny_model):
-    prompt = tokens(tiny_model, 64, 0)
-    layout = tiny_model.cache_layout(96)
+def prefilled_source(model, prompt_tokens: int = 64, capacity: int = 96):
+    """A full cache holding a committed random prompt, and its layout."""
+    layout = model.cache_layout(capacity)
     source = FullCache(layout)
-    tiny_model(prompt, source)
-    source.commit(64)
+    model(tokens(model, prompt_tokens, 0), source)
+    source.commit(prompt_tokens)
+    return source, layout
+
+
+def test_retrieval_refresh_every_n_reselects(tiny_model):
+    source, layout = prefilled_source(tiny_model)
     never = RetrievalCache(layout, RetrievalCacheConfig(budget=16, chunk_size=4), source)
     every = RetrievalCache(layout, RetrievalCacheConfig(budget=16, chunk_size=4, refresh={"every": 3}), source)
     for cache in (never, every):
@@ -171,11 +176,7 @@ def test_retrieval_refresh_every_n_reselects(tiny_model):
 
 
 def test_retrieval_refreshes_when_acceptance_drops(tiny_model):
-    prompt = tokens(tiny_model, 64, 0)
-    layout = tiny_model.cache_layout(96)
-    source = FullCache(layout)
-    tiny_model(prompt, source)
-    source.commit(64)
+    source, layout = prefilled_source(tiny_model)
     config = RetrievalCacheConfig(budget=16, chunk_size=4, refresh={"on_drop": 0.5, "min_proposals": 8})
     cache = RetrievalCache(layout, config, source)
     decode_logits(tiny_model, cache, tokens(tiny_model, 1, 1))
