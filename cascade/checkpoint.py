@@ -57,6 +57,13 @@ def stretch_factor(tokens: int, native_context: int) -> float | None:
     return float(2 ** math.ceil(math.log2(tokens / native_context)))
 
 
+def yarn_scaling(path: Path, tokens: int) -> dict | None:
+    """YaRN settings that fit ``tokens`` positions in the checkpoint at ``path`` (a power-of-two
+    stretch of its native context), or None when they fit as is."""
+    factor = stretch_factor(tokens, AutoConfig.from_pretrained(path).max_position_embeddings)
+    return None if factor is None else {"kind": "yarn", "factor": factor}
+
+
 def apply_rope_scaling(config: PreTrainedConfig, kind: str, factor: float) -> None:
     """Stretch the model's context by ``factor`` with YaRN or linear position interpolation."""
     original = config.max_position_embeddings

@@ -20,20 +20,19 @@ from pathlib import Path
 import torch
 
 from cache import POLICIES
-from cascade.checkpoint import stretch_factor
+from cascade.checkpoint import yarn_scaling
 from cascade.data import DOCUMENTS, document_text
 from cascade.pipeline import StopRule
 from cascade.runtime import build_runtime
 from configs import load_config
 
-NATIVE_CONTEXT = 8192  # SmolLM2's; longer prompts stretch the rope with YaRN
 
 
-def measure(args, prompt: list[int], kind: str, budget: int) -> dict:
+def measure(args, target: Path, prompt: list[int], kind: str, budget: int) -> dict:
     settings = {"dtype": args.dtype, "max_new_tokens": args.new_tokens, "stages.0.cache": POLICIES[kind].config.at_budget(budget).model_dump(),
                 "stages.0.gamma": args.gamma}
-    if factor := stretch_factor(len(prompt) + args.new_tokens, NATIVE_CONTEXT):
-        settings["target.rope_scaling"] = {"kind": "yarn", "factor": factor}
+    if scaling := yarn_scaling(target, len(prompt) + args.new_tokens):
+        settings["target.rope_scaling"] = scaling
     _, config = load_config("self-spec", None, [], settings)
     runtime = build_runtime(config, log=lambda message: print(message, file=sys.stderr))
     stop = StopRule(frozenset(), args.new_tokens)
@@ -57,14 +56,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for context in args.contexts:
         _, probe = load_config("autoregressive", None, [], {"dtype": args.dtype})
-        tokenizer = build_runtime(probe, log=lambda message: None).tokenizer
+        probe_runtime = build_runtime(probe, log=lambda message: None)
+        target, tokenizer = probe_runtime.target.path, probe_runtime.tokenizer
         prompt = tokenizer.encode(document_text(args.document))[:context]
         for fraction in args.budgets:
             budget = max(16, round(fraction * context / 8) * 8)
             for kind in args.policies:
                 started = time.perf_counter()
                 row = {"context": context, "budget_fraction": fraction, "budget": budget, "policy": kind,
-                       **measure(args, prompt, kind, budget)}
+                       **measure(args, target, prompt, kind, budget)}
                 rows.append(row)
                 print(f"{context:6d} {kind:12} budget {fraction:4.0%} ({budget:5d}): acceptance "
                       f"{row['acceptance']:.3f}, {row['mean_accepted_run']:.2f} per round of {args.gamma} "

@@ -20,11 +20,10 @@ import torch
 
 from cache import POLICIES, build_policy
 from cache.full import FullCache
-from cascade.checkpoint import load_checkpoint
+from cascade.checkpoint import load_checkpoint, yarn_scaling
 from cascade.data import document_text
 from cascade.models import default_model
 
-NATIVE_CONTEXT = 8192  # SmolLM2; longer runs use YaRN with factor 2
 
 
 def reference_run(model, prompt: torch.Tensor, new_tokens: int) -> tuple[FullCache, list[int]]:
@@ -69,8 +68,9 @@ def main() -> None:
     text = document_text(args.document)
     rows = []
     for context in args.contexts:
-        scaling = {"kind": "yarn", "factor": 2.0} if context + args.new_tokens > NATIVE_CONTEXT else None
-        target = load_checkpoint(default_model("target", print), torch.bfloat16, torch.device("cpu"), scaling)
+        path = default_model("target", print)
+        scaling = yarn_scaling(path, context + args.new_tokens)
+        target = load_checkpoint(path, torch.bfloat16, torch.device("cpu"), scaling)
         prompt = torch.tensor(target.tokenizer.encode(text)[:context])
         started = time.perf_counter()
         full, tokens = reference_run(target.model, prompt, args.new_tokens)

@@ -28,14 +28,13 @@ from pathlib import Path
 
 import torch
 
-from cascade.checkpoint import stretch_factor
+from cascade.checkpoint import yarn_scaling
 from cascade.data import DOCUMENTS, document_text
 from cascade.errors import CascadeError
 
 PRESETS = ("autoregressive", "speculative", "self-spec", "triforce")
 IMPLS = (*PRESETS, "transformers", "transformers-assisted")
 NEEDS_DRAFT = {"speculative", "triforce", "transformers-assisted"}
-NATIVE_CONTEXT = 8192  # SmolLM2's; longer runs stretch the rope with YaRN
 WARMUP_TOKENS = 5000  # warm-up prompts are at most this long: first-touch costs without long prefills
 SAMPLING = {"greedy": {"temperature": 0.0, "top_p": 1.0}, "sample": {"temperature": 0.6, "top_p": 0.9}}
 
@@ -98,8 +97,8 @@ def run_cascade(args, impl: str, target: Path, draft: Path | None, prompt: torch
                 **{f"sampling.{key}": value for key, value in SAMPLING[args.sampling].items()}}
     if draft is not None:
         settings["draft.path"] = str(draft)
-    if factor := stretch_factor(prompt.numel() + args.new_tokens, NATIVE_CONTEXT):
-        settings["target.rope_scaling"] = {"kind": "yarn", "factor": factor}
+    if scaling := yarn_scaling(target, prompt.numel() + args.new_tokens):
+        settings["target.rope_scaling"] = scaling
     _, config = load_config(impl, None, args.set, settings)
     runtime = build_runtime(config, log=log)
     stop = StopRule(frozenset(), args.new_tokens)  # no EOS: exactly N tokens, like min_new_tokens
@@ -139,8 +138,8 @@ def run_transformers(args, impl: str, target: Path, draft: Path | None, prompt: 
     logging.disable_progress_bar()
     dtype = getattr(torch, args.dtype)
     config = AutoConfig.from_pretrained(target)
-    if factor := stretch_factor(prompt.numel() + args.new_tokens, NATIVE_CONTEXT):
-        apply_rope_scaling(config, "yarn", factor)  # the same stretch cascade applies
+    if scaling := yarn_scaling(target, prompt.numel() + args.new_tokens):
+        apply_rope_scaling(config, scaling["kind"], scaling["factor"])  # the same stretch cascade applies
     model = AutoModelForCausalLM.from_pretrained(target, config=config, dtype=dtype).eval()
     extra = {}
     if impl == "transformers-assisted":

@@ -25,10 +25,9 @@ import torch
 from cache import build_policy
 from cache.full import FullCache
 from cache.retrieval import RetrievalCacheConfig
-from cascade.checkpoint import load_checkpoint, stretch_factor
+from cascade.checkpoint import load_checkpoint, yarn_scaling
 from cascade.models import default_model
 
-NATIVE_CONTEXT = 8192  # SmolLM2's; longer contexts stretch the rope with YaRN
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -88,8 +87,7 @@ def pass_figures(model, cache, tokens: int, repeats: int, bandwidth: float, peak
 
 
 def context_figures(args, path: Path, context: int, bandwidth: float, peak: float) -> dict:
-    factor = stretch_factor(context + 64, NATIVE_CONTEXT)
-    scaling = {"kind": "yarn", "factor": factor} if factor else None
+    scaling = yarn_scaling(path, context + 64)
     model = load_checkpoint(path, getattr(torch, args.dtype), torch.device("cpu"), scaling).model
     layout = model.cache_layout(context + 64, args.gamma + 2)
     full = FullCache(layout)
@@ -104,7 +102,7 @@ def context_figures(args, path: Path, context: int, bandwidth: float, peak: floa
         f"full, {args.gamma + 1} tokens (verification)": pass_figures(
             model, full, args.gamma + 1, args.repeats, bandwidth, peak),
     }
-    return {"context": context, "yarn_factor": factor, "passes": passes}
+    return {"context": context, "rope_scaling": scaling, "passes": passes}
 
 
 def main(argv: list[str] | None = None) -> int:
