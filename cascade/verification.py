@@ -42,8 +42,8 @@ def verify(
     rows = torch.arange(proposals, device=draft_tokens.device)
     target_at_draft = target_probs[rows, draft_tokens]  # [G]
     draft_at_draft = draft_probs[rows, draft_tokens]  # [G]
-    rejected = uniforms * draft_at_draft >= target_at_draft  # [G]: u >= target / draft, no division
-    accepted = int(rejected.int().argmax()) if bool(rejected.any()) else proposals
+    kept = uniforms * draft_at_draft < target_at_draft  # [G]: u < target / draft, no division
+    accepted = leading_true(kept)
     if accepted == proposals:
         return Verdict(accepted, int(sample(target_probs[proposals], generator)))
     residual = residual_probs(target_probs[accepted], draft_probs[accepted])
@@ -64,6 +64,10 @@ def verify_greedy(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> Ve
     """Greedy verification: keep proposals while they equal the verifier's argmax ``target_tokens``
     [G + 1], then emit the verifier's argmax."""
     proposals = len(draft_tokens)
-    mismatch = draft_tokens != target_tokens[:proposals]  # [G]
-    accepted = int(mismatch.int().argmax()) if bool(mismatch.any()) else proposals
+    accepted = leading_true(draft_tokens == target_tokens[:proposals])
     return Verdict(accepted, int(target_tokens[accepted]))
+
+
+def leading_true(flags: torch.Tensor) -> int:
+    """How many of flags [G] are True before the first False, read with one host sync."""
+    return int(flags.int().cumprod(0).sum())
