@@ -88,15 +88,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     text = read_prompt(args)
     runtime = build_runtime(config, log=lambda message: print(message, file=sys.stderr))
     prompt_ids = encode_prompt(runtime, text, args.chat)
-    pipeline = runtime.pipeline_for(len(prompt_ids), config.max_new_tokens)
     streamer = None if args.quiet else TextStreamer(runtime.tokenizer, skip_special_tokens=True)
-    generator = torch.Generator(device=runtime.target.model.device).manual_seed(config.seed)
-    result = pipeline.generate(
-        torch.tensor(prompt_ids, device=runtime.target.model.device),
-        runtime.stop_rule(config.max_new_tokens),
-        generator,
-        on_tokens=(lambda tokens: streamer.put(torch.tensor(tokens))) if streamer else None,
-    )
+    result = runtime.generate(prompt_ids, on_tokens=(lambda tokens: streamer.put(torch.tensor(tokens)))
+                              if streamer else None)
     if streamer:
         streamer.end()
     return report(preset, config, prompt_ids, result, runtime)

@@ -11,7 +11,7 @@ import torch
 from cascade.checkpoint import LoadedModel, load_checkpoint
 from cascade.errors import CascadeError
 from cascade.models import default_model
-from cascade.pipeline import Pipeline, StopRule
+from cascade.pipeline import GenerationResult, Pipeline, StopRule, TokenCallback
 from cascade.schedule import SCHEDULES
 from cascade.stage import Stage
 from configs.schema import ModelConfig, PipelineConfig
@@ -102,6 +102,16 @@ class Runtime:
 
     def stop_rule(self, max_new_tokens: int) -> StopRule:
         return StopRule(frozenset(self.target.eos_token_ids), max_new_tokens)
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int | None = None,
+                 on_tokens: TokenCallback | None = None) -> GenerationResult:
+        """Generate after ``prompt_ids`` with fresh caches and the config's seed (checked first)."""
+        max_new_tokens = max_new_tokens or self.config.max_new_tokens
+        device = self.target.model.device
+        pipeline = self.pipeline_for(len(prompt_ids), max_new_tokens)
+        generator = torch.Generator(device=device).manual_seed(self.config.seed)
+        return pipeline.generate(torch.tensor(prompt_ids, device=device), self.stop_rule(max_new_tokens),
+                                 generator, on_tokens=on_tokens)
 
 
 def build_runtime(config: PipelineConfig, log: Callable[[str], None]) -> Runtime:

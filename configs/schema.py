@@ -58,6 +58,16 @@ class StageConfig(Strict):
     heuristic); or the cost model from measured acceptance and cost, which may bypass the stage."""
 
 
+class LongDocumentsConfig(Strict):
+    strategy: Literal["truncate", "map_reduce"] = "truncate"
+    """What ``cascade.summarize`` does with a document longer than the usable context: keep its head
+    and tail and say how much was dropped, or summarize chunks of it and then their summaries."""
+    head_share: float = Field(0.5, gt=0.0, lt=1.0)
+    """truncate: share of the kept tokens taken from the document's head; the rest is its tail."""
+    chunk_tokens: int | None = Field(None, ge=64)
+    """map_reduce: document tokens per chunk; null fills the usable context."""
+
+
 class PipelineConfig(Strict):
     stages: list[StageConfig] = Field(min_length=1)
     """Cheapest first; the last stage is the full-cache target that decides every token."""
@@ -77,6 +87,8 @@ class PipelineConfig(Strict):
     """Weights and KV dtype; auto picks bfloat16 on CUDA and on CPUs with AVX-512 BF16."""
     seed: int = Field(0, ge=0)
     """Seed of the sampling random generator."""
+    long_documents: LongDocumentsConfig = LongDocumentsConfig()
+    """How summarization jobs treat documents longer than the usable context."""
 
     @model_validator(mode="after")
     def _last_stage_is_exact(self) -> PipelineConfig:

@@ -1,0 +1,122 @@
+"""The Ray backend: documents spread over worker actors, with the local backend's guarantees.
+
+Each worker loads the models once. Before it returns a document's record it writes it to its own
+shard file (``<output>.shards/<id hash>.json``, temporary name then rename). The driver appends each
+returned record to the output and only then deletes the shard file, so a driver killed in between
+finds the record on its next run and merges it first. A worker that dies is restarted by Ray and
+its document retried; a document whose retries all fail gets an error line.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from cascade.errors import CascadeError
+from cascade.summarize.documents import Document
+from cascade.summarize.job import Job, Outcome, Progress, error_record, pending_documents, record_for
+from cascade.summarize.local import summarizer_for
+from cascade.summarize.results import ResultLog
+from cascade.summarize.summarizer import Summarizer
+
+TASK_RETRIES = 3
+
+
+class SummaryWorker:
+    """A Ray actor: one runtime, one document per call."""
+
+    def __init__(self, job: Job, shard_dir: str, make_summarizer: Callable[[Job], Summarizer]) -> None:
+        self.job = job
+        self.shard_dir = Path(shard_dir)
+        self.summarizer = functools.cache(lambda: make_summarizer(job))
+
+    def summarize(self, document: Document) -> tuple[dict, str]:
+        record = record_for(document, self.summarizer, self.job.config_hash)
+        return record, str(write_shard(self.shard_dir, record))
+
+
+def write_shard(shard_dir: Path, record: dict) -> Path:
+    shard_dir.mkdir(parents=True, exist_ok=True)
+    path = shard_dir / f"{hashlib.sha1(record['id'].encode()).hexdigest()}.json"
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    partial.write_text(json.dumps(record, ensure_ascii=False))
+    os.replace(partial, path)
+    return path
+
+
+def merge_shards(shard_dir: Path, log: ResultLog) -> int:
+    """Append the records a killed driver left in ``shard_dir`` (unless the output has them); -> count."""
+    if not shard_dir.is_dir():
+        return 0
+    present = {(record["id"], record.get("stats", {}).get("config_hash")) for record in log.records()}
+    merged = 0
+    for path in sorted(shard_dir.glob("*.json")):
+        record = json.loads(path.read_text())
+        if (record["id"], record.get("stats", {}).get("config_hash")) not in present:
+            log.append(record)
+            merged += 1
+        path.unlink()
+    return merged
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise CascadeError("the ray backend needs Ray: pip install -e '.[ray]'") from None
+    return ray
+
+
+def run_ray(job: Job, workers: int, address: str | None = None,
+            make_summarizer: Callable[[Job], Summarizer] = summarizer_for) -> Outcome:
+    ray = import_ray()
+    started_here = not ray.is_initialized()
+    if started_here:
+        ray.init(address=address, num_cpus=None if address else workers, include_dashboard=False,
+                 log_to_driver=not job.quiet)
+    try:
+        return drive(ray, job, workers, make_summarizer)
+    finally:
+        if started_here:
+            ray.shutdown()
+
+
+def drive(ray, job: Job, workers: int, make_summarizer: Callable[[Job], Summarizer]) -> Outcome:
+    log = ResultLog(job.output)
+    shard_dir = job.output.with_name(job.output.name + ".shards")
+    merge_shards(shard_dir, log)
+    pending, skipped = pending_documents(job, log)
+    outcome, progress = Outcome(skipped=skipped), Progress(len(pending), skipped, job.quiet)
+    actor_class = ray.remote(num_cpus=1, max_restarts=-1, max_task_retries=TASK_RETRIES)(SummaryWorker)
+    actors = [actor_class.remote(job, str(shard_dir), make_summarizer) for _ in range(min(workers, len(pending)))]
+    queue, in_flight = list(reversed(pending)), {}
+
+    def submit(actor) -> None:
+        if queue:
+            document = queue.pop()
+            in_flight[actor.summarize.remote(document)] = (actor, document)
+
+    for actor in actors:
+        submit(actor)
+    try:
+        while in_flight:
+            [ready], _ = ray.wait(list(in_flight), num_returns=1)
+            actor, document = in_flight.pop(ready)
+            try:
+                record, shard = ray.get(ready)
+            except ray.exceptions.RayError as exc:
+                record, shard = error_record(document.id, f"worker failed {TASK_RETRIES + 1} times: "
+                                             f"{type(exc).__name__}", job.config_hash), None
+            log.append(record)
+            if shard is not None:
+                Path(shard).unlink(missing_ok=True)
+            outcome.count(record)
+            progress(record)
+            submit(actor)
+    finally:
+        progress.close()
+    return outcome

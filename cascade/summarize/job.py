@@ -1,0 +1,117 @@
+"""A summarization job: which documents are left, summarizing them in order, and one line each."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from cascade.errors import CascadeError
+from cascade.summarize.documents import Document, read_inputs
+from cascade.summarize.results import ResultLog
+from cascade.summarize.summarizer import Summarizer
+from configs import PipelineConfig
+
+
+@dataclass(frozen=True)
+class Job:
+    inputs: tuple[Path, ...]
+    output: Path
+    config: PipelineConfig
+    template: str
+    quiet: bool = False
+
+    @property
+    def config_hash(self) -> str:
+        """Identifies what a summary was made with: every config setting and the template."""
+        payload = json.dumps({"config": self.config.model_dump(mode="json"), "template": self.template},
+                             sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+@dataclass
+class Outcome:
+    summarized: int = 0
+    failed: int = 0
+    skipped: int = 0
+    """Already done under the same config hash."""
+
+    def count(self, record: dict) -> None:
+        self.failed += "error" in record
+        self.summarized += "summary" in record
+
+
+def pending_documents(job: Job, log: ResultLog) -> tuple[list[Document], int]:
+    """Documents still to do (a repeated id becomes an error), and how many were already done."""
+    done = log.done(job.config_hash)
+    pending, seen, skipped = [], set(), 0
+    for document in read_inputs(list(job.inputs)):
+        if document.id in seen:
+            pending.append(Document(document.id, error="duplicate id: an earlier input has the same id"))
+            continue
+        seen.add(document.id)
+        if document.id in done:
+            skipped += 1
+        else:
+            pending.append(document)
+    return pending, skipped
+
+
+def summary_record(document: Document, summarizer: Summarizer, config_hash: str) -> dict:
+    started = time.perf_counter()
+    summary = summarizer.summarize(document.text)
+    stats = {**summary.stats.to_dict(), "wall_s": round(time.perf_counter() - started, 3), "config_hash": config_hash}
+    return {"id": document.id, "summary": summary.text, **({"note": summary.note} if summary.note else {}),
+            "stats": stats}
+
+
+def error_record(document_id: str, error: str, config_hash: str) -> dict:
+    return {"id": document_id, "error": error, "stats": {"config_hash": config_hash}}
+
+
+def record_for(document: Document, summarizer: Callable[[], Summarizer], config_hash: str) -> dict:
+    """The output line of ``document``: its summary, or why it has none. ``summarizer()`` is called
+    only for a readable document (loading the models is left until one needs them)."""
+    if document.error is not None:
+        return error_record(document.id, document.error, config_hash)
+    try:
+        return summary_record(document, summarizer(), config_hash)
+    except CascadeError as exc:
+        return error_record(document.id, str(exc), config_hash)
+
+
+class Progress:
+    """A bar of documents with the decode speed, or (quiet) one log line per document."""
+
+    def __init__(self, total: int, skipped: int, quiet: bool) -> None:
+        self.quiet, self.new_tokens, self.decode_s = quiet, 0, 0.0
+        self.bar = None if quiet else tqdm(total=total, unit="doc", desc="summarizing", file=sys.stderr)
+        self.log(f"cascade.summarize: {total} documents to do, {skipped} already done")
+
+    def log(self, message: str) -> None:
+        if self.quiet:
+            print(message, file=sys.stderr, flush=True)
+
+    def __call__(self, record: dict) -> None:
+        stats = record["stats"]
+        self.new_tokens += stats.get("new_tokens", 0)
+        self.decode_s += stats.get("decode_s", 0.0)
+        rate = self.new_tokens / self.decode_s if self.decode_s else 0.0
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix_str(f"{rate:.1f} tok/s")
+        elif "error" in record:
+            self.log(f"failed {record['id']}: {record['error']}")
+        else:
+            self.log(f"done {record['id']}: {stats['prompt_tokens']} prompt tokens, {stats['new_tokens']} new, "
+                     f"{stats['tokens_per_s']} tok/s")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

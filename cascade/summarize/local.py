@@ -1,0 +1,34 @@
+"""The default backend: documents one after another in this process."""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+from cascade.runtime import build_runtime
+from cascade.summarize.job import Job, Outcome, Progress, pending_documents, record_for
+from cascade.summarize.results import ResultLog
+from cascade.summarize.summarizer import Summarizer
+
+
+def summarizer_for(job: Job) -> Summarizer:
+    runtime = build_runtime(job.config, log=lambda message: print(message, file=sys.stderr))
+    return Summarizer(runtime, job.template, job.config.max_new_tokens)
+
+
+def run_local(job: Job) -> Outcome:
+    log = ResultLog(job.output)
+    pending, skipped = pending_documents(job, log)
+    outcome = Outcome(skipped=skipped)
+    progress = Progress(len(pending), skipped, job.quiet)
+
+    summarizer = functools.cache(lambda: summarizer_for(job))
+    try:
+        for document in pending:
+            record = record_for(document, summarizer, job.config_hash)
+            log.append(record)
+            outcome.count(record)
+            progress(record)
+    finally:
+        progress.close()
+    return outcome
