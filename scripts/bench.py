@@ -10,7 +10,7 @@ reports the median over rounds (peak RSS: the maximum); every ratio to the basel
 is taken within each round, then its median reported.
 
     python scripts/bench.py [--impls autoregressive self-spec transformers] [--contexts 1024 8000]
-        [--new-tokens 64] [--repeats 3] [--sampling greedy|sample] [--dtype bfloat16]
+        [--new-tokens 64] [--repeats 3] [--sampling greedy sample] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from cascade.checkpoint import yarn_scaling
 from cascade.data import DOCUMENTS, document_text
@@ -49,8 +50,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="rounds, each running every case once (medians reported)")
     parser.add_argument("--warmups", type=int, default=2,
                         help="generations on a shorter prompt before the measured one, per process")
-    parser.add_argument("--sampling", choices=sorted(SAMPLING), default="greedy",
-                        help="greedy, or sample at temperature 0.6 / top-p 0.9 (seeded)")
+    parser.add_argument("--sampling", nargs="+", choices=sorted(SAMPLING), default=["greedy"],
+                        help="greedy and/or sample at temperature 0.6 / top-p 0.9 (seeded)")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--document", choices=sorted(DOCUMENTS), default="plrabn12", help="prompt source")
     parser.add_argument("--target", help="checkpoint directory (default: the provisioned SmolLM2)")
@@ -88,13 +89,14 @@ def prompt_ids(path: Path, document: str, context: int) -> torch.Tensor:
     return torch.tensor(ids[:context])
 
 
-def run_cascade(args, impl: str, target: Path, draft: Path | None, prompt: torch.Tensor) -> tuple[dict, list[int]]:
+def run_cascade(args, impl: str, target: Path, draft: Path | None, prompt: torch.Tensor,
+                mode: str) -> tuple[dict, list[int]]:
     from cascade.pipeline import StopRule
     from cascade.runtime import build_runtime
     from configs import load_config
 
     settings = {"dtype": args.dtype, "max_new_tokens": args.new_tokens, "target.path": str(target),
-                **{f"sampling.{key}": value for key, value in SAMPLING[args.sampling].items()}}
+                **{f"sampling.{key}": value for key, value in SAMPLING[mode].items()}}
     if draft is not None:
         settings["draft.path"] = str(draft)
     if scaling := yarn_scaling(target, prompt.numel() + args.new_tokens):
@@ -127,7 +129,8 @@ class FirstTokenClock:
         pass
 
 
-def run_transformers(args, impl: str, target: Path, draft: Path | None, prompt: torch.Tensor) -> tuple[dict, list[int]]:
+def run_transformers(args, impl: str, target: Path, draft: Path | None, prompt: torch.Tensor,
+                     mode: str) -> tuple[dict, list[int]]:
     """Prefill = time to the first new token; decode = the rest."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging
@@ -144,7 +147,7 @@ def run_transformers(args, impl: str, target: Path, draft: Path | None, prompt: 
     extra = {}
     if impl == "transformers-assisted":
         extra["assistant_model"] = AutoModelForCausalLM.from_pretrained(draft, dtype=dtype).eval()
-    sampling = SAMPLING[args.sampling]
+    sampling = SAMPLING[mode]
     if sampling["temperature"]:
         extra.update(do_sample=True, temperature=sampling["temperature"], top_p=sampling["top_p"], top_k=0)
     else:
@@ -169,11 +172,11 @@ def run_transformers(args, impl: str, target: Path, draft: Path | None, prompt: 
 
 def run_case(args: argparse.Namespace) -> dict:
     """One measurement of one case in this process: {"run": figures, "token_ids": generated}."""
-    impl, context = args.case.split(":")
+    impl, context, mode = args.case.split(":")
     target, draft = model_dirs(args, impl)
     prompt = prompt_ids(target, args.document, int(context))
     runner = run_transformers if impl.startswith("transformers") else run_cascade
-    run, tokens = runner(args, impl, target, draft, prompt)
+    run, tokens = runner(args, impl, target, draft, prompt, mode)
     run["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"run": run, "token_ids": tokens}
 
@@ -184,10 +187,10 @@ def run_case(args: argparse.Namespace) -> dict:
 RATES = ("decode_tokens_per_s", "prefill_tokens_per_s")
 
 
-def spawn_case(args: argparse.Namespace, impl: str, context: int) -> dict:
-    command = [sys.executable, __file__, "--case", f"{impl}:{context}", "--new-tokens", str(args.new_tokens),
+def spawn_case(args: argparse.Namespace, impl: str, context: int, mode: str) -> dict:
+    command = [sys.executable, __file__, "--case", f"{impl}:{context}:{mode}", "--new-tokens", str(args.new_tokens),
                "--dtype", args.dtype, "--document", args.document, "--warmups", str(args.warmups),
-               "--sampling", args.sampling, "--contexts", str(context),
+               "--contexts", str(context),
                *(["--target", args.target] if args.target else []),
                *(["--draft", args.draft] if args.draft else []),
                *[arg for setting in args.set for arg in ("--set", setting)]]
@@ -197,47 +200,63 @@ def spawn_case(args: argparse.Namespace, impl: str, context: int) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def run_round(args: argparse.Namespace, cases: list[tuple[str, int]], index: int) -> dict:
-    """Every case once, in order on even rounds and in reverse on odd ones -> {(impl, context): case}."""
+Case = tuple[str, int, str]
+"""(implementation, context, sampling mode)."""
+
+
+def run_round(args: argparse.Namespace, cases: list[Case], index: int, bar: tqdm) -> dict:
+    """Every case once, in order on even rounds and in reverse on odd ones -> {case: measurement}."""
     order = cases if index % 2 == 0 else cases[::-1]
     measured = {}
-    for slot, (impl, context) in enumerate(order):
+    for slot, (impl, context, mode) in enumerate(order):
         started = time.perf_counter()
-        case = spawn_case(args, impl, context)
+        bar.set_postfix_str(f"round {index + 1}: {impl} @ {context} {mode}")
+        case = spawn_case(args, impl, context, mode)
         run = case["run"]
         run.update(round=index, slot=slot)
-        log(f"[round {index + 1}/{args.repeats} {impl:21} ctx {context:>6}] decode "
-            f"{run['decode_tokens_per_s']:7.1f} tok/s, prefill {run['prefill_tokens_per_s']:7.1f} tok/s, "
-            f"peak RSS {run['peak_rss_mb']:6.0f} MB ({time.perf_counter() - started:.0f} s)")
-        measured[(impl, context)] = case
+        bar.write(f"[round {index + 1}/{args.repeats} {impl:21} ctx {context:>6} {mode:6}] decode "
+                  f"{run['decode_tokens_per_s']:7.1f} tok/s, prefill {run['prefill_tokens_per_s']:7.1f} tok/s, "
+                  f"peak RSS {run['peak_rss_mb']:6.0f} MB ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+        bar.update(1)
+        measured[(impl, context, mode)] = case
     return measured
 
 
-def summarize(args: argparse.Namespace, impl: str, context: int, cases: list[dict]) -> dict:
+def summarize(args: argparse.Namespace, case: Case, cases: list[dict]) -> dict:
     """One case over its rounds: median rates, maximum peak RSS, the per-round figures in ``runs``."""
+    impl, context, mode = case
     runs = [case["run"] for case in cases]
-    if args.sampling == "greedy" and any(case["token_ids"] != cases[0]["token_ids"] for case in cases):
+    if mode == "greedy" and any(case["token_ids"] != cases[0]["token_ids"] for case in cases):
         log(f"warning: {impl} at context {context} generated different tokens in different rounds")
-    return {"impl": impl, "context": context, "new_tokens": args.new_tokens, "dtype": args.dtype,
-            "sampling": args.sampling, **{key: statistics.median(run[key] for run in runs) for key in RATES},
+    decode = statistics.median(run["decode_tokens_per_s"] for run in runs)
+    stages = runs[0].get("stats", {}).get("stages", [])[:-1]
+    return {"preset": impl, "context": context, "temperature": SAMPLING[mode]["temperature"], "sampling": mode,
+            "tokens_per_s": decode, "ms_per_token": 1000 / decode, "speedup_vs_autoregressive": None,
+            "acceptance": {stage["name"]: stage["acceptance_rate"] for stage in stages},
+            "new_tokens": args.new_tokens, "dtype": args.dtype,
+            **{key: statistics.median(run[key] for run in runs) for key in RATES},
             "peak_rss_mb": max(run["peak_rss_mb"] for run in runs),
             "runs": runs, "token_ids": cases[0]["token_ids"]}
 
 
 def ratios(runs: list[dict], baseline: str) -> list[dict]:
-    """Each implementation over the baseline per context: rates per round (side by side), then their
-    median; peak RSS as the ratio of the cases' peaks. Greedy runs also count the tokens shared."""
-    by_key = {(run["impl"], run["context"]): run for run in runs}
+    """Each implementation over the baseline per context and sampling: rates per round (side by side),
+    then their median; peak RSS as the ratio of the cases' peaks. Greedy runs also count the tokens
+    shared. Sets each run's ``speedup_vs_autoregressive`` when autoregressive is the baseline."""
+    by_key = {(run["preset"], run["context"], run["sampling"]): run for run in runs}
     out = []
     for run in runs:
-        if run["impl"] == baseline:
+        if run["preset"] == baseline:
             continue
-        base = by_key[(baseline, run["context"])]
+        base = by_key[(baseline, run["context"], run["sampling"])]
         per_round = {key: [a[key] / b[key] for a, b in zip(run["runs"], base["runs"], strict=True)] for key in RATES}
-        out.append({"impl": run["impl"], "baseline": baseline, "context": run["context"],
-                    **{key: statistics.median(per_round[key]) for key in RATES},
-                    "peak_rss_mb": run["peak_rss_mb"] / base["peak_rss_mb"], "per_round": per_round,
-                    "same_prefix_tokens": common_prefix(run["token_ids"], base["token_ids"])})
+        row = {"preset": run["preset"], "baseline": baseline, "context": run["context"], "sampling": run["sampling"],
+               **{key: statistics.median(per_round[key]) for key in RATES},
+               "peak_rss_mb": run["peak_rss_mb"] / base["peak_rss_mb"], "per_round": per_round,
+               "same_prefix_tokens": common_prefix(run["token_ids"], base["token_ids"])}
+        if baseline == "autoregressive":
+            run["speedup_vs_autoregressive"] = row[RATES[0]]
+        out.append(row)
     return out
 
 
@@ -256,25 +275,24 @@ def machine() -> dict:
 
 
 def table(runs: list[dict], ratio_rows: list[dict]) -> str:
-    lines = ["| context | implementation | decode tok/s | prefill tok/s | peak RSS (MB) | decode vs "
-             f"{ratio_rows[0]['baseline'] if ratio_rows else 'baseline'} | accepted per round |",
-             "|---:|---|---:|---:|---:|---:|---|"]
-    ratio_of = {(row["impl"], row["context"]): row for row in ratio_rows}
+    lines = ["| context | sampling | implementation | decode tok/s | prefill tok/s | peak RSS (MB) | decode vs "
+             f"{ratio_rows[0]['baseline'] if ratio_rows else 'baseline'} | acceptance per stage |",
+             "|---:|---|---|---:|---:|---:|---:|---|"]
+    ratio_of = {(row["preset"], row["context"], row["sampling"]): row for row in ratio_rows}
     for run in runs:
-        ratio = ratio_of.get((run["impl"], run["context"]))
-        accepted = " / ".join(f"{stage['mean_accepted_run']:.2f}" for stage in
-                              run["runs"][0].get("stats", {}).get("stages", [])[:-1])
-        lines.append(f"| {run['context']} | {run['impl']} | {run['decode_tokens_per_s']:.1f} | "
+        ratio = ratio_of.get((run["preset"], run["context"], run["sampling"]))
+        acceptance = " / ".join(f"{rate:.2f}" for rate in run["acceptance"].values())
+        lines.append(f"| {run['context']} | {run['sampling']} | {run['preset']} | {run['decode_tokens_per_s']:.1f} | "
                      f"{run['prefill_tokens_per_s']:.1f} | {run['peak_rss_mb']:.0f} | "
-                     f"{f'**{ratio[RATES[0]]:.2f}x**' if ratio else '1'} | {accepted} |")
+                     f"{f'**{ratio[RATES[0]]:.2f}x**' if ratio else '1'} | {acceptance} |")
     return "\n".join(lines)
 
 
 def drive(args: argparse.Namespace) -> None:
-    cases = [(impl, context) for context in args.contexts for impl in args.impls]
-    rounds = [run_round(args, cases, index) for index in range(args.repeats)]
-    runs = [summarize(args, impl, context, [measured[(impl, context)] for measured in rounds])
-            for impl, context in cases]
+    cases = [(impl, context, mode) for mode in args.sampling for context in args.contexts for impl in args.impls]
+    with tqdm(total=len(cases) * args.repeats, desc="bench", unit="case", file=sys.stderr) as bar:
+        rounds = [run_round(args, cases, index, bar) for index in range(args.repeats)]
+    runs = [summarize(args, case, [measured[case] for measured in rounds]) for case in cases]
     ratio_rows = ratios(runs, args.impls[0])
     settings = {key: getattr(args, key) for key in
                 ("impls", "document", "contexts", "new_tokens", "repeats", "warmups", "sampling", "dtype", "set")}

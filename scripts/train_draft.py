@@ -35,10 +35,12 @@ NUMBER_TYPES = {"int": int, "float": float}
 
 
 def add_dataclass_options(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
-    """One ``--option`` per int / float field of ``cls``, defaulting to the field's default."""
+    """One ``--option`` per int / float field of ``cls``, defaulting to the field's default (a name that
+    two plans share, like ``seed``, is one option for both)."""
     group = parser.add_argument_group(title)
+    taken = {action.dest for action in parser._actions}
     for field in fields(cls):
-        if field.type in NUMBER_TYPES:
+        if field.type in NUMBER_TYPES and field.name not in taken:
             group.add_argument(f"--{field.name.replace('_', '-')}", type=NUMBER_TYPES[field.type],
                                default=field.default)
 
