@@ -104,14 +104,15 @@ class Runtime:
         return StopRule(frozenset(self.target.eos_token_ids), max_new_tokens)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int | None = None,
-                 on_tokens: TokenCallback | None = None) -> GenerationResult:
-        """Generate after ``prompt_ids`` with fresh caches and the config's seed (checked first)."""
+                 on_tokens: TokenCallback | None = None, stop_at_eos: bool = True) -> GenerationResult:
+        """Generate after ``prompt_ids`` with fresh caches and the config's seed (checked first).
+        ``stop_at_eos=False`` makes exactly ``max_new_tokens`` (for measurements)."""
         max_new_tokens = max_new_tokens or self.config.max_new_tokens
         device = self.target.model.device
         pipeline = self.pipeline_for(len(prompt_ids), max_new_tokens)
         generator = torch.Generator(device=device).manual_seed(self.config.seed)
-        return pipeline.generate(torch.tensor(prompt_ids, device=device), self.stop_rule(max_new_tokens),
-                                 generator, on_tokens=on_tokens)
+        stop = self.stop_rule(max_new_tokens) if stop_at_eos else StopRule(frozenset(), max_new_tokens)
+        return pipeline.generate(torch.tensor(prompt_ids, device=device), stop, generator, on_tokens=on_tokens)
 
 
 def build_runtime(config: PipelineConfig, log: Callable[[str], None]) -> Runtime:

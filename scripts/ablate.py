@@ -1,0 +1,72 @@
+"""Cache-policy and setting ablations: a YAML grid of runs, one CSV row each, a JSON summary, plots.
+
+Runs already in the CSV are skipped, so a killed sweep continues where it stopped (the CSV is the
+state; delete it to start over). Each run loads its config, warms up on a short prompt, and reports
+the median decode speed of ``--repeats`` generations; speed-ups are over the autoregressive run of
+the same document, context, temperature and length, which the grid adds by itself.
+
+    python scripts/ablate.py [--grid scripts/grids/triforce.yaml | --quick] [--out results/ablation]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+from cascade.ablation.grid import expand, load_grid
+from cascade.ablation.measure import measure
+from cascade.ablation.plots import plot_sweep, sweep_summary
+from cascade.ablation.store import RunTable
+from cascade.errors import CascadeError
+from cascade.models import default_model
+
+GRIDS = Path(__file__).parent / "grids"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--grid", type=Path, default=GRIDS / "triforce.yaml")
+    parser.add_argument("--quick", action="store_true", help=f"the small grid {GRIDS / 'quick.yaml'} (minutes)")
+    parser.add_argument("--out", type=Path, help="folder for runs.csv, summary.json and the PNGs "
+                                                 "(default: results/ablation[-quick])")
+    parser.add_argument("--repeats", type=int, default=1, help="measured generations per run (median)")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--target", type=Path, help="default: the provisioned SmolLM2")
+    args = parser.parse_args()
+    grid_path = GRIDS / "quick.yaml" if args.quick else args.grid
+    out = args.out or Path("results") / ("ablation-quick" if args.quick else "ablation")
+    try:
+        grid = load_grid(grid_path)
+        target = args.target or default_model("target", log=print)
+        sweep(grid, grid_path, target, out, args)
+    except CascadeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def sweep(grid, grid_path: Path, target: Path, out: Path, args: argparse.Namespace) -> None:
+    table = RunTable(out / "runs.csv")
+    done = table.rows()
+    runs = expand(grid)
+    todo = [run for run in runs if run.id not in done]
+    print(f"{len(runs)} runs in {grid_path.name}: {len(runs) - len(todo)} done, {len(todo)} to go", file=sys.stderr)
+    with tqdm(todo, desc="ablation", unit="run", file=sys.stderr) as bar:
+        for run in bar:
+            bar.set_postfix_str(" ".join(f"{k}={v}" for k, v in run.settings if k not in ("document",)))
+            table.append(measure(run, target, args.dtype, args.repeats))
+    rows = table.rows()
+    plots = [plot_sweep(name, grid, spec, rows, out) for name, spec in grid.sweeps.items()]
+    summary = {"grid": str(grid_path), "dtype": args.dtype, "repeats": args.repeats,
+               "sweeps": {name: sweep_summary(grid, spec, rows) for name, spec in grid.sweeps.items()},
+               "plots": [str(path) for path in plots if path is not None]}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"wrote {out / 'runs.csv'}, {out / 'summary.json'} and {len(summary['plots'])} plots", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
