@@ -3,7 +3,9 @@
 - Greedy top-1 agreement (``cascade.draft.agreement``): teacher forcing on held-out documents at each
   context; the draft reads through the ``triforce`` preset's StreamingLLM cache, the target reads all.
 - Acceptance as tier 0 of the ``triforce`` preset, generating ``--new-tokens`` after the first N tokens
-  of ``--document`` at temperature 0 and 0.6 (top-p 1). Below the retrieval budget the optional
+  of ``--document`` at temperature 0 and 0.6 (top-p 1): the share of proposed tokens accepted, and
+  the per-token acceptance (maximum likelihood over the accepted runs; a proposal after a rejection
+  is never judged, so the share of proposals is lower). Below the retrieval budget the optional
   retrieval stage is dropped, so there the draft proposes straight to the full-cache target.
 
 Writes JSON (``--out``) and, with ``--card``, stores the figures and a small fixed sample's
@@ -53,14 +55,15 @@ def agreement(target: Path, draft: Path, document: str, tokens: int, evaluated: 
 
 def triforce_acceptance(target: Path, draft: Path, prompt: torch.Tensor, new_tokens: int, temperature: float) -> dict:
     settings = {"max_new_tokens": new_tokens, "sampling.temperature": temperature, "sampling.top_p": 1.0,
-                "sampling.seed": 0, "target.path": str(target), "draft.path": str(draft)}
+                "seed": 0, "target.path": str(target), "draft.path": str(draft)}
     if scaling := yarn_scaling(target, prompt.numel() + new_tokens):
         settings["target.rope_scaling"] = scaling
     _, config = load_config("triforce", None, [], settings)
     runtime = build_runtime(config, log=lambda message: print(message, file=sys.stderr))
     result = runtime.pipeline_for(prompt.numel(), new_tokens).generate(prompt, StopRule(frozenset(), new_tokens))
     tier0, verifier = result.stats.stages[0], result.stats.stages[1]
-    return {"acceptance": tier0.acceptance_rate, "mean_accepted_run": tier0.mean_accepted_run,
+    return {"acceptance": tier0.acceptance_rate, "acceptance_per_token": tier0.acceptance_mle,
+            "mean_accepted_run": tier0.mean_accepted_run, "gamma": tier0.mean_gamma,
             "proposed": tier0.proposed, "verified_by": verifier.name}
 
 
@@ -93,8 +96,8 @@ def main() -> None:
             row = {"document": args.document, "context": context, "temperature": temperature,
                    **triforce_acceptance(target, draft, prompt, args.new_tokens, temperature)}
             results["acceptance"].append(row)
-            print(f"triforce tier-0 acceptance @ {context}, T={temperature}: {row['acceptance']:.3f} "
-                  f"(verified by {row['verified_by']})", flush=True)
+            print(f"triforce tier-0 acceptance @ {context}, T={temperature}: {row['acceptance']:.3f} of proposals, "
+                  f"{row['acceptance_per_token']:.3f} per token (verified by {row['verified_by']})", flush=True)
     sample = {**SAMPLE, "agreement": agreement(target, draft, SAMPLE["document"], SAMPLE["tokens"],
                                                SAMPLE["evaluated"], torch.float32)}
     results["sample"] = sample

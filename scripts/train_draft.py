@@ -42,7 +42,7 @@ def add_dataclass_options(parser: argparse.ArgumentParser, cls: type, title: str
     for field in fields(cls):
         if field.type in NUMBER_TYPES and field.name not in taken:
             group.add_argument(f"--{field.name.replace('_', '-')}", type=NUMBER_TYPES[field.type],
-                               default=field.default)
+                               default=field.default, help=f"{cls.__name__}.{field.name}")
 
 
 def from_args(cls: type, args: argparse.Namespace):
@@ -93,7 +93,8 @@ def save(draft: LlamaForCausalLM, target_dir: Path, out: Path, card: dict) -> No
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--work", type=Path, required=True, help="labels and checkpoints (resumable)")
     parser.add_argument("--out", type=Path, required=True, help="where the trained draft is saved")
     parser.add_argument("--target", type=Path, help="target checkpoint (default: the provisioned SmolLM2)")

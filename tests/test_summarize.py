@@ -166,8 +166,10 @@ def crashing_once_summarizer(job: Job):
 
 @pytest.mark.slow
 def test_ray_backend_on_two_workers_retries_a_killed_workers_document(tiny_dir, tmp_path, monkeypatch):
-    pytest.importorskip("ray")
+    ray = pytest.importorskip("ray")
     from cascade.summarize.distributed import run_ray
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import this test module
 
     folder = tmp_path / "docs"
     folder.mkdir()

