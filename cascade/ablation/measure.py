@@ -18,8 +18,9 @@ from configs import load_config
 
 BUDGET_GRANULE = 64
 """Budgets from ``budget_share`` are rounded to this: a multiple of every chunk size swept."""
-WARMUP = (512, 8)
-"""Prompt and new tokens of the warm-up generation each run makes before it measures."""
+WARMUP_TOKENS = 2
+"""New tokens of the warm-up generation (on the run's own prompt: a shorter one could fall within a
+sparse stage's budget) each run makes before it measures."""
 
 
 @cache
@@ -67,7 +68,7 @@ def measure(run: Run, target: Path, dtype: str, repeats: int) -> dict[str, Any]:
     _, config = load_config(run.get("preset"), None, [], config_settings(run, target, dtype))
     runtime = build_runtime(config, log=lambda message: None)
     prompt = list(prompt_ids(target, run.get("document"), run.get("context")))
-    runtime.generate(prompt[:WARMUP[0]], WARMUP[1], stop_at_eos=False)
+    runtime.generate(prompt, WARMUP_TOKENS, stop_at_eos=False)
     results = [runtime.generate(prompt, run.get("new_tokens"), stop_at_eos=False) for _ in range(repeats)]
     stats = results[-1].stats
     speeds = [result.stats.tokens_per_s for result in results]
