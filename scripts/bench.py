@@ -30,7 +30,7 @@ import torch
 from tqdm import tqdm
 
 from cascade.checkpoint import yarn_scaling
-from cascade.data import DOCUMENTS, document_text
+from cascade.data import DOCUMENTS, document_ids
 from cascade.errors import CascadeError
 
 PRESETS = ("autoregressive", "speculative", "self-spec", "triforce")
@@ -78,20 +78,8 @@ def model_dirs(args: argparse.Namespace, impl: str) -> tuple[Path, Path | None]:
     return target, Path(args.draft) if args.draft else default_model("draft", log=log)
 
 
-def prompt_ids(path: Path, document: str, context: int) -> torch.Tensor:
-    """The first ``context`` tokens of ``document`` under the checkpoint's tokenizer -> [T]."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    ids = tokenizer(document_text(document, log), add_special_tokens=False, verbose=False)["input_ids"]
-    if len(ids) < context:
-        raise CascadeError(f"document {document!r} has only {len(ids)} tokens; need {context}")
-    return torch.tensor(ids[:context])
-
-
 def run_cascade(args, impl: str, target: Path, draft: Path | None, prompt: torch.Tensor,
                 mode: str) -> tuple[dict, list[int]]:
-    from cascade.pipeline import StopRule
     from cascade.runtime import build_runtime
     from configs import load_config
 
@@ -103,11 +91,10 @@ def run_cascade(args, impl: str, target: Path, draft: Path | None, prompt: torch
         settings["target.rope_scaling"] = scaling
     _, config = load_config(impl, None, args.set, settings)
     runtime = build_runtime(config, log=log)
-    stop = StopRule(frozenset(), args.new_tokens)  # no EOS: exactly N tokens, like min_new_tokens
     warmup = prompt[: min(prompt.numel(), WARMUP_TOKENS)]
     for prompt_now in [warmup] * args.warmups + [prompt]:  # the last generation is the measured one
-        pipeline = runtime.pipeline_for(prompt_now.numel(), args.new_tokens)
-        result = pipeline.generate(prompt_now, stop, torch.Generator().manual_seed(0))
+        # no EOS: exactly N tokens, like min_new_tokens; seeded from the config (seed 0)
+        result = runtime.generate(prompt_now.tolist(), args.new_tokens, stop_at_eos=False)
     stats = result.stats.to_dict()
     return {"prefill_s": stats["prefill_s"], "decode_s": stats["decode_s"],
             "prefill_tokens_per_s": prompt.numel() / stats["prefill_s"],
@@ -174,7 +161,7 @@ def run_case(args: argparse.Namespace) -> dict:
     """One measurement of one case in this process: {"run": figures, "token_ids": generated}."""
     impl, context, mode = args.case.split(":")
     target, draft = model_dirs(args, impl)
-    prompt = prompt_ids(target, args.document, int(context))
+    prompt = torch.tensor(document_ids(target, args.document, int(context)))
     runner = run_transformers if impl.startswith("transformers") else run_cascade
     run, tokens = runner(args, impl, target, draft, prompt, mode)
     run["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

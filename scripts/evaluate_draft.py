@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 
 from cascade.checkpoint import load_model, yarn_scaling
-from cascade.data import document_text
+from cascade.data import document_ids
+from cascade.errors import CascadeError
 from cascade.draft.agreement import greedy_agreement
 from cascade.draft.teacher import HELD_OUT
 from cascade.models import default_model
-from cascade.pipeline import StopRule
 from cascade.runtime import build_runtime
 from configs import load_config
 
@@ -36,21 +36,11 @@ SAMPLE = {"document": "lcet10", "tokens": 768, "evaluated": 256, "dtype": "float
 """The card's fixed sample: small enough for a unit test to recompute."""
 
 
-def token_ids(target: Path, document: str, count: int) -> torch.Tensor:
-    from transformers import AutoTokenizer
-
-    ids = AutoTokenizer.from_pretrained(target)(document_text(document), add_special_tokens=False,
-                                               verbose=False)["input_ids"]
-    if len(ids) < count:
-        raise SystemExit(f"{document} has {len(ids)} tokens, fewer than the {count} asked for")
-    return torch.tensor(ids[:count])
-
-
 def agreement(target: Path, draft: Path, document: str, tokens: int, evaluated: int, dtype: torch.dtype) -> float:
     cpu = torch.device("cpu")
     target_model = load_model(target, dtype, cpu, yarn_scaling(target, tokens))
     draft_model = load_model(draft, dtype, cpu)
-    return greedy_agreement(target_model, draft_model, token_ids(target, document, tokens), evaluated)
+    return greedy_agreement(target_model, draft_model, torch.tensor(document_ids(target, document, tokens)), evaluated)
 
 
 def triforce_acceptance(target: Path, draft: Path, prompt: torch.Tensor, new_tokens: int, temperature: float) -> dict:
@@ -60,7 +50,7 @@ def triforce_acceptance(target: Path, draft: Path, prompt: torch.Tensor, new_tok
         settings["target.rope_scaling"] = scaling
     _, config = load_config("triforce", None, [], settings)
     runtime = build_runtime(config, log=lambda message: print(message, file=sys.stderr))
-    result = runtime.pipeline_for(prompt.numel(), new_tokens).generate(prompt, StopRule(frozenset(), new_tokens))
+    result = runtime.generate(prompt.tolist(), new_tokens, stop_at_eos=False)
     tier0, verifier = result.stats.stages[0], result.stats.stages[1]
     return {"acceptance": tier0.acceptance_rate, "acceptance_per_token": tier0.acceptance_mle,
             "mean_accepted_run": tier0.mean_accepted_run, "gamma": tier0.mean_gamma,
@@ -86,12 +76,12 @@ def main() -> None:
         for document in HELD_OUT:
             try:
                 value = agreement(target, draft, document, context, args.evaluated, torch.bfloat16)
-            except SystemExit as short:
+            except CascadeError as short:
                 print(short, file=sys.stderr)
                 continue
             results["agreement"].append({"document": document, "context": context, "agreement": value})
             print(f"agreement {document} @ {context}: {value:.3f}", flush=True)
-        prompt = token_ids(target, args.document, context)
+        prompt = torch.tensor(document_ids(target, args.document, context))
         for temperature in (0.0, 0.6):
             row = {"document": args.document, "context": context, "temperature": temperature,
                    **triforce_acceptance(target, draft, prompt, args.new_tokens, temperature)}

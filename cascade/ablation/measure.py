@@ -12,7 +12,7 @@ from typing import Any
 from cache import POLICIES
 from cascade.ablation.grid import RUN_KEYS, Run
 from cascade.checkpoint import yarn_scaling
-from cascade.data import document_text
+from cascade.data import document_ids
 from cascade.runtime import build_runtime
 from configs import load_config
 
@@ -24,14 +24,9 @@ sparse stage's budget) each run makes before it measures."""
 
 
 @cache
-def prompt_ids(target: Path, document: str, context: int) -> tuple[int, ...]:
-    from transformers import AutoTokenizer
-
-    ids = AutoTokenizer.from_pretrained(target)(document_text(document), add_special_tokens=False,
-                                               verbose=False)["input_ids"]
-    if len(ids) < context:
-        raise ValueError(f"{document} has {len(ids)} tokens, fewer than the context {context}")
-    return tuple(ids[:context])
+def prompt_tokens(target: Path, document: str, context: int) -> tuple[int, ...]:
+    """A run's prompt, tokenized once per sweep."""
+    return tuple(document_ids(target, document, context))
 
 
 def sparse_stage(preset: str) -> int:
@@ -67,7 +62,7 @@ def measure(run: Run, target: Path, dtype: str, repeats: int) -> dict[str, Any]:
     started = time.perf_counter()
     _, config = load_config(run.get("preset"), None, [], config_settings(run, target, dtype))
     runtime = build_runtime(config, log=lambda message: None)
-    prompt = list(prompt_ids(target, run.get("document"), run.get("context")))
+    prompt = list(prompt_tokens(target, run.get("document"), run.get("context")))
     runtime.generate(prompt, WARMUP_TOKENS, stop_at_eos=False)
     results = [runtime.generate(prompt, run.get("new_tokens"), stop_at_eos=False) for _ in range(repeats)]
     stats = results[-1].stats

@@ -4,10 +4,11 @@ from cascade.data.corpus import (
     CORPORA,
     DOCUMENTS,
     Corpus,
+    document_ids,
     document_path,
     document_text,
     fetch_corpus,
     is_fetched,
 )
 
-__all__ = ["CORPORA", "DOCUMENTS", "Corpus", "document_path", "document_text", "fetch_corpus", "is_fetched"]
+__all__ = ["CORPORA", "DOCUMENTS", "Corpus", "document_ids", "document_path", "document_text", "fetch_corpus", "is_fetched"]

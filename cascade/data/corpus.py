@@ -98,6 +98,17 @@ def document_text(name: str, log: Log = lambda message: print(message, file=sys.
     return decode_text(path.read_bytes(), path)
 
 
+def document_ids(tokenizer_dir: Path, name: str, count: int) -> list[int]:
+    """The first ``count`` tokens of document ``name`` under the tokenizer in ``tokenizer_dir``."""
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(tokenizer_dir)(document_text(name), add_special_tokens=False,
+                                                       verbose=False)["input_ids"]
+    if len(ids) < count:
+        raise CascadeError(f"document {name!r} has only {len(ids)} tokens; {count} were asked for")
+    return ids[:count]
+
+
 def decode_text(data: bytes, path: Path) -> str:
     """UTF-8, else latin-1, CRLF line ends made LF; empty or binary (NUL bytes) data is rejected."""
     if not data or b"\0" in data:
