@@ -15,6 +15,7 @@ from einops import rearrange
 from torch import nn
 
 from cache.base import CacheLayout, CachePolicy
+from cascade import one_token
 from cascade.attention import attend
 from cascade.rope import Rotary, apply_rotary
 
@@ -96,9 +97,30 @@ class Block(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def one_token(self, x, cos, sin, cache: CachePolicy) -> torch.Tensor:
+        """The same block for x [1, 1, C] through the compiled kernels of ``cascade.one_token``."""
+        attn, spec = self.self_attn, self.self_attn.spec
+        query, key, value = one_token.pre_attention(
+            x, self.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, cos, sin,
+            self.input_layernorm.eps, spec.num_heads, spec.num_kv_heads,
+        )
+        view = cache.update(attn.layer, key, value, query)
+        attended = one_token.attend(query, view, attn.scale)  # [1, H, 1, D]
+        mlp = self.mlp
+        return one_token.post_attention(
+            x, attended, attn.o_proj.weight, self.post_attention_layernorm.weight,
+            mlp.gate_up_proj.weight, mlp.down_proj.weight, self.post_attention_layernorm.eps,
+        )
+
 
 class CausalLM(nn.Module):
-    """Token ids in, logits out; all state lives in the cache policy passed to ``forward``."""
+    """Token ids in, logits out; all state lives in the cache policy passed to ``forward``.
+
+    With ``one_token_kernels`` set, passes of a single token (decode steps, proposals) run through
+    the compiled CPU kernels of ``cascade.one_token``; longer passes always run eagerly.
+    """
+
+    one_token_kernels: bool = False
 
     def __init__(self, spec: ModelSpec, rotary: Rotary) -> None:
         super().__init__()
@@ -132,6 +154,10 @@ class CausalLM(nn.Module):
         positions = cache.allocate(token_ids.shape[1])  # [T]
         cos, sin = self.rotary.cos_sin(positions, self.dtype)  # [T, D] each
         x = self.embed_tokens(token_ids)  # [B, T, C]
+        if self.one_token_kernels and token_ids.shape == (1, 1):
+            for block in self.layers:
+                x = block.one_token(x, cos, sin, cache)
+            return one_token.logits(x, self.norm.weight, self.lm_head.weight, self.norm.eps)  # [1, 1, V]
         for block in self.layers:
             x = block(x, cos, sin, cache)
         if num_logits is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,7 +125,21 @@ def build_runtime(config: PipelineConfig, log: Callable[[str], None]) -> Runtime
     if uses_draft or config.draft.path is not None:
         draft = load_model(config.draft, "draft", dtype, device, log)
         check_same_vocabulary(target, draft)
+    compiled = config.kernels == "compiled" and one_token_kernels_available(device, log)
+    for loaded in (target, draft):
+        if loaded is not None:
+            loaded.model.one_token_kernels = compiled
     return Runtime(config, target, draft, log)
+
+
+def one_token_kernels_available(device: torch.device, log: Callable[[str], None]) -> bool:
+    """The compiled one-token kernels are CPU kernels, built by Inductor with the C++ compiler."""
+    if device.type != "cpu":
+        return False
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        log("no C++ compiler found: one-token passes run eagerly (kernels: eager), about half as fast")
+        return False
+    return True
 
 
 def load_model(

@@ -1,0 +1,92 @@
+"""Compiled kernels for one-token passes on CPU: decode steps and every speculative proposal.
+
+A one-token pass multiplies a single row by every weight matrix. PyTorch's bf16 matrix-vector
+product reads the weights at about a third of this CPU's memory bandwidth, and each layer also
+pays for a dozen small eager ops. Here each projection is written as a fused multiply-and-sum
+that torch.compile (Inductor) turns into one vectorised C++ loop streaming the weight once, and
+the ops around it (RMSNorm, rotary, residuals, SiLU) fuse into the same kernels: per layer one
+kernel before attention, one after, and one for attention over short caches. Shapes are dynamic,
+so one compiled graph serves every layer, every model and every cache length; Inductor keeps its
+compiled code on disk, so only a process's first call on a new machine pays the compilation.
+
+Products accumulate in float32 (as the eager bf16 kernels do) and round to the model's dtype
+where the eager path rounds; the result differs from the eager path only in summation order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from cache.base import AttentionView
+from cascade import attention
+
+MAX_COMPILED_ATTENTION_KEYS = 6144
+"""Up to this many cached keys the compiled attention kernel wins; beyond it the per-KV-head
+matrix products of ``cascade.attention`` are faster on this CPU (4K keys: 18 vs 23 ms over 30
+layers; 8K: 40 vs 35 ms)."""
+
+
+def _project(row: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """row [I] times weight [O, I] -> [O] in float32: one pass over the weight."""
+    return (weight * row).sum(-1, dtype=torch.float32)
+
+
+def _pre_attention(
+    x: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: torch.Tensor | None,
+    cos: torch.Tensor, sin: torch.Tensor, eps: float, num_heads: int, num_kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [1, 1, C] -> rotated query [1, H, 1, D], rotated key and value [1, H_kv, 1, D]."""
+    normed = F.rms_norm(x, norm_weight.shape, norm_weight, eps).reshape(-1)  # [C]
+    qkv = _project(normed, qkv_weight)  # [(H + 2 H_kv) D]
+    if qkv_bias is not None:
+        qkv = qkv + qkv_bias
+    qkv = qkv.to(x.dtype).reshape(num_heads + 2 * num_kv_heads, -1)  # [H + 2 H_kv, D]
+    query_key = qkv[: num_heads + num_kv_heads]
+    first, second = query_key.chunk(2, dim=-1)
+    rotated = query_key * cos + torch.cat((-second, first), dim=-1) * sin  # cos/sin [1, D]
+    query, key, value = rotated[:num_heads], rotated[num_heads:], qkv[num_heads + num_kv_heads :]
+    return query[None, :, None], key[None, :, None], value[None, :, None]
+
+
+def _post_attention(
+    x: torch.Tensor, attended: torch.Tensor, o_weight: torch.Tensor, norm_weight: torch.Tensor,
+    gate_up_weight: torch.Tensor, down_weight: torch.Tensor, eps: float,
+) -> torch.Tensor:
+    """Residual stream x [1, 1, C] and attention output [1, H, 1, D] -> the block's output [1, 1, C]."""
+    x = x + _project(attended.reshape(-1), o_weight).to(x.dtype)
+    normed = F.rms_norm(x, norm_weight.shape, norm_weight, eps).reshape(-1)  # [C]
+    gate, up = _project(normed, gate_up_weight).to(x.dtype).chunk(2)  # [F] each
+    return x + _project(F.silu(gate) * up, down_weight).to(x.dtype)
+
+
+def _logits(x: torch.Tensor, norm_weight: torch.Tensor, head_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Final hidden state x [1, 1, C] -> logits [1, 1, V]."""
+    normed = F.rms_norm(x, norm_weight.shape, norm_weight, eps).reshape(-1)
+    return _project(normed, head_weight).to(x.dtype)[None, None]
+
+
+def _attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per head [1, H, 1, D] over keys/values [1, H_kv, S, D] -> [1, H, 1, D].
+
+    Each KV head's query group [G, D] meets its keys directly (no expansion); softmax in float32.
+    """
+    num_kv_heads, head_dim = keys.shape[1], keys.shape[3]
+    groups = query.reshape(num_kv_heads, -1, head_dim)  # [H_kv, G, D]
+    scores = (groups[:, :, None, :] * keys[0][:, None]).sum(-1, dtype=torch.float32) * scale  # [H_kv, G, S]
+    weights = torch.softmax(scores, dim=-1)
+    out = (weights[:, :, None, :] * values[0].transpose(1, 2)[:, None]).sum(-1)  # [H_kv, G, D]
+    return out.to(query.dtype).reshape(1, -1, 1, head_dim)
+
+
+pre_attention = torch.compile(_pre_attention, dynamic=True)
+post_attention = torch.compile(_post_attention, dynamic=True)
+logits = torch.compile(_logits, dynamic=True)
+_compiled_attention = torch.compile(_attention, dynamic=True)
+
+
+def attend(query: torch.Tensor, view: AttentionView, scale: float) -> torch.Tensor:
+    """One query per head [1, H, 1, D] over the view -> [1, H, 1, D], by whichever kernel is faster."""
+    if view.mask is None and view.keys.shape[2] <= MAX_COMPILED_ATTENTION_KEYS:
+        return _compiled_attention(query, view.keys, view.values, scale)
+    return attention.attend(query, view, scale)

@@ -1,0 +1,107 @@
+"""The compiled one-token kernels compute what the eager forward pass computes.
+
+Tolerance: float32 logits within 5e-5 absolute on tiny models (logit scale ~1): the kernels
+differ from the eager ones only in summation order.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cache.full import FullCache
+from cache.registry import POLICIES, build_policy
+from cascade import one_token
+from cascade.checkpoint import load_model
+from cascade.runtime import build_runtime
+from configs.schema import PipelineConfig
+from tests.conftest import FAMILIES, make_checkpoint
+
+CPU = torch.device("cpu")
+PROMPT, GENERATED = 40, 12
+
+SMALL_POLICIES = {  # every registered policy, small enough to evict from a 40-token prompt
+    "full": {},
+    "streaming": {"sinks": 4, "window": 16},
+    "retrieval": {"budget": 16, "chunk_size": 4},
+    "h2o": {"budget": 16, "recent": 4},
+    "topk_oracle": {"budget": 16},
+}
+
+
+def tokens(model, count: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, model.spec.vocab_size, (1, count), generator=torch.Generator().manual_seed(seed))
+
+
+def decode(model, kind: str, compiled: bool) -> torch.Tensor:
+    """Logits [GENERATED, V] of one-token passes after a 40-token prompt, under policy ``kind``."""
+    layout = model.cache_layout(PROMPT + GENERATED)
+    entry = POLICIES[kind]
+    source = None
+    if entry.policy.reads_source:
+        source = FullCache(layout)
+        model(tokens(model, PROMPT, 0), source)
+        source.commit(PROMPT)
+    cache = build_policy(entry.config(**SMALL_POLICIES[kind]), layout, source)
+    if source is None:
+        model(tokens(model, PROMPT, 0), cache)
+        cache.commit(PROMPT)
+    model.one_token_kernels = compiled
+    logits = []
+    for token in tokens(model, GENERATED, 1)[0]:
+        logits.append(model(token.reshape(1, 1), cache)[0, 0])
+        cache.commit(cache.length)
+    model.one_token_kernels = False
+    return torch.stack(logits)
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family_model(request, tmp_path_factory):
+    return load_model(make_checkpoint(tmp_path_factory.mktemp(request.param) / "m", request.param), torch.float32, CPU)
+
+
+@pytest.mark.parametrize("attention_limit", [one_token.MAX_COMPILED_ATTENTION_KEYS, PROMPT + 4])
+def test_compiled_decode_equals_eager_for_every_family(family_model, attention_limit, monkeypatch):
+    """Both attention kernels: the compiled one, and past the limit the per-KV-head products."""
+    monkeypatch.setattr(one_token, "MAX_COMPILED_ATTENTION_KEYS", attention_limit)
+    torch.testing.assert_close(decode(family_model, "full", True), decode(family_model, "full", False),
+                               atol=5e-5, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return load_model(make_checkpoint(tmp_path_factory.mktemp("t") / "m", "llama-gqa-tied"), torch.float32, CPU)
+
+
+@pytest.mark.parametrize("kind", sorted(POLICIES))
+def test_compiled_decode_equals_eager_under_every_policy(tiny_model, kind):
+    torch.testing.assert_close(decode(tiny_model, kind, True), decode(tiny_model, kind, False), atol=5e-5, rtol=0)
+
+
+def test_compiled_bfloat16_decode_is_as_close_to_float32_as_eager(tmp_path):
+    """In bf16 both paths round; the compiled one must not stray further from float32 logits."""
+    checkpoint = make_checkpoint(tmp_path / "m", "qwen2-bias")
+    reference = decode(load_model(checkpoint, torch.float32, CPU), "full", False)
+    model = load_model(checkpoint, torch.bfloat16, CPU)
+    compiled_error = (decode(model, "full", True).float() - reference).abs().mean()
+    eager_error = (decode(model, "full", False).float() - reference).abs().mean()
+    assert compiled_error <= 1.25 * eager_error, (compiled_error, eager_error)
+
+
+def runtime_flags(checkpoint, messages: list[str], **settings) -> list[bool]:
+    config = PipelineConfig.model_validate({
+        "stages": [{"model": "draft", "cache": {"kind": "full"}}, {"model": "target", "cache": {"kind": "full"}}],
+        "target": {"path": str(checkpoint)}, "draft": {"path": str(checkpoint)}, "dtype": "float32", **settings,
+    })
+    runtime = build_runtime(config, log=messages.append)
+    return [runtime.target.model.one_token_kernels, runtime.draft.model.one_token_kernels]
+
+
+def test_runtime_sets_the_kernels_the_config_names(tiny_dir, monkeypatch):
+    messages: list[str] = []
+    assert runtime_flags(tiny_dir, messages) == [True, True]
+    assert runtime_flags(tiny_dir, messages, kernels="eager") == [False, False]
+    assert messages == []
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    assert runtime_flags(tiny_dir, messages) == [False, False]
+    assert any("no C++ compiler" in message for message in messages)
