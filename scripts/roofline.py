@@ -37,6 +37,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--budget", type=int, default=4096, help="retrieval budget")
     parser.add_argument("--repeats", type=int, default=7, help="timed passes per figure (median)")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--kernels", choices=["compiled", "eager"], default="compiled",
+                        help="one-token passes through the compiled kernels (as the runtime runs them) or eagerly")
     parser.add_argument("--out", type=Path, default=Path("results/roofline.json"))
     return parser.parse_args(argv)
 
@@ -89,6 +91,7 @@ def pass_figures(model, cache, tokens: int, repeats: int, bandwidth: float, peak
 def context_figures(args, path: Path, context: int, bandwidth: float, peak: float) -> dict:
     scaling = yarn_scaling(path, context + 64)
     model = load_checkpoint(path, getattr(torch, args.dtype), torch.device("cpu"), scaling).model
+    model.one_token_kernels = args.kernels == "compiled"
     layout = model.cache_layout(context + 64, args.gamma + 2)
     full = FullCache(layout)
     full.allocate(context)
@@ -120,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, row in figures["passes"].items():
             print(f"| {context} | {name} | {row['ms']:.1f} | {row['memory_ms']:.1f} | {row['compute_ms']:.1f} | "
                   f"{row['measured_over_roofline']:.1f}x |")
-    report = {"dtype": args.dtype, "bandwidth_bytes_per_s": bandwidth, "matmul_flops_per_s": peak,
+    report = {"dtype": args.dtype, "kernels": args.kernels, "bandwidth_bytes_per_s": bandwidth, "matmul_flops_per_s": peak,
               "threads": torch.get_num_threads(), "contexts": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
