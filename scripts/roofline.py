@@ -123,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, row in figures["passes"].items():
             print(f"| {context} | {name} | {row['ms']:.1f} | {row['memory_ms']:.1f} | {row['compute_ms']:.1f} | "
                   f"{row['measured_over_roofline']:.1f}x |")
-    report = {"dtype": args.dtype, "kernels": args.kernels, "bandwidth_bytes_per_s": bandwidth, "matmul_flops_per_s": peak,
-              "threads": torch.get_num_threads(), "contexts": rows}
+    report = {"dtype": args.dtype, "kernels": args.kernels, "bandwidth_bytes_per_s": bandwidth,
+              "matmul_flops_per_s": peak, "threads": torch.get_num_threads(), "contexts": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     return 0
