@@ -7,6 +7,9 @@ published ordering at equal budget is oracle top-k > retrieval > H2O > Streaming
 
     python scripts/acceptance.py [--contexts 8000 16000] [--budgets 0.01 0.03 0.05 0.1]
         [--policies topk_oracle retrieval h2o streaming] [--document lcet10] [--new-tokens 128]
+
+Rerunning with the same ``--out`` keeps the rows it already holds (same document, gamma, new
+tokens and dtype) and measures only the missing ones, so an interrupted sweep continues.
 """
 
 from __future__ import annotations
@@ -42,6 +45,17 @@ def measure(args, target: Path, prompt: list[int], kind: str, budget: int) -> di
             "proposed": stage.proposed, "accepted": stage.accepted, "rounds": stage.rounds}
 
 
+def finished_rows(out: Path, args: argparse.Namespace) -> list[dict]:
+    """Rows an earlier run with the same document, gamma, length and dtype already wrote to ``out``."""
+    if not out.exists():
+        return []
+    earlier = json.loads(out.read_text())
+    same = ("document", "gamma", "new_tokens", "dtype")
+    if any(earlier["settings"].get(key) != getattr(args, key) for key in same):
+        return []
+    return earlier["rows"]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python scripts/acceptance.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[8000, 16000])
@@ -53,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--document", choices=sorted(DOCUMENTS), default="lcet10")
     parser.add_argument("--out", type=Path, default=Path("results/acceptance.json"))
     args = parser.parse_args(argv)
-    rows = []
+    rows = finished_rows(args.out, args)
+    done = {(row["context"], row["budget_fraction"], row["policy"]) for row in rows}
     for context in args.contexts:
         _, probe = load_config("autoregressive", None, [], {"dtype": args.dtype})
         probe_runtime = build_runtime(probe, log=lambda message: None)
@@ -62,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         for fraction in args.budgets:
             budget = max(16, round(fraction * context / 8) * 8)
             for kind in args.policies:
+                if (context, fraction, kind) in done:
+                    continue
                 started = time.perf_counter()
                 row = {"context": context, "budget_fraction": fraction, "budget": budget, "policy": kind,
                        **measure(args, target, prompt, kind, budget)}
