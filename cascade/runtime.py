@@ -136,7 +136,7 @@ def one_token_kernels_available(device: torch.device, log: Callable[[str], None]
     """The compiled one-token kernels are CPU kernels, built by Inductor with the C++ compiler."""
     if device.type != "cpu":
         return False
-    if shutil.which("c++") is None and shutil.which("g++") is None:
+    if not has_cxx_compiler():
         log("no C++ compiler found: one-token passes run eagerly (kernels: eager), about half as fast")
         return False
     return True
@@ -163,3 +163,7 @@ def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
         f"{target.model.spec.vocab_size} logits) have different vocabularies{example}; "
         "the draft must use the target's tokenizer"
     )
+
+
+def has_cxx_compiler() -> bool:
+    return shutil.which("c++") is not None or shutil.which("g++") is not None

@@ -13,11 +13,12 @@ from cache.full import FullCache
 from cache.registry import POLICIES, build_policy
 from cascade import one_token
 from cascade.checkpoint import load_model
-from cascade.runtime import build_runtime
+from cascade.runtime import build_runtime, has_cxx_compiler
 from configs.schema import PipelineConfig
 from tests.conftest import FAMILIES, make_checkpoint
 
 CPU = torch.device("cpu")
+needs_compiler = pytest.mark.skipif(not has_cxx_compiler(), reason="Inductor's CPU kernels need a C++ compiler")
 PROMPT, GENERATED = 40, 12
 
 SMALL_POLICIES = {  # every registered policy, small enough to evict from a 40-token prompt
@@ -60,6 +61,7 @@ def family_model(request, tmp_path_factory):
     return load_model(make_checkpoint(tmp_path_factory.mktemp(request.param) / "m", request.param), torch.float32, CPU)
 
 
+@needs_compiler
 @pytest.mark.parametrize("attention_limit", [one_token.MAX_COMPILED_ATTENTION_KEYS, PROMPT + 4])
 def test_compiled_decode_equals_eager_for_every_family(family_model, attention_limit, monkeypatch):
     """Both attention kernels: the compiled one, and past the limit the per-KV-head products."""
@@ -73,11 +75,13 @@ def tiny_model(tmp_path_factory):
     return load_model(make_checkpoint(tmp_path_factory.mktemp("t") / "m", "llama-gqa-tied"), torch.float32, CPU)
 
 
+@needs_compiler
 @pytest.mark.parametrize("kind", sorted(POLICIES))
 def test_compiled_decode_equals_eager_under_every_policy(tiny_model, kind):
     torch.testing.assert_close(decode(tiny_model, kind, True), decode(tiny_model, kind, False), atol=5e-5, rtol=0)
 
 
+@needs_compiler
 def test_compiled_bfloat16_decode_is_as_close_to_float32_as_eager(tmp_path):
     """In bf16 both paths round; the compiled one must not stray further from float32 logits."""
     checkpoint = make_checkpoint(tmp_path / "m", "qwen2-bias")
@@ -99,6 +103,7 @@ def runtime_flags(checkpoint, messages: list[str], **settings) -> list[bool]:
 
 def test_runtime_sets_the_kernels_the_config_names(tiny_dir, monkeypatch):
     messages: list[str] = []
+    monkeypatch.setattr("shutil.which", lambda name: f"/usr/bin/{name}")
     assert runtime_flags(tiny_dir, messages) == [True, True]
     assert runtime_flags(tiny_dir, messages, kernels="eager") == [False, False]
     assert messages == []
