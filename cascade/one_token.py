@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from cache.base import AttentionView
 from cascade import attention
+from cascade.rope import apply_rotary
 
 MAX_COMPILED_ATTENTION_KEYS = 6144
 """Up to this many cached keys the compiled attention kernel wins; beyond it the per-KV-head
@@ -43,9 +44,7 @@ def _pre_attention(
     if qkv_bias is not None:
         qkv = qkv + qkv_bias
     qkv = qkv.to(x.dtype).reshape(num_heads + 2 * num_kv_heads, -1)  # [H + 2 H_kv, D]
-    query_key = qkv[: num_heads + num_kv_heads]
-    first, second = query_key.chunk(2, dim=-1)
-    rotated = query_key * cos + torch.cat((-second, first), dim=-1) * sin  # cos/sin [1, D]
+    rotated = apply_rotary(qkv[: num_heads + num_kv_heads], cos, sin)  # cos/sin [1, D]
     query, key, value = rotated[:num_heads], rotated[num_heads:], qkv[num_heads + num_kv_heads :]
     return query[None, :, None], key[None, :, None], value[None, :, None]
 
