@@ -20,26 +20,23 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from cache import POLICIES
 from cascade.checkpoint import yarn_scaling
-from cascade.data import DOCUMENTS, document_text
-from cascade.pipeline import StopRule
+from cascade.data import DOCUMENTS, document_ids
+from cascade.models import default_model
 from cascade.runtime import build_runtime
 from configs import load_config
 
 
 
 def measure(args, target: Path, prompt: list[int], kind: str, budget: int) -> dict:
-    settings = {"dtype": args.dtype, "max_new_tokens": args.new_tokens, "stages.0.cache": POLICIES[kind].config.at_budget(budget).model_dump(),
-                "stages.0.gamma": args.gamma}
+    settings = {"dtype": args.dtype, "max_new_tokens": args.new_tokens, "stages.0.gamma": args.gamma,
+                "stages.0.cache": POLICIES[kind].config.at_budget(budget).model_dump()}
     if scaling := yarn_scaling(target, len(prompt) + args.new_tokens):
         settings["target.rope_scaling"] = scaling
     _, config = load_config("self-spec", None, [], settings)
     runtime = build_runtime(config, log=lambda message: print(message, file=sys.stderr))
-    stop = StopRule(frozenset(), args.new_tokens)
-    result = runtime.pipeline_for(len(prompt), args.new_tokens).generate(torch.tensor(prompt), stop)
+    result = runtime.generate(prompt, args.new_tokens, stop_at_eos=False)
     stage = result.stats.stages[0]
     return {"acceptance": stage.acceptance_rate, "mean_accepted_run": stage.mean_accepted_run,
             "proposed": stage.proposed, "accepted": stage.accepted, "rounds": stage.rounds}
@@ -69,11 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows = finished_rows(args.out, args)
     done = {(row["context"], row["budget_fraction"], row["policy"]) for row in rows}
+    target = default_model("target", log=lambda message: print(message, file=sys.stderr))
     for context in args.contexts:
-        _, probe = load_config("autoregressive", None, [], {"dtype": args.dtype})
-        probe_runtime = build_runtime(probe, log=lambda message: None)
-        target, tokenizer = probe_runtime.target.path, probe_runtime.tokenizer
-        prompt = tokenizer.encode(document_text(args.document))[:context]
+        prompt = document_ids(target, args.document, context)
         for fraction in args.budgets:
             budget = max(16, round(fraction * context / 8) * 8)
             for kind in args.policies:
