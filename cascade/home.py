@@ -16,3 +16,13 @@ def models_dir() -> Path:
 
 def downloads_dir() -> Path:
     return cascade_home() / "downloads"
+
+
+def prompt_cache_dir() -> Path:
+    """Where the measurement scripts store prefilled prompts (see ``prompt_cache`` in the config)."""
+    return cascade_home() / "prompt-cache"
+
+
+def prompt_cache_option(value: str) -> str | None:
+    """The scripts' ``--prompt-cache``: a directory (the ``prompt_cache.dir`` setting), or 'none'."""
+    return None if value == "none" else str(Path(value).expanduser())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -13,6 +13,7 @@ from cascade.checkpoint import LoadedModel, load_checkpoint
 from cascade.errors import CascadeError
 from cascade.models import default_model
 from cascade.pipeline import GenerationResult, Pipeline, StopRule, TokenCallback
+from cascade.prompt_cache import PromptCache, model_key
 from cascade.schedule import SCHEDULES
 from cascade.stage import Stage
 from configs.schema import ModelConfig, PipelineConfig
@@ -45,6 +46,8 @@ class Runtime:
     target: LoadedModel
     draft: LoadedModel | None
     log: Callable[[str], None]
+    prompt_caches: dict[str, PromptCache] = field(default_factory=dict)
+    """Per model role, where its full-cache stages store and load prefilled prompts."""
 
     @property
     def tokenizer(self):
@@ -98,6 +101,7 @@ class Runtime:
                 model.cache_layout(capacity, max_pending),
                 SCHEDULES[stage.schedule](stage.gamma) if index < last else None,
                 None if source is None else stages[source],
+                self.prompt_caches.get(stage.model),
             )
         return Pipeline([stages[i] for i in range(last + 1)], config.sampling, config.prefill_chunk)
 
@@ -129,7 +133,20 @@ def build_runtime(config: PipelineConfig, log: Callable[[str], None]) -> Runtime
     for loaded in (target, draft):
         if loaded is not None:
             loaded.model.one_token_kernels = compiled
-    return Runtime(config, target, draft, log)
+    models = {"target": (target, config.target), "draft": (draft, config.draft)}
+    prompt_caches = {role: prompt_cache(config, loaded, model_config, log)
+                     for role, (loaded, model_config) in models.items() if loaded and config.prompt_cache.dir}
+    return Runtime(config, target, draft, log, prompt_caches)
+
+
+def prompt_cache(config: PipelineConfig, loaded: LoadedModel, model_config: ModelConfig,
+                 log: Callable[[str], None]) -> PromptCache:
+    """The store of ``loaded``'s prefilled prompts, keyed by everything that decides them."""
+    model = loaded.model
+    settings = {"dtype": str(model.dtype), "device": model.device.type, "one_token_kernels": model.one_token_kernels,
+                "rope_scaling": model_config.rope_scaling.model_dump() if model_config.rope_scaling else None}
+    return PromptCache(Path(config.prompt_cache.dir).expanduser(), model_key(loaded.path, settings),
+                       int(config.prompt_cache.max_gb * 2**30), log)
 
 
 def one_token_kernels_available(device: torch.device, log: Callable[[str], None]) -> bool:

@@ -9,7 +9,9 @@ import torch
 from cache import build_policy
 from cache.base import CacheLayout, CachePolicy
 from cache.config import CachePolicyConfig
+from cache.full import FullCacheConfig
 from cascade.model import CausalLM
+from cascade.prompt_cache import PromptCache
 from cascade.schedule import Schedule
 from cascade.stats import StageStats
 
@@ -23,16 +25,19 @@ class Stage:
         layout: CacheLayout,
         schedule: Schedule | None = None,
         source: Stage | None = None,
+        prompt_cache: PromptCache | None = None,
     ) -> None:
         """``schedule``: how many tokens this stage proposes per round (None for the last stage).
         ``source``: the full-cache stage of the same model whose prompt KV this stage's policy
-        reads; such a stage gets its cache when the source has prefilled, and no prefill of its own."""
+        reads; such a stage gets its cache when the source has prefilled, and no prefill of its own.
+        ``prompt_cache``: where a full-cache stage loads and stores its prefilled prompts."""
         self.name = name
         self.model = model
         self.cache_config = cache_config
         self.layout = layout
         self.schedule = schedule
         self.source = source
+        self.prompt_cache = prompt_cache if isinstance(cache_config, FullCacheConfig) else None
         self.cache: CachePolicy | None = None if source else build_policy(cache_config, layout)
         self.stats = StageStats(name, schedule=schedule.name if schedule else "")
 
@@ -42,20 +47,27 @@ class Stage:
         return self.cache.length
 
     def prefill(self, prompt_ids: torch.Tensor, chunk: int) -> torch.Tensor | None:
-        """Write prompt_ids [T] into the cache ``chunk`` tokens per pass -> last position's logits [V]
-        (None for a stage that reads its source's prompt KV instead).
-
-        Chunking bounds the attention working set at [chunk, T] instead of [T, T]; each chunk is
-        committed, so policies that evict on commit never hold more than one chunk uncommitted.
-        """
+        """Write prompt_ids [T] into the cache -> last position's logits [V] (None for a stage that
+        reads its source's prompt KV instead): loaded from the prompt cache if it holds this
+        prompt, else computed ``chunk`` tokens per pass (and stored there)."""
         if self.source is not None:
             self.cache = build_policy(self.cache_config, self.layout, self.source.cache)
             return None
         started = time.perf_counter()
+        stored = self.prompt_cache.load(prompt_ids, chunk, self.cache) if self.prompt_cache else None
+        self.stats.prefill_loaded = stored is not None
+        logits = self._prefill(prompt_ids, chunk) if stored is None else stored
+        if self.prompt_cache and stored is None:
+            self.prompt_cache.save(prompt_ids, chunk, self.cache, logits)
+        self.stats.prefill_s += time.perf_counter() - started
+        return logits
+
+    def _prefill(self, prompt_ids: torch.Tensor, chunk: int) -> torch.Tensor:
+        """Chunking bounds the attention working set at [chunk, T] instead of [T, T]; each chunk is
+        committed, so policies that evict on commit never hold more than one chunk uncommitted."""
         for start in range(0, prompt_ids.numel(), chunk):
             logits = self.model(prompt_ids[None, start : start + chunk], self.cache, num_logits=1)
             self.cache.commit(self.cache.length)
-        self.stats.prefill_s += time.perf_counter() - started
         return logits[0, -1]  # [V]
 
     def extend(self, context: list[int], num_logits: int) -> torch.Tensor:

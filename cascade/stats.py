@@ -12,6 +12,8 @@ class StageStats:
     name: str
     prefill_s: float = 0.0
     """Time this stage spent on the prompt (0 for stages that read another stage's KV)."""
+    prefill_loaded: bool = False
+    """The prompt's K/V came from the prompt cache instead of a prefill."""
     forward_calls: int = 0
     """Decode and verification passes after the prompt."""
     tokens_processed: int = 0

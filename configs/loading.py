@@ -69,7 +69,11 @@ def _child(node: Any, part: str, key: str) -> Any:
     if child is None:
         child = node[part] = {}
     if not isinstance(child, (dict, list)):
-        raise CascadeError(f"--set {key}: {part!r} is a single value, not a group of settings")
+        whole, _, rest = key.partition(f"{part}.")
+        raise CascadeError(
+            f"--set {key}: {part!r} is a single value ({child!r}), not a group of settings; to make it "
+            f"one, set it whole, e.g. --set {whole}{part}='{{{rest}: VALUE}}'"
+        )
     return child
 
 

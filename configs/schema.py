@@ -68,6 +68,15 @@ class LongDocumentsConfig(Strict):
     """map_reduce: document tokens per chunk; null fills the usable context."""
 
 
+class PromptCacheConfig(Strict):
+    dir: str | None = None
+    """Directory where full-cache stages store prefilled prompts and load them when the same prompt
+    comes again with the same model and settings (bitwise the same K/V); null: always prefill."""
+    max_gb: float = Field(16.0, gt=0.0)
+    """Beyond this size the least recently used stored prompts are deleted (SmolLM2 in bf16:
+    about 23 MB per thousand prompt tokens)."""
+
+
 class PipelineConfig(Strict):
     stages: list[StageConfig] = Field(min_length=1)
     """Cheapest first; the last stage is the full-cache target that decides every token."""
@@ -93,6 +102,8 @@ class PipelineConfig(Strict):
     needs a C++ compiler, else it falls back to eager and says so). eager runs plain PyTorch ops."""
     long_documents: LongDocumentsConfig = LongDocumentsConfig()
     """How summarization jobs treat documents longer than the usable context."""
+    prompt_cache: PromptCacheConfig = PromptCacheConfig()
+    """Reuse of prefilled prompts across generations and processes (off unless ``dir`` is set)."""
 
     @model_validator(mode="after")
     def _last_stage_is_exact(self) -> PipelineConfig:

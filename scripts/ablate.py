@@ -22,6 +22,7 @@ from cascade.ablation.measure import measure
 from cascade.ablation.plots import plot_sweep, sweep_summary
 from cascade.ablation.store import RunTable
 from cascade.errors import CascadeError
+from cascade.home import prompt_cache_dir, prompt_cache_option
 from cascade.models import default_model
 
 GRIDS = Path(__file__).parent / "grids"
@@ -36,6 +37,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=1, help="measured generations per run (median)")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--target", type=Path, help="default: the provisioned SmolLM2")
+    parser.add_argument("--prompt-cache", type=prompt_cache_option, default=str(prompt_cache_dir()),
+                        help="where prefilled prompts are stored and reused (default: %(default)s); 'none'")
     args = parser.parse_args()
     grid_path = GRIDS / "quick.yaml" if args.quick else args.grid
     out = args.out or Path("results") / ("ablation-quick" if args.quick else "ablation")
@@ -58,7 +61,7 @@ def sweep(grid, grid_path: Path, target: Path, out: Path, args: argparse.Namespa
     with tqdm(todo, desc="ablation", unit="run", file=sys.stderr) as bar:
         for run in bar:
             bar.set_postfix_str(" ".join(f"{k}={v}" for k, v in run.settings if k not in ("document",)))
-            table.append(measure(run, target, args.dtype, args.repeats))
+            table.append(measure(run, target, args.dtype, args.repeats, args.prompt_cache))
     rows = table.rows()
     plots = [plot_sweep(name, grid, spec, rows, out) for name, spec in grid.sweeps.items()]
     summary = {"grid": str(grid_path), "dtype": args.dtype, "repeats": args.repeats,

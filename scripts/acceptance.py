@@ -8,6 +8,9 @@ published ordering at equal budget is oracle top-k > retrieval > H2O > Streaming
     python scripts/acceptance.py [--contexts 8000 16000] [--budgets 0.01 0.03 0.05 0.1]
         [--policies topk_oracle retrieval h2o streaming] [--document lcet10] [--new-tokens 128]
 
+A policy may carry settings of its config after a colon, e.g. ``retrieval:refresh.every=16`` or
+``retrieval:refresh.on_drop=0.6,chunk_size=16`` (values are YAML); the row's policy is that text.
+
 Rerunning with the same ``--out`` keeps the rows it already holds (same document, gamma, new
 tokens and dtype) and measures only the missing ones, so an interrupted sweep continues.
 """
@@ -23,15 +26,28 @@ from pathlib import Path
 from cache import POLICIES
 from cascade.checkpoint import yarn_scaling
 from cascade.data import DOCUMENTS, document_ids
+from cascade.home import prompt_cache_dir, prompt_cache_option
 from cascade.models import default_model
 from cascade.runtime import build_runtime
 from configs import load_config
+from configs.loading import apply_override
 
 
+def policy_at_budget(policy: str, budget: int) -> dict:
+    """The cache config ``policy`` (``kind`` or ``kind:key=value,...``) names, holding ``budget`` tokens."""
+    kind, _, assignments = policy.partition(":")
+    if kind not in POLICIES:
+        raise SystemExit(f"unknown cache policy {kind!r}; registered: {', '.join(sorted(POLICIES))}")
+    data = POLICIES[kind].config.at_budget(budget).model_dump(exclude_defaults=True) | {"kind": kind}
+    for assignment in filter(None, assignments.split(",")):
+        apply_override(data, assignment)
+    return data
 
-def measure(args, target: Path, prompt: list[int], kind: str, budget: int) -> dict:
+
+def measure(args, target: Path, prompt: list[int], policy: str, budget: int) -> dict:
     settings = {"dtype": args.dtype, "max_new_tokens": args.new_tokens, "stages.0.gamma": args.gamma,
-                "stages.0.cache": POLICIES[kind].config.at_budget(budget).model_dump()}
+                "stages.0.cache": policy_at_budget(policy, budget),
+                "prompt_cache.dir": args.prompt_cache}
     if scaling := yarn_scaling(target, len(prompt) + args.new_tokens):
         settings["target.rope_scaling"] = scaling
     _, config = load_config("self-spec", None, [], settings)
@@ -63,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--document", choices=sorted(DOCUMENTS), default="lcet10")
     parser.add_argument("--out", type=Path, default=Path("results/acceptance.json"))
+    parser.add_argument("--prompt-cache", type=prompt_cache_option, default=str(prompt_cache_dir()),
+                        help="where prefilled prompts are stored and reused (default: %(default)s); 'none'")
     args = parser.parse_args(argv)
     rows = finished_rows(args.out, args)
     done = {(row["context"], row["budget_fraction"], row["policy"]) for row in rows}
@@ -71,14 +89,14 @@ def main(argv: list[str] | None = None) -> int:
         prompt = document_ids(target, args.document, context)
         for fraction in args.budgets:
             budget = max(16, round(fraction * context / 8) * 8)
-            for kind in args.policies:
-                if (context, fraction, kind) in done:
+            for policy in args.policies:
+                if (context, fraction, policy) in done:
                     continue
                 started = time.perf_counter()
-                row = {"context": context, "budget_fraction": fraction, "budget": budget, "policy": kind,
-                       **measure(args, target, prompt, kind, budget)}
+                row = {"context": context, "budget_fraction": fraction, "budget": budget, "policy": policy,
+                       **measure(args, target, prompt, policy, budget)}
                 rows.append(row)
-                print(f"{context:6d} {kind:12} budget {fraction:4.0%} ({budget:5d}): acceptance "
+                print(f"{context:6d} {policy:12} budget {fraction:4.0%} ({budget:5d}): acceptance "
                       f"{row['acceptance']:.3f}, {row['mean_accepted_run']:.2f} per round of {args.gamma} "
                       f"({time.perf_counter() - started:.0f} s)", flush=True)
                 args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -32,6 +32,7 @@ from tqdm import tqdm
 from cascade.checkpoint import yarn_scaling
 from cascade.data import DOCUMENTS, document_ids
 from cascade.errors import CascadeError
+from cascade.home import prompt_cache_option
 
 PRESETS = ("autoregressive", "speculative", "self-spec", "triforce")
 IMPLS = (*PRESETS, "transformers", "transformers-assisted")
@@ -58,6 +59,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--draft", help="draft checkpoint directory (default: the provisioned draft)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="config override for every cascade preset (repeatable)")
+    parser.add_argument("--prompt-cache", type=prompt_cache_option, default=None, metavar="DIR",
+                        help="reuse prefilled prompts stored in DIR: cascade cases load the prompt's K/V "
+                             "instead of prefilling it (decode only; prefill is then not measured)")
     parser.add_argument("--out", type=Path, default=Path("results/bench.json"))
     parser.add_argument("--case", help=argparse.SUPPRESS)  # "impl:context": run one case, print JSON
     args = parser.parse_args(argv)
@@ -84,6 +88,7 @@ def run_cascade(args, impl: str, target: Path, draft: Path | None, prompt: torch
     from configs import load_config
 
     settings = {"dtype": args.dtype, "max_new_tokens": args.new_tokens, "target.path": str(target),
+                "prompt_cache.dir": args.prompt_cache,
                 **{f"sampling.{key}": value for key, value in SAMPLING[mode].items()}}
     if draft is not None:
         settings["draft.path"] = str(draft)
@@ -96,8 +101,9 @@ def run_cascade(args, impl: str, target: Path, draft: Path | None, prompt: torch
         # no EOS: exactly N tokens, like min_new_tokens; seeded from the config (seed 0)
         result = runtime.generate(prompt_now.tolist(), args.new_tokens, stop_at_eos=False)
     stats = result.stats.to_dict()
-    return {"prefill_s": stats["prefill_s"], "decode_s": stats["decode_s"],
-            "prefill_tokens_per_s": prompt.numel() / stats["prefill_s"],
+    loaded = any(stage["prefill_loaded"] for stage in stats["stages"])
+    return {"prefill_s": None if loaded else stats["prefill_s"], "decode_s": stats["decode_s"],
+            "prefill_tokens_per_s": None if loaded else prompt.numel() / stats["prefill_s"],
             "decode_tokens_per_s": stats["tokens_per_s"], "stats": stats}, result.token_ids
 
 
@@ -180,6 +186,7 @@ def spawn_case(args: argparse.Namespace, impl: str, context: int, mode: str) -> 
                "--contexts", str(context),
                *(["--target", args.target] if args.target else []),
                *(["--draft", args.draft] if args.draft else []),
+               *(["--prompt-cache", args.prompt_cache] if args.prompt_cache else []),
                *[arg for setting in args.set for arg in ("--set", setting)]]
     result = subprocess.run(command, stdout=subprocess.PIPE, text=True)
     if result.returncode != 0:
@@ -201,8 +208,9 @@ def run_round(args: argparse.Namespace, cases: list[Case], index: int, bar: tqdm
         case = spawn_case(args, impl, context, mode)
         run = case["run"]
         run.update(round=index, slot=slot)
+        prefill = rate_text(run["prefill_tokens_per_s"])
         bar.write(f"[round {index + 1}/{args.repeats} {impl:21} ctx {context:>6} {mode:6}] decode "
-                  f"{run['decode_tokens_per_s']:7.1f} tok/s, prefill {run['prefill_tokens_per_s']:7.1f} tok/s, "
+                  f"{run['decode_tokens_per_s']:7.1f} tok/s, prefill {prefill:>7} tok/s, "
                   f"peak RSS {run['peak_rss_mb']:6.0f} MB ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
         bar.update(1)
         measured[(impl, context, mode)] = case
@@ -221,7 +229,7 @@ def summarize(args: argparse.Namespace, case: Case, cases: list[dict]) -> dict:
             "tokens_per_s": decode, "ms_per_token": 1000 / decode, "speedup_vs_autoregressive": None,
             "acceptance": {stage["name"]: stage["acceptance_rate"] for stage in stages},
             "new_tokens": args.new_tokens, "dtype": args.dtype,
-            **{key: statistics.median(run[key] for run in runs) for key in RATES},
+            **{key: median_of(run[key] for run in runs) for key in RATES},
             "peak_rss_mb": max(run["peak_rss_mb"] for run in runs),
             "runs": runs, "token_ids": cases[0]["token_ids"]}
 
@@ -236,15 +244,26 @@ def ratios(runs: list[dict], baseline: str) -> list[dict]:
         if run["preset"] == baseline:
             continue
         base = by_key[(baseline, run["context"], run["sampling"])]
-        per_round = {key: [a[key] / b[key] for a, b in zip(run["runs"], base["runs"], strict=True)] for key in RATES}
+        per_round = {key: [None if None in (a[key], b[key]) else a[key] / b[key]
+                           for a, b in zip(run["runs"], base["runs"], strict=True)] for key in RATES}
         row = {"preset": run["preset"], "baseline": baseline, "context": run["context"], "sampling": run["sampling"],
-               **{key: statistics.median(per_round[key]) for key in RATES},
+               **{key: median_of(per_round[key]) for key in RATES},
                "peak_rss_mb": run["peak_rss_mb"] / base["peak_rss_mb"], "per_round": per_round,
                "same_prefix_tokens": common_prefix(run["token_ids"], base["token_ids"])}
         if baseline == "autoregressive":
             run["speedup_vs_autoregressive"] = row[RATES[0]]
         out.append(row)
     return out
+
+
+def median_of(values) -> float | None:
+    """The median, or None if a value is missing (a prefill loaded from the prompt cache)."""
+    values = list(values)
+    return None if None in values else statistics.median(values)
+
+
+def rate_text(rate: float | None) -> str:
+    return "loaded" if rate is None else f"{rate:.1f}"
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -270,19 +289,31 @@ def table(runs: list[dict], ratio_rows: list[dict]) -> str:
         ratio = ratio_of.get((run["preset"], run["context"], run["sampling"]))
         acceptance = " / ".join(f"{rate:.2f}" for rate in run["acceptance"].values())
         lines.append(f"| {run['context']} | {run['sampling']} | {run['preset']} | {run['decode_tokens_per_s']:.1f} | "
-                     f"{run['prefill_tokens_per_s']:.1f} | {run['peak_rss_mb']:.0f} | "
+                     f"{rate_text(run['prefill_tokens_per_s'])} | {run['peak_rss_mb']:.0f} | "
                      f"{f'**{ratio[RATES[0]]:.2f}x**' if ratio else '1'} | {acceptance} |")
     return "\n".join(lines)
 
 
+def store_prompts(args: argparse.Namespace, cases: list[Case]) -> None:
+    """Run each cascade case once, unmeasured, so that every measured one loads its prompt (a first
+    prefill and its write would otherwise set the peak RSS of one round)."""
+    for impl, context in dict.fromkeys((impl, context) for impl, context, _ in cases if impl in PRESETS):
+        started = time.perf_counter()
+        spawn_case(args, impl, context, args.sampling[0])
+        log(f"[prompt cache] {impl} at {context}: prompt stored or found ({time.perf_counter() - started:.0f} s)")
+
+
 def drive(args: argparse.Namespace) -> None:
     cases = [(impl, context, mode) for mode in args.sampling for context in args.contexts for impl in args.impls]
+    if args.prompt_cache:
+        store_prompts(args, cases)
     with tqdm(total=len(cases) * args.repeats, desc="bench", unit="case", file=sys.stderr) as bar:
         rounds = [run_round(args, cases, index, bar) for index in range(args.repeats)]
     runs = [summarize(args, case, [measured[case] for measured in rounds]) for case in cases]
     ratio_rows = ratios(runs, args.impls[0])
     settings = {key: getattr(args, key) for key in
-                ("impls", "document", "contexts", "new_tokens", "repeats", "warmups", "sampling", "dtype", "set")}
+                ("impls", "document", "contexts", "new_tokens", "repeats", "warmups", "sampling", "dtype", "set",
+                 "prompt_cache")}
     settings["order"] = "each round runs every case once, in its own process; odd rounds in reverse"
     report = {"machine": machine(), "settings": settings, "runs": runs, "ratios": ratio_rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)

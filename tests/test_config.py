@@ -39,13 +39,23 @@ def test_overrides_and_flags_apply_in_order():
         ("stages.2.gamma=1", "'2' is not an index of a 1-item list"),
         ("stages.0.schedule=greedy", "stages.0.schedule: Input should be 'fixed', 'heuristic' or 'cost_model'"),
         ("sampling", "--set expects dotted.key=value"),
-        ("stages.0.model.name=x", "'model' is a single value, not a group of settings"),
+        ("stages.0.model.name=x", "'model' is a single value ('target'), not a group of settings"),
     ],
 )
 def test_bad_settings_get_specific_messages(override, message):
     with pytest.raises(CascadeError) as error:
         load_config("autoregressive", overrides=[override])
     assert message in str(error.value)
+
+
+def test_a_single_value_addressed_as_a_group_says_how_to_replace_it():
+    with pytest.raises(CascadeError, match=r"'refresh' is a single value \('never'\), not a group of settings; "
+                                           r"to make it one, set it whole, e.g. --set stages.0.cache.refresh="
+                                           r"'\{every: VALUE\}'"):
+        load_config("self-spec", overrides=["stages.0.cache.refresh=never", "stages.0.cache.refresh.every=16"])
+    _, config = load_config("self-spec", overrides=["stages.0.cache.refresh=never",
+                                                    "stages.0.cache.refresh={every: 16}"])
+    assert config.stages[0].cache.refresh.every == 16
 
 
 def test_a_retrieval_stage_needs_a_full_cache_stage_of_its_model_above_it():

@@ -57,10 +57,12 @@ def config_settings(run: Run, target: Path, dtype: str) -> dict[str, Any]:
     return settings
 
 
-def measure(run: Run, target: Path, dtype: str, repeats: int) -> dict[str, Any]:
-    """The CSV row of ``run``: median decode speed over ``repeats`` and the last generation's stats."""
+def measure(run: Run, target: Path, dtype: str, repeats: int, prompt_cache: str | None = None) -> dict[str, Any]:
+    """The CSV row of ``run``: median decode speed over ``repeats`` and the last generation's stats
+    (``prompt_cache``: where prefilled prompts are reused across runs, see ``PromptCacheConfig``)."""
     started = time.perf_counter()
-    _, config = load_config(run.get("preset"), None, [], config_settings(run, target, dtype))
+    settings = config_settings(run, target, dtype) | {"prompt_cache.dir": prompt_cache}
+    _, config = load_config(run.get("preset"), None, [], settings)
     runtime = build_runtime(config, log=lambda message: None)
     prompt = list(prompt_tokens(target, run.get("document"), run.get("context")))
     runtime.generate(prompt, WARMUP_TOKENS, stop_at_eos=False)
@@ -73,7 +75,7 @@ def measure(run: Run, target: Path, dtype: str, repeats: int) -> dict[str, Any]:
         "settings": json.dumps({key: value for key, value in run.settings if key not in RUN_KEYS}),
         "tokens_per_s": round(statistics.median(speeds), 3),
         "ms_per_token": round(1000 / statistics.median(speeds), 3),
-        "prefill_s": round(stats.prefill_s, 3),
+        "prefill_s": "" if any(stage.prefill_loaded for stage in stats.stages) else round(stats.prefill_s, 3),
         "tokens_per_verify": round(stats.tokens_per_verify, 3),
         "predicted_speedup": round(stats.predicted_speedup, 3),
         "acceptance": json.dumps({stage.name: round(stage.acceptance_rate, 4) for stage in proposers}),

@@ -1,0 +1,84 @@
+"""The prompt cache: a stored prefill is bitwise what prefilling computes, is found only for the same
+prompt, model and settings, and a damaged file is recomputed, never trusted."""
+
+from __future__ import annotations
+
+import torch
+
+from cascade.runtime import build_runtime
+from configs import load_config
+
+PROMPT = [(7 * i) % 300 + 5 for i in range(40)]
+
+
+def runtime_for(tiny_dir, tiny_draft_dir, cache_dir, logs=None, **settings):
+    settings = {"target.path": str(tiny_dir), "draft.path": str(tiny_draft_dir), "dtype": "float32",
+                "prefill_chunk": 16, "sampling.temperature": 0.8, "stages.0.gamma": 3, **settings}
+    if cache_dir is not None:
+        settings["prompt_cache.dir"] = str(cache_dir)
+    _, config = load_config("speculative", None, [], settings)
+    return build_runtime(config, log=(logs.append if logs is not None else lambda message: None))
+
+
+def prefilled(runtime, prompt=PROMPT):
+    """The target stage after its prefill, and the logits it returned."""
+    pipeline = runtime.pipeline_for(len(prompt), 8)
+    logits = pipeline.target.prefill(torch.tensor(prompt), runtime.config.prefill_chunk)
+    return pipeline.target, logits
+
+
+def test_second_generation_loads_every_full_stage_and_generates_the_same(tmp_path, tiny_dir, tiny_draft_dir):
+    runtime = runtime_for(tiny_dir, tiny_draft_dir, tmp_path)
+    first = runtime.generate(PROMPT, 12, stop_at_eos=False)
+    second = runtime.generate(PROMPT, 12, stop_at_eos=False)
+    plain = runtime_for(tiny_dir, tiny_draft_dir, None).generate(PROMPT, 12, stop_at_eos=False)
+    assert [stage.prefill_loaded for stage in first.stats.stages] == [False, False]
+    assert [stage.prefill_loaded for stage in second.stats.stages] == [True, True]  # draft and target
+    assert len(list(tmp_path.glob("*.safetensors"))) == 2
+    assert second.token_ids == first.token_ids == plain.token_ids
+
+
+def test_loaded_prefill_is_bitwise_the_computed_one(tmp_path, tiny_dir, tiny_draft_dir):
+    computed, computed_logits = prefilled(runtime_for(tiny_dir, tiny_draft_dir, tmp_path))
+    loaded, loaded_logits = prefilled(runtime_for(tiny_dir, tiny_draft_dir, tmp_path))
+    assert loaded.stats.prefill_loaded and not computed.stats.prefill_loaded
+    assert (loaded.cache.length, loaded.cache.committed) == (len(PROMPT), len(PROMPT))
+    assert torch.equal(loaded.cache.keys, computed.cache.keys)
+    assert torch.equal(loaded.cache.values, computed.cache.values)
+    assert torch.equal(loaded_logits, computed_logits)
+
+
+def test_other_prompts_chunks_and_dtypes_are_not_served_from_the_store(tmp_path, tiny_dir, tiny_draft_dir):
+    prefilled(runtime_for(tiny_dir, tiny_draft_dir, tmp_path))
+    variants = [({}, PROMPT[:-1]), ({"prefill_chunk": 32}, PROMPT), ({"dtype": "bfloat16"}, PROMPT)]
+    for settings, prompt in variants:
+        stage, _ = prefilled(runtime_for(tiny_dir, tiny_draft_dir, tmp_path, **settings), prompt)
+        assert not stage.stats.prefill_loaded, settings
+    assert len(list(tmp_path.glob("*.safetensors"))) == 1 + len(variants)
+
+
+def test_damaged_or_foreign_files_are_reported_deleted_and_recomputed(tmp_path, tiny_dir, tiny_draft_dir):
+    reference, reference_logits = prefilled(runtime_for(tiny_dir, tiny_draft_dir, None))
+    runtime = runtime_for(tiny_dir, tiny_draft_dir, tmp_path)
+    stored = runtime.prompt_caches["target"].path(torch.tensor(PROMPT), 16)
+    other = runtime.prompt_caches["target"].path(torch.tensor(PROMPT[:-1]), 16)
+    prefilled(runtime, PROMPT[:-1])
+    damages = {
+        "it holds a different prompt": lambda: other.replace(stored),  # another prompt under this name
+        "unusable": lambda: stored.write_bytes(stored.read_bytes()[:1000]),  # the recomputed file, cut short
+    }
+    for reason, damage in damages.items():
+        damage()
+        logs = []
+        stage, logits = prefilled(runtime_for(tiny_dir, tiny_draft_dir, tmp_path, logs), PROMPT)
+        assert not stage.stats.prefill_loaded
+        assert [line for line in logs if stored.name in line and reason in line], logs
+        assert torch.equal(stage.cache.keys, reference.cache.keys) and torch.equal(logits, reference_logits)
+    assert prefilled(runtime_for(tiny_dir, tiny_draft_dir, tmp_path))[0].stats.prefill_loaded  # rewritten whole
+
+
+def test_least_recently_used_prompts_are_deleted_beyond_max_gb(tmp_path, tiny_dir, tiny_draft_dir):
+    runtime = runtime_for(tiny_dir, tiny_draft_dir, tmp_path, **{"prompt_cache.max_gb": 1e-9})
+    for length in (30, 35, 40):
+        prefilled(runtime, PROMPT[:length])
+    assert list(tmp_path.glob("*.safetensors")) == [runtime.prompt_caches["target"].path(torch.tensor(PROMPT), 16)]
