@@ -11,6 +11,13 @@ Grouped-query attention: the score of a chunk for a KV head is the sum over the 
 sharing it of query . mean key, i.e. the group's summed query against the chunk's mean key; all
 heads of a group then read the same chunks.
 
+Tokens generated after the prompt are appended. Each stage writes the K/V it computes itself,
+with attention over its sparse cache; once the full-cache stage above has verified a token and
+it is committed, this policy replaces its own K/V of that token with the source's, computed with
+full attention (``exact_generated``, as TriForce copies the full cache's new tokens into its
+retrieval cache). Only committed tokens are replaced, so what this stage proposes at a position
+never depends on anything after it.
+
 Only the first query of the pass that selects counts. Its token is one the stage has already
 decided; the pass's later tokens may be proposals the stage is verifying, and a selection that
 looked at them would make the stage's distribution at a position depend on the tokens proposed
@@ -19,6 +26,7 @@ after it, which breaks the lossless guarantee of every stage above.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -57,6 +65,12 @@ class RetrievalCacheConfig(CachePolicyConfig):
     """Tokens per chunk; each chunk is scored by its mean key."""
     refresh: Literal["never"] | EveryRefresh | OnDropRefresh = "never"
     """When chunks are re-selected: never (TriForce), every N tokens, or on an acceptance drop."""
+    recent: int = Field(0, ge=0)
+    """Prompt tokens at its end always kept (in whole chunks, part of the budget), like the sink
+    chunk; 0 leaves them to the scores (TriForce)."""
+    exact_generated: bool = True
+    """Committed generated tokens take the full cache's K/V (TriForce); false keeps this stage's
+    own, computed with attention over the retrieved chunks only."""
 
     @model_validator(mode="after")
     def _budget_in_whole_chunks(self) -> RetrievalCacheConfig:
@@ -64,6 +78,9 @@ class RetrievalCacheConfig(CachePolicyConfig):
             raise ValueError(f"budget ({self.budget}) must be a multiple of chunk_size ({self.chunk_size})")
         if self.budget // self.chunk_size < 2:
             raise ValueError("budget must hold at least 2 chunks (the sink chunk and one more)")
+        if self.recent > self.budget - 2 * self.chunk_size:
+            raise ValueError(f"recent ({self.recent}) must leave room in the budget ({self.budget}) for the sink "
+                             f"chunk and one chosen chunk of {self.chunk_size}")
         return self
 
 
@@ -86,6 +103,8 @@ class RetrievalCache(SlotCache):
         self._select_pending = True
         self._committed_at_selection = self.committed
         self._proposed_since_selection = self._accepted_since_selection = 0
+        self.exact_until = self.prompt_length
+        """Sequence tokens before this hold the source's K/V (the prompt's kept part included)."""
 
     def request_refresh(self) -> None:
         """Re-select the chunks on the next forward pass."""
@@ -103,12 +122,24 @@ class RetrievalCache(SlotCache):
 
     def commit(self, length: int) -> None:
         super().commit(length)
+        if self.config.exact_generated:
+            self._take_verified(length)
         refresh = self.config.refresh
         if isinstance(refresh, EveryRefresh) and length - self._committed_at_selection >= refresh.every:
             self._select_pending = True
 
     def allocate(self, num_new: int) -> torch.Tensor:
         return self._allocate_slots(num_new)  # [T] absolute positions
+
+    def _take_verified(self, length: int) -> None:
+        """Copy the source's K/V of the committed tokens it holds that this cache computed itself."""
+        end = min(length, self.source.length)
+        if end <= self.exact_until:
+            return
+        own = slice(self.exact_until - self.dropped, end - self.dropped)
+        for mine, source in ((self.keys, self.source.keys), (self.values, self.source.values)):
+            mine[:, :, :, own] = source[:, :, :, self.exact_until : end]  # [L, B, H_kv, new, D]
+        self.exact_until = end
 
     def update(self, layer: int, keys, values, query) -> AttentionView:
         if self._select_pending:
@@ -126,6 +157,7 @@ class RetrievalCache(SlotCache):
         group_query = first_query.unflatten(0, (source_keys.shape[0], -1)).sum(1)  # [H_kv, D]
         scores = torch.einsum("hcd,hd->hc", chunk_means, group_query)  # [H_kv, C]
         scores[:, 0] = float("inf")  # the sink chunk is always kept
+        scores[:, whole_chunks - math.ceil(self.config.recent / size) :] = float("inf")  # and the recent ones
         best = scores.topk(chosen, dim=1).indices.sort(dim=1).values  # [H_kv, chosen]
         chunk_tokens = (best[:, :, None] * size + torch.arange(size, device=best.device)).flatten(1)
         tail_tokens = torch.arange(prompt - tail, prompt, device=best.device).expand(len(best), -1)

@@ -129,6 +129,22 @@ def test_retrieval_picks_the_brute_force_chunks_with_gqa():
     assert all(chunks[0] == 0 for chunks in expected)  # the sink chunk, although it scores lowest
 
 
+def test_retrieval_keeps_the_recent_chunks_and_chooses_the_rest_by_score():
+    source, layout = hand_made_source(prompt=14)  # 7 whole chunks of 2
+    retrieval = RetrievalCache(layout, RetrievalCacheConfig(budget=8, chunk_size=2, recent=3), source)
+    query = torch.randn(1, 4, 1, 4, generator=torch.Generator().manual_seed(0))
+    retrieval.allocate(1)
+    retrieval.update(0, torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4), query)
+    group_query = query[0, :, 0].reshape(2, 2, 4).sum(1)
+    best_older = brute_force_chunks(source, group_query, 10, 2, chosen=2)  # sink + best of chunks 1-4
+    for head, (sink, chosen) in enumerate(best_older):
+        chunks = [sink, chosen, 5, 6]  # 3 recent tokens round up to the last 2 chunks
+        wanted = torch.cat([source.keys[0, 0, head, c * 2 : c * 2 + 2] for c in chunks])
+        torch.testing.assert_close(retrieval.keys[0, 0, head, :8], wanted)
+    with pytest.raises(ValueError, match=r"recent \(12\) must leave room in the budget \(16\) for the sink"):
+        RetrievalCacheConfig(budget=16, chunk_size=4, recent=12)
+
+
 def test_retrieval_selects_by_the_first_query_of_a_pass_only():
     """Later tokens of a pass may be proposals under verification: they must not steer the choice."""
     source, layout = hand_made_source(prompt=14)
@@ -190,6 +206,26 @@ def test_retrieval_refreshes_when_acceptance_drops(tiny_model):
     cache.observe_acceptance(4, 0)  # the count restarts at each selection: 0 of 4 is not judged yet
     decode_logits(tiny_model, cache, tokens(tiny_model, 1, 4))
     assert cache.selections == 2
+
+
+def test_retrieval_takes_the_full_caches_kv_of_committed_generated_tokens(tiny_model):
+    source, layout = prefilled_source(tiny_model)  # a 64-token prompt
+    generated = tokens(tiny_model, 5, 1)
+    caches = {exact: RetrievalCache(layout, RetrievalCacheConfig(budget=16, chunk_size=4, exact_generated=exact),
+                                    source) for exact in (True, False)}
+    for cache in caches.values():
+        tiny_model(generated, cache)  # the stage's own K/V: attention over 16 prompt tokens only
+    tiny_model(generated, source)
+    for cache in caches.values():
+        cache.commit(67)  # 3 of the 5 are final
+    committed, pending = slice(16, 19), slice(19, 21)  # their slots after the 16 kept prompt tokens
+    exact, own = caches[True], caches[False]
+    for buffer in ("keys", "values"):
+        full = getattr(source, buffer)
+        assert torch.equal(getattr(exact, buffer)[..., committed, :], full[..., 64:67, :])
+        assert not torch.equal(getattr(own, buffer)[..., committed, :], full[..., 64:67, :])
+        assert torch.equal(getattr(exact, buffer)[..., pending, :], getattr(own, buffer)[..., pending, :])
+    assert exact.exact_until == 67
 
 
 def test_retrieval_budget_checks():
