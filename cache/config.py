@@ -15,6 +15,11 @@ class CachePolicyConfig(BaseModel):
             raise ValueError(f"{cls.model_fields['kind'].default} caches have no token budget")
         return cls(budget=budget)
 
+    def as_settings(self) -> dict:
+        """``kind`` and the fields that differ from their defaults: a config that dotted settings
+        can refine further (``refresh.every=16`` over a default ``refresh: never``)."""
+        return {"kind": self.kind, **self.model_dump(exclude_defaults=True)}
+
     def check_prompt(self, prompt_tokens: int) -> None:
         """Raise ValueError (with what is allowed) if this policy cannot serve such a prompt.
 

@@ -38,7 +38,7 @@ def policy_at_budget(policy: str, budget: int) -> dict:
     kind, _, assignments = policy.partition(":")
     if kind not in POLICIES:
         raise SystemExit(f"unknown cache policy {kind!r}; registered: {', '.join(sorted(POLICIES))}")
-    data = POLICIES[kind].config.at_budget(budget).model_dump(exclude_defaults=True) | {"kind": kind}
+    data = POLICIES[kind].config.at_budget(budget).as_settings()
     for assignment in filter(None, assignments.split(",")):
         apply_override(data, assignment)
     return data

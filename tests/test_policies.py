@@ -348,3 +348,12 @@ def test_at_budget_gives_each_budgeted_policy_that_many_tokens():
     assert POLICIES["retrieval"].config.at_budget(64).budget == 64
     with pytest.raises(ValueError, match="full caches have no token budget"):
         POLICIES["full"].config.at_budget(64)
+
+
+def test_as_settings_keeps_kind_and_what_differs_from_the_defaults():
+    from configs import load_config
+
+    settings = RetrievalCacheConfig(budget=64).as_settings()
+    assert settings == {"kind": "retrieval", "budget": 64}
+    _, config = load_config("self-spec", settings={"stages.0.cache": settings, "stages.0.cache.refresh.every": 16})
+    assert config.stages[0].cache == RetrievalCacheConfig(budget=64, refresh={"every": 16})

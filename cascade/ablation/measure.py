@@ -47,7 +47,7 @@ def config_settings(run: Run, target: Path, dtype: str) -> dict[str, Any]:
         share = run.get("budget_share")
         budget = max(BUDGET_GRANULE, round(share * context / BUDGET_GRANULE) * BUDGET_GRANULE) if share else None
         policy = POLICIES[kind].config
-        settings[f"stages.{index}.cache"] = (policy.at_budget(budget) if budget else policy()).model_dump()
+        settings[f"stages.{index}.cache"] = (policy.at_budget(budget) if budget else policy()).as_settings()
         settings[f"stages.{index}.optional"] = False  # an ablation of this stage must run it
     settings.update({key: value for key, value in run.settings if key not in RUN_KEYS})
     settings.update({"sampling.temperature": run.get("temperature"), "max_new_tokens": new_tokens,
