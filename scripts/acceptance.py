@@ -69,6 +69,26 @@ def finished_rows(out: Path, args: argparse.Namespace) -> list[dict]:
     return earlier["rows"]
 
 
+def tables(rows: list[dict]) -> str:
+    """Markdown, one table per context: a row per policy, a column per budget, acceptance (accepted
+    of proposed) in each cell."""
+    out = []
+    for context in sorted({row["context"] for row in rows}):
+        here = [row for row in rows if row["context"] == context]
+        budgets = sorted({(row["budget_fraction"], row["budget"]) for row in here})
+        cells = {(row["policy"], row["budget_fraction"]): row for row in here}
+        out += [f"{context} tokens:", "",
+                "| policy | " + " | ".join(f"{fraction:.0%} ({budget} tokens)" for fraction, budget in budgets) + " |",
+                "|---|" + "---:|" * len(budgets)]
+        for policy in dict.fromkeys(row["policy"] for row in here):
+            row_cells = [cells.get((policy, fraction)) for fraction, _ in budgets]
+            out.append(f"| `{policy}` | " + " | ".join(
+                f"{cell['acceptance']:.3f} ({cell['accepted']} of {cell['proposed']})" if cell else ""
+                for cell in row_cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python scripts/acceptance.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[8000, 16000])
@@ -102,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.out.parent.mkdir(parents=True, exist_ok=True)
                 args.out.write_text(json.dumps({"settings": vars(args) | {"out": str(args.out)}, "rows": rows},
                                                indent=2) + "\n")
+    print(tables(rows))
     return 0
 
 
