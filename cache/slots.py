@@ -23,6 +23,7 @@ class SlotCache(CachePolicy):
         """Tokens of the sequence not held: sequence index i past the kept front is in slot i - dropped."""
         self._start = 0
         self._mask: torch.Tensor | None = None
+        """[T, S] causal mask of the current pass, built by its first ``update`` (None for one token)."""
 
     @property
     def used_slots(self) -> int:
@@ -37,12 +38,14 @@ class SlotCache(CachePolicy):
             )
         first = self._reserve(num_new)
         self._start = self.used_slots - num_new
-        slots = torch.arange(self._start, self.used_slots, device=self.layout.device)  # [T]
-        self._mask = None if num_new == 1 else causal_mask(slots, self.used_slots, self.layout.dtype)
+        self._mask = None
         return torch.arange(first, self.length, device=self.layout.device)
 
     def update(self, layer: int, keys, values, query) -> AttentionView:
         end = self.used_slots
+        if self._mask is None and end - self._start > 1:  # built on use: a restored prompt needs none
+            slots = torch.arange(self._start, end, device=self.layout.device)  # [T]
+            self._mask = causal_mask(slots, end, self.layout.dtype)
         self.keys[layer, :, :, self._start : end] = keys
         self.values[layer, :, :, self._start : end] = values
         return AttentionView(
