@@ -22,10 +22,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from cache import full, slots
 from cache.full import FullCache
 from cascade import attention, checkpoint, model, one_token, rope
 
-MODEL_CODE = (model, attention, rope, one_token, checkpoint)
+MODEL_CODE = (model, attention, rope, one_token, checkpoint, full, slots)
 """Modules whose source decides a prefill's numbers: editing them invalidates stored prompts."""
 
 
