@@ -120,7 +120,7 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 
 def print_stats(stats: dict[str, Any]) -> None:
     say = lambda line: print(line, file=sys.stderr)  # noqa: E731
-    loaded = " (loaded from the prompt cache)" if any(stage["prefill_loaded"] for stage in stats["stages"]) else ""
+    loaded = " (loaded from the prompt cache)" if stats["prefill_loaded"] else ""
     say(f"\n[{stats['prompt_tokens']} prompt tokens, prefill {stats['prefill_s']:.2f} s{loaded}; "
         f"{stats['new_tokens']} new tokens at {stats['tokens_per_s']:.1f} tokens/s "
         f"({stats['ms_per_token']:.1f} ms/token); stop: {stats['stop_reason']}]")

@@ -121,9 +121,14 @@ class GenerationStats:
         calls = self.stages[-1].forward_calls if self.stages else 0
         return (self.new_tokens - 1) / calls if calls > 0 else 0.0
 
+    @property
+    def prefill_loaded(self) -> bool:
+        """Some stage loaded its prompt from the prompt cache: ``prefill_s`` is no prefill time."""
+        return any(stage.prefill_loaded for stage in self.stages)
+
     def to_dict(self) -> dict:
         data = asdict(self)
         data["stages"] = [stage.to_dict() for stage in self.stages]
-        for name in ("tokens_per_s", "ms_per_token", "tokens_per_verify"):
+        for name in ("tokens_per_s", "ms_per_token", "tokens_per_verify", "prefill_loaded"):
             data[name] = getattr(self, name)
         return data

@@ -101,7 +101,7 @@ def run_cascade(args, impl: str, target: Path, draft: Path | None, prompt: torch
         # no EOS: exactly N tokens, like min_new_tokens; seeded from the config (seed 0)
         result = runtime.generate(prompt_now.tolist(), args.new_tokens, stop_at_eos=False)
     stats = result.stats.to_dict()
-    loaded = any(stage["prefill_loaded"] for stage in stats["stages"])
+    loaded = stats["prefill_loaded"]
     return {"prefill_s": None if loaded else stats["prefill_s"], "decode_s": stats["decode_s"],
             "prefill_tokens_per_s": None if loaded else prompt.numel() / stats["prefill_s"],
             "decode_tokens_per_s": stats["tokens_per_s"], "stats": stats}, result.token_ids

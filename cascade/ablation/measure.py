@@ -75,7 +75,7 @@ def measure(run: Run, target: Path, dtype: str, repeats: int, prompt_cache: str 
         "settings": json.dumps({key: value for key, value in run.settings if key not in RUN_KEYS}),
         "tokens_per_s": round(statistics.median(speeds), 3),
         "ms_per_token": round(1000 / statistics.median(speeds), 3),
-        "prefill_s": "" if any(stage.prefill_loaded for stage in stats.stages) else round(stats.prefill_s, 3),
+        "prefill_s": "" if stats.prefill_loaded else round(stats.prefill_s, 3),
         "tokens_per_verify": round(stats.tokens_per_verify, 3),
         "predicted_speedup": round(stats.predicted_speedup, 3),
         "acceptance": json.dumps({stage.name: round(stage.acceptance_rate, 4) for stage in proposers}),
