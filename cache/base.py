@@ -56,6 +56,11 @@ class AttentionView:
     None when every query reads every key."""
     causal: bool = False
     """True when ``mask`` is plain bottom-right causality, so a kernel may use its causal mode."""
+    valid_lengths: torch.Tensor | None = None
+    """[B] int32, set for a static pass's view (see ``SlotCache.set_static``): keys and values are
+    the whole slot buffer, of which the first ``valid_lengths`` slots hold this pass's tokens and
+    everything before them (``mask`` hides the rest), so a kernel that takes cache lengths (flash-attn's
+    kvcache kernel) can read just those."""
 
 
 class CacheFullError(RuntimeError):
@@ -67,6 +72,9 @@ class CachePolicy(ABC):
 
     reads_source = False
     """True for policies built from another stage's full cache of the same model (``source``)."""
+    static_passes = False
+    """True for policies that can run passes with state-independent shapes and tensor addresses
+    (``set_static``), which lets a pass be captured once as a graph and replayed."""
 
     def __init__(self, layout: CacheLayout, source: CachePolicy | None = None) -> None:
         """``source``: another stage's cache of the same model whose KV this policy may read
@@ -109,6 +117,16 @@ class CachePolicy(ABC):
         if not self.committed <= length <= self.length:
             raise ValueError(f"rollback({length}) outside [{self.committed}, {self.length}]")
         self.length = length
+
+    @property
+    def graph_ready(self) -> bool:
+        """False while the next pass must run eagerly (e.g. a pending chunk selection)."""
+        return self.static_passes
+
+    def set_static(self, static: bool) -> None:
+        """Make the next passes static (see ``static_passes``); only policies that support it."""
+        if static:
+            raise NotImplementedError(f"{type(self).__name__} has no static passes")
 
     def observe_acceptance(self, proposed: int, accepted: int) -> None:
         """The stage above verified ``proposed`` tokens this cache's stage proposed and kept

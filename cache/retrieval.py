@@ -106,6 +106,10 @@ class RetrievalCache(SlotCache):
         self.exact_until = self.prompt_length
         """Sequence tokens before this hold the source's K/V (the prompt's kept part included)."""
 
+    @property
+    def graph_ready(self) -> bool:
+        return not self._select_pending  # a pass that selects chunks runs extra ops: eagerly
+
     def request_refresh(self) -> None:
         """Re-select the chunks on the next forward pass."""
         self._select_pending = True

@@ -3,6 +3,12 @@
 Sequence index i (counted from the start, like ``length``) lives in slot ``i - dropped`` once it
 is past the kept front; policies that drop tokens compact the buffer and raise ``dropped``.
 Attention reads slots ``[0, used_slots)``; a pass's new tokens are causal among themselves.
+
+A static pass (``set_static(True)``) does the same with shapes and tensor addresses that do not
+depend on the cache's state, so it can be captured as a graph once and replayed: its tokens are
+written at slot indices held in a device tensor, and attention reads the whole buffer under a
+mask built from those indices on device (slots past the pass's last token are hidden like future
+tokens). Host-side bookkeeping (``allocate``, ``commit``, eviction) stays outside the pass.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ from cache.base import AttentionView, CacheFullError, CacheLayout, CachePolicy
 
 
 class SlotCache(CachePolicy):
+    static_passes = True
+
     def __init__(self, layout: CacheLayout, slots: int, source: CachePolicy | None = None) -> None:
         super().__init__(layout, source)
         self.slots = slots
@@ -23,7 +31,14 @@ class SlotCache(CachePolicy):
         """Tokens of the sequence not held: sequence index i past the kept front is in slot i - dropped."""
         self._start = 0
         self._mask: torch.Tensor | None = None
-        """[T, S] causal mask of the current pass, built by its first ``update`` (None for one token)."""
+        """[T, S] causal mask of the current pass, built by its first layer (None for one dynamic token)."""
+        self._static = False
+        self._slot_indices: dict[int, torch.Tensor] = {}
+        """Per pass length T, the device tensor [T] int64 of the slots a static pass of T writes."""
+        self._pass_slots = self._slot_indices.setdefault(1, torch.zeros(1, dtype=torch.long, device=layout.device))
+        """The current static pass's entry of ``_slot_indices``."""
+        self._valid_slots = torch.zeros(1, dtype=torch.int32, device=layout.device)
+        """[1] slots a static pass's attention reads (its last token's slot + 1)."""
 
     @property
     def used_slots(self) -> int:
@@ -38,19 +53,42 @@ class SlotCache(CachePolicy):
             )
         first = self._reserve(num_new)
         self._start = self.used_slots - num_new
-        self._mask = None
-        return torch.arange(first, self.length, device=self.layout.device)
+        if self._static:
+            if num_new not in self._slot_indices:
+                self._slot_indices[num_new] = torch.empty(num_new, dtype=torch.long, device=self.layout.device)
+            self._pass_slots = self._slot_indices[num_new]
+            self._pass_slots.copy_(self._as_tensor(range(self._start, self.used_slots)))
+            self._valid_slots.fill_(self.used_slots)
+        return self._as_tensor(range(first, self.length))
+
+    def _as_tensor(self, indices: range) -> torch.Tensor:
+        return torch.arange(indices.start, indices.stop, device=self.layout.device)
+
+    def set_static(self, static: bool) -> None:
+        self._static = static
 
     def update(self, layer: int, keys, values, query) -> AttentionView:
+        if self._static:
+            return self._static_update(layer, keys, values)
         end = self.used_slots
-        if self._mask is None and end - self._start > 1:  # built on use: a restored prompt needs none
-            slots = torch.arange(self._start, end, device=self.layout.device)  # [T]
-            self._mask = causal_mask(slots, end, self.layout.dtype)
+        if layer == 0:  # built per pass, on use: a restored prompt needs none
+            slots = range(self._start, end)
+            self._mask = None if len(slots) == 1 else causal_mask(self._as_tensor(slots), end, self.layout.dtype)
         self.keys[layer, :, :, self._start : end] = keys
         self.values[layer, :, :, self._start : end] = values
         return AttentionView(
             self.keys[layer, :, :, :end], self.values[layer, :, :, :end], self._mask, self._mask is not None
         )
+
+    def _static_update(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> AttentionView:
+        """``update`` for a static pass: keys/values [B, H_kv, T, D] go to the slots of the device
+        index; the view is the whole buffer [B, H_kv, slots, D] under a [T, slots] mask."""
+        slots = self._pass_slots  # [T]
+        if layer == 0:
+            self._mask = causal_mask(slots, self.slots, self.layout.dtype)
+        self.keys[layer].index_copy_(2, slots, keys)
+        self.values[layer].index_copy_(2, slots, values)
+        return AttentionView(self.keys[layer], self.values[layer], self._mask, valid_lengths=self._valid_slots)
 
     def memory_bytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes

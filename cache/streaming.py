@@ -51,7 +51,7 @@ class StreamingCache(SlotCache):
 
     def allocate(self, num_new: int) -> torch.Tensor:
         self._allocate_slots(num_new)
-        return torch.arange(self._start, self.used_slots, device=self.layout.device)  # in-cache positions
+        return self._as_tensor(range(self._start, self.used_slots))  # in-cache positions
 
     def commit(self, length: int) -> None:
         super().commit(length)

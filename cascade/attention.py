@@ -1,14 +1,27 @@
-"""Attention kernels: flash-attn on CUDA when installed, PyTorch SDPA everywhere else."""
+"""Attention kernels, in three families a config picks by name (``attention``):
+
+- ``cpu``: tuned for this project's CPU runs: per-KV-head matrix products for decode and
+  verification passes, grouped SDPA for short passes, log-sum-exp-merged halves for prefill chunks;
+- ``sdpa``: PyTorch's scaled_dot_product_attention for every pass (any device);
+- ``flash``: flash-attn on CUDA in bf16/fp16, reading a static pass's cache in place through its
+  kvcache kernel; passes it cannot run (float32, arbitrary masks) go to SDPA.
+
+``auto`` means ``flash`` on CUDA when flash-attn is installed, ``sdpa`` on CUDA without it, and
+``cpu`` on CPU. Each family takes query [B, H, T, D] and an :class:`AttentionView` and returns
+[B, H, T, D]; a view without a mask means every query reads every key.
+"""
 
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 
 from cache.base import AttentionView
+from cascade.errors import CascadeError
 
 FLASH_ATTN_INSTALLED = importlib.util.find_spec("flash_attn") is not None
 
@@ -23,27 +36,60 @@ FOLD_MAX_QUERIES = 64
 repeating the mask per group costs more than it saves."""
 
 
-def attend(query: torch.Tensor, view: AttentionView, scale: float) -> torch.Tensor:
-    """Grouped-query attention of query [B, H, T, D] over the view's keys/values [B, H_kv, S, D].
+AttentionKernel = Callable[[torch.Tensor, AttentionView, float], torch.Tensor]
 
-    Returns [B, H, T, D]. A view without a mask means every query reads every key.
-    """
-    if FLASH_ATTN_INSTALLED and query.is_cuda and (view.mask is None or view.causal):
-        return _flash_attend(query, view, scale)
-    num_queries, num_keys = query.shape[2], view.keys.shape[2]
-    if num_queries <= MATMUL_MAX_QUERIES and not query.is_cuda:
+
+def attend_cpu(query: torch.Tensor, view: AttentionView, scale: float) -> torch.Tensor:
+    """The ``cpu`` family: whichever kernel this CPU runs fastest for the pass's shape."""
+    num_queries = query.shape[2]
+    if num_queries <= MATMUL_MAX_QUERIES:
         return _per_head_matmul(query, view, scale)
     if num_queries <= FOLD_MAX_QUERIES:
         return _grouped_sdpa(query, view, scale)
-    if view.causal and num_queries == num_keys:  # a first prefill chunk: skip the upper half
+    if view.causal and CPU_FLASH_WITH_LSE is not None and num_queries < view.keys.shape[2]:
+        return _prefix_plus_causal_block(query, view, scale)
+    return attend_sdpa(query, view, scale)
+
+
+def attend_sdpa(query: torch.Tensor, view: AttentionView, scale: float) -> torch.Tensor:
+    """The ``sdpa`` family: one scaled_dot_product_attention call (K/V shared per query group)."""
+    if view.causal and query.shape[2] == view.keys.shape[2]:  # a first prefill chunk: skip the upper half
         return F.scaled_dot_product_attention(
             query, view.keys, view.values, is_causal=True, scale=scale, enable_gqa=True
         )
-    if view.causal and CPU_FLASH_WITH_LSE is not None and not query.is_cuda:
-        return _prefix_plus_causal_block(query, view, scale)
     return F.scaled_dot_product_attention(
         query, view.keys, view.values, attn_mask=view.mask, scale=scale, enable_gqa=True
     )
+
+
+def attend_flash(query: torch.Tensor, view: AttentionView, scale: float) -> torch.Tensor:
+    """The ``flash`` family: flash-attn where it applies, SDPA for the rest."""
+    if query.dtype not in (torch.float16, torch.bfloat16):
+        return attend_sdpa(query, view, scale)
+    if view.valid_lengths is not None:
+        return _flash_kvcache_attend(query, view, scale)
+    if view.mask is None or view.causal:
+        return _flash_attend(query, view, scale)
+    return attend_sdpa(query, view, scale)
+
+
+KERNELS: dict[str, AttentionKernel] = {"cpu": attend_cpu, "sdpa": attend_sdpa, "flash": attend_flash}
+
+
+def resolve_kernels(name: str, device: torch.device) -> str:
+    """The kernel family ``name`` ('auto' or a key of ``KERNELS``) means on ``device``, or an error
+    saying why it cannot run there."""
+    if name == "auto":
+        if device.type == "cuda":
+            return "flash" if FLASH_ATTN_INSTALLED else "sdpa"
+        return "cpu"
+    if name not in KERNELS:
+        raise CascadeError(f"attention: unknown kernels {name!r}; choose auto, {', '.join(KERNELS)}")
+    if name == "flash" and (device.type != "cuda" or not FLASH_ATTN_INSTALLED):
+        missing = "a CUDA device" if device.type != "cuda" else "the flash-attn package (pip install flash-attn)"
+        raise CascadeError(f"attention: flash needs {missing}; this run is on {device.type}"
+                           f"{'' if FLASH_ATTN_INSTALLED else ' without flash-attn'}; use auto or sdpa")
+    return name
 
 
 def _prefix_plus_causal_block(query: torch.Tensor, view: AttentionView, scale: float) -> torch.Tensor:
@@ -114,6 +160,7 @@ def _grouped_sdpa(query: torch.Tensor, view: AttentionView, scale: float) -> tor
 
 
 def _flash_attend(query: torch.Tensor, view: AttentionView, scale: float) -> torch.Tensor:
+    """flash-attn over a view's keys/values, with or without bottom-right causality."""
     from flash_attn import flash_attn_func
 
     out = flash_attn_func(  # flash-attn takes [B, T, H, D]; its causal mask is bottom-right aligned
@@ -122,5 +169,21 @@ def _flash_attend(query: torch.Tensor, view: AttentionView, scale: float) -> tor
         view.values.transpose(1, 2),
         softmax_scale=scale,
         causal=view.causal,
+    )
+    return out.transpose(1, 2)  # [B, H, T, D]
+
+
+def _flash_kvcache_attend(query: torch.Tensor, view: AttentionView, scale: float) -> torch.Tensor:
+    """A static pass: flash-attn's kvcache kernel reads the first ``valid_lengths`` slots of the
+    whole buffer in place (the pass's tokens are its last T, bottom-right causal)."""
+    from flash_attn import flash_attn_with_kvcache
+
+    out = flash_attn_with_kvcache(  # [B, T, H, D] in, the caches as strided [B, S, H_kv, D] views
+        query.transpose(1, 2),
+        view.keys.transpose(1, 2),
+        view.values.transpose(1, 2),
+        cache_seqlens=view.valid_lengths,
+        softmax_scale=scale,
+        causal=True,
     )
     return out.transpose(1, 2)  # [B, H, T, D]

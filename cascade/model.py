@@ -16,7 +16,7 @@ from torch import nn
 
 from cache.base import CacheLayout, CachePolicy
 from cascade import one_token
-from cascade.attention import attend
+from cascade.attention import KERNELS, AttentionKernel, resolve_kernels
 from cascade.rope import Rotary, apply_rotary
 
 
@@ -62,7 +62,7 @@ class Attention(nn.Module):
         self.scale = spec.head_dim**-0.5
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: CachePolicy
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: CachePolicy, attend: AttentionKernel
     ) -> torch.Tensor:
         spec = self.spec
         qkv = rearrange(self.qkv_proj(x), "b t (h d) -> b h t d", d=spec.head_dim)  # [B, H+2Hkv, T, D]
@@ -93,8 +93,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
-    def forward(self, x, cos, sin, cache: CachePolicy) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+    def forward(self, x, cos, sin, cache: CachePolicy, attend: AttentionKernel) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, attend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def one_token(self, x, cos, sin, cache: CachePolicy) -> torch.Tensor:
@@ -121,6 +121,8 @@ class CausalLM(nn.Module):
     """
 
     one_token_kernels: bool = False
+    attention: str = "auto"
+    """Attention kernel family (``cascade.attention``); auto picks by device."""
 
     def __init__(self, spec: ModelSpec, rotary: Rotary) -> None:
         super().__init__()
@@ -151,15 +153,23 @@ class CausalLM(nn.Module):
         self, token_ids: torch.Tensor, cache: CachePolicy, num_logits: int | None = None
     ) -> torch.Tensor:
         """token_ids [B, T] -> logits [B, N, V] for the last N = ``num_logits`` positions (all if None)."""
-        positions = cache.allocate(token_ids.shape[1])  # [T]
+        return self.forward_at(token_ids, cache.allocate(token_ids.shape[1]), cache, num_logits)
+
+    @torch.inference_mode()
+    def forward_at(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, cache: CachePolicy, num_logits: int | None = None
+    ) -> torch.Tensor:
+        """``forward`` for tokens the cache has already allocated at ``positions`` [T]; a static
+        pass (see ``SlotCache.set_static``) runs here with the same shapes and addresses every time."""
         cos, sin = self.rotary.cos_sin(positions, self.dtype)  # [T, D] each
         x = self.embed_tokens(token_ids)  # [B, T, C]
         if self.one_token_kernels and token_ids.shape == (1, 1):
             for block in self.layers:
                 x = block.one_token(x, cos, sin, cache)
             return one_token.logits(x, self.norm.weight, self.lm_head.weight, self.norm.eps)  # [1, 1, V]
+        attend = KERNELS[resolve_kernels(self.attention, self.device)]
         for block in self.layers:
-            x = block(x, cos, sin, cache)
+            x = block(x, cos, sin, cache, attend)
         if num_logits is not None:
             x = x[:, -num_logits:]
         return self.lm_head(self.norm(x))  # [B, N, V]

@@ -89,4 +89,4 @@ def attend(query: torch.Tensor, view: AttentionView, scale: float) -> torch.Tens
     """One query per head [1, H, 1, D] over the view -> [1, H, 1, D], by whichever kernel is faster."""
     if view.mask is None and view.keys.shape[2] <= MAX_COMPILED_ATTENTION_KEYS:
         return _compiled_attention(query, view.keys, view.values, scale)
-    return attention.attend(query, view, scale)
+    return attention.attend_cpu(query, view, scale)

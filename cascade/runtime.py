@@ -9,8 +9,10 @@ from pathlib import Path
 
 import torch
 
+from cascade.attention import resolve_kernels
 from cascade.checkpoint import LoadedModel, load_checkpoint
 from cascade.errors import CascadeError
+from cascade.graphs import Capture, cuda_graph
 from cascade.models import default_model
 from cascade.pipeline import GenerationResult, Pipeline, StopRule, TokenCallback
 from cascade.prompt_cache import PromptCache, model_key
@@ -48,6 +50,8 @@ class Runtime:
     log: Callable[[str], None]
     prompt_caches: dict[str, PromptCache] = field(default_factory=dict)
     """Per model role, where its full-cache stages store and load prefilled prompts."""
+    capture: Capture | None = None
+    """How stages capture their short passes as graphs (None: all passes run eagerly)."""
 
     @property
     def tokenizer(self):
@@ -102,6 +106,7 @@ class Runtime:
                 SCHEDULES[stage.schedule](stage.gamma) if index < last else None,
                 None if source is None else stages[source],
                 self.prompt_caches.get(stage.model),
+                self.capture,
             )
         return Pipeline([stages[i] for i in range(last + 1)], config.sampling, config.prefill_chunk)
 
@@ -130,13 +135,16 @@ def build_runtime(config: PipelineConfig, log: Callable[[str], None]) -> Runtime
         draft = load_model(config.draft, "draft", dtype, device, log)
         check_same_vocabulary(target, draft)
     compiled = config.kernels == "compiled" and one_token_kernels_available(device, log)
+    attention = resolve_kernels(config.attention, device)
     for loaded in (target, draft):
         if loaded is not None:
             loaded.model.one_token_kernels = compiled
+            loaded.model.attention = attention
     models = {"target": (target, config.target), "draft": (draft, config.draft)}
     prompt_caches = {role: prompt_cache(config, loaded, model_config, log)
                      for role, (loaded, model_config) in models.items() if loaded and config.prompt_cache.dir}
-    return Runtime(config, target, draft, log, prompt_caches)
+    capture = cuda_graph if device.type == "cuda" and config.cuda_graphs else None
+    return Runtime(config, target, draft, log, prompt_caches, capture)
 
 
 def prompt_cache(config: PipelineConfig, loaded: LoadedModel, model_config: ModelConfig,
@@ -144,6 +152,7 @@ def prompt_cache(config: PipelineConfig, loaded: LoadedModel, model_config: Mode
     """The store of ``loaded``'s prefilled prompts, keyed by everything that decides them."""
     model = loaded.model
     settings = {"dtype": str(model.dtype), "device": model.device.type, "one_token_kernels": model.one_token_kernels,
+                "attention": model.attention,
                 "rope_scaling": model_config.rope_scaling.model_dump() if model_config.rope_scaling else None}
     return PromptCache(Path(config.prompt_cache.dir).expanduser(), model_key(loaded.path, settings),
                        int(config.prompt_cache.max_gb * 2**30), log)

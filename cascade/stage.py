@@ -10,6 +10,7 @@ from cache import build_policy
 from cache.base import CacheLayout, CachePolicy
 from cache.config import CachePolicyConfig
 from cache.full import FullCacheConfig
+from cascade.graphs import Capture, PassGraphs
 from cascade.model import CausalLM
 from cascade.prompt_cache import PromptCache
 from cascade.schedule import Schedule
@@ -26,11 +27,13 @@ class Stage:
         schedule: Schedule | None = None,
         source: Stage | None = None,
         prompt_cache: PromptCache | None = None,
+        capture: Capture | None = None,
     ) -> None:
         """``schedule``: how many tokens this stage proposes per round (None for the last stage).
         ``source``: the full-cache stage of the same model whose prompt KV this stage's policy
         reads; such a stage gets its cache when the source has prefilled, and no prefill of its own.
-        ``prompt_cache``: where a full-cache stage loads and stores its prefilled prompts."""
+        ``prompt_cache``: where a full-cache stage loads and stores its prefilled prompts.
+        ``capture``: how short passes are captured as graphs (None: every pass runs eagerly)."""
         self.name = name
         self.model = model
         self.cache_config = cache_config
@@ -38,7 +41,11 @@ class Stage:
         self.schedule = schedule
         self.source = source
         self.prompt_cache = prompt_cache if isinstance(cache_config, FullCacheConfig) else None
-        self.cache: CachePolicy | None = None if source else build_policy(cache_config, layout)
+        self.capture = capture
+        self.cache: CachePolicy | None = None
+        self.graphs: PassGraphs | None = None
+        if source is None:
+            self._use_cache(build_policy(cache_config, layout))
         self.stats = StageStats(name, schedule=schedule.name if schedule else "")
 
     @property
@@ -51,7 +58,7 @@ class Stage:
         reads its source's prompt KV instead): loaded from the prompt cache if it holds this
         prompt, else computed ``chunk`` tokens per pass (and stored there)."""
         if self.source is not None:
-            self.cache = build_policy(self.cache_config, self.layout, self.source.cache)
+            self._use_cache(build_policy(self.cache_config, self.layout, self.source.cache))
             return None
         started = time.perf_counter()
         stored = self.prompt_cache.load(prompt_ids, chunk, self.cache) if self.prompt_cache else None
@@ -61,6 +68,11 @@ class Stage:
             self.prompt_cache.save(prompt_ids, chunk, self.cache, logits)
         self.stats.prefill_s += time.perf_counter() - started
         return logits
+
+    def _use_cache(self, cache: CachePolicy) -> None:
+        self.cache = cache
+        if self.capture is not None and cache.static_passes:
+            self.graphs = PassGraphs(self.model, cache, self.capture)
 
     def _prefill(self, prompt_ids: torch.Tensor, chunk: int) -> torch.Tensor:
         """Chunking bounds the attention working set at [chunk, T] instead of [T, T]; each chunk is
@@ -74,7 +86,10 @@ class Stage:
         """Feed the tokens of ``context`` this stage has not seen -> logits [N, V] of the last N."""
         started = time.perf_counter()
         token_ids = torch.tensor(context[self.cache.length :], device=self.model.device)  # [T]
-        logits = self.model(token_ids[None, :], self.cache, num_logits)[0]  # [N, V]
+        if self.graphs is not None:
+            logits = self.graphs(token_ids[None, :], num_logits)[0]  # [N, V]
+        else:
+            logits = self.model(token_ids[None, :], self.cache, num_logits)[0]
         self.stats.time_s += time.perf_counter() - started
         self.stats.forward_calls += 1
         self.stats.tokens_processed += token_ids.numel()

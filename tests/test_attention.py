@@ -1,0 +1,80 @@
+"""Attention kernel families against a float64 reference, for every pass shape the cascade runs,
+and the choice of family: auto per device, a clear error for one that cannot run here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cache.base import AttentionView
+from cache.slots import causal_mask
+from cascade.attention import FLASH_ATTN_INSTALLED, KERNELS, resolve_kernels
+from cascade.errors import CascadeError
+from tests.test_pipeline import runtime_for
+
+HEADS, KV_HEADS, HEAD_DIM = 6, 2, 16
+CUDA = torch.cuda.is_available()
+SHAPES = {  # name: (queries, keys, how the view is built)
+    "decode": (1, 50, "dynamic"),
+    "verify": (7, 300, "dynamic"),
+    "short-pass": (30, 80, "dynamic"),
+    "first-prefill-chunk": (96, 96, "dynamic"),
+    "later-prefill-chunk": (96, 300, "dynamic"),
+    "static-decode": (1, 50, "static"),
+    "static-verify": (5, 50, "static"),
+}
+BUFFER_SLOTS = 64
+
+
+def make_view(num_queries: int, num_keys: int, how: str, dtype: torch.dtype, device: str):
+    """Random query [1, H, T, D] and a view whose pass tokens are keys num_keys - T .. num_keys - 1."""
+    generator = torch.Generator().manual_seed(num_queries * 1000 + num_keys)
+    size = num_keys if how == "dynamic" else BUFFER_SLOTS
+    query = torch.randn(1, HEADS, num_queries, HEAD_DIM, generator=generator)
+    keys, values = torch.randn(2, 1, KV_HEADS, size, HEAD_DIM, generator=generator)
+    query, keys, values = (x.to(device=device, dtype=dtype) for x in (query, keys, values))
+    slots = torch.arange(num_keys - num_queries, num_keys, device=device)
+    if how == "static":  # the whole buffer: slots past the pass hold stale values, hidden by the mask
+        valid = torch.tensor([num_keys], dtype=torch.int32, device=device)
+        return query, AttentionView(keys, values, causal_mask(slots, size, dtype), valid_lengths=valid)
+    mask = None if num_queries == 1 else causal_mask(slots, num_keys, dtype)
+    return query, AttentionView(keys, values, mask, mask is not None)
+
+
+def reference(query: torch.Tensor, view: AttentionView, scale: float) -> torch.Tensor:
+    group = HEADS // KV_HEADS
+    keys = view.keys.double().repeat_interleave(group, 1)  # [1, H, S, D]
+    values = view.values.double().repeat_interleave(group, 1)
+    scores = query.double() @ keys.transpose(-1, -2) * scale  # [1, H, T, S]
+    if view.mask is not None:
+        scores = scores + view.mask.double()
+    return scores.softmax(-1) @ values  # [1, H, T, D]
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("family", ["cpu", "sdpa"])
+def test_kernel_families_match_the_reference(family, shape):
+    query, view = make_view(*SHAPES[shape], torch.float32, "cpu")
+    out = KERNELS[family](query, view, HEAD_DIM**-0.5)
+    torch.testing.assert_close(out.double(), reference(query, view, HEAD_DIM**-0.5), rtol=1e-4, atol=1e-5)
+
+
+def test_auto_picks_the_cpu_family_on_cpu_and_flash_explains_what_it_needs(tiny_dir, tiny_draft_dir):
+    assert resolve_kernels("auto", torch.device("cpu")) == "cpu"
+    assert resolve_kernels("sdpa", torch.device("cpu")) == "sdpa"
+    with pytest.raises(CascadeError, match="flash needs a CUDA device"):
+        resolve_kernels("flash", torch.device("cpu"))
+    with pytest.raises(CascadeError, match="unknown kernels 'xformers'"):
+        resolve_kernels("xformers", torch.device("cpu"))
+    if not CUDA:
+        with pytest.raises(CascadeError, match="attention: flash needs"):
+            runtime_for("autoregressive", tiny_dir, tiny_draft_dir, attention="flash")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (CUDA and FLASH_ATTN_INSTALLED), reason="needs CUDA and flash-attn")
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_flash_family_matches_the_reference_on_cuda(shape):
+    query, view = make_view(*SHAPES[shape], torch.bfloat16, "cuda")
+    out = KERNELS["flash"](query, view, HEAD_DIM**-0.5)
+    torch.testing.assert_close(out.double(), reference(query, view, HEAD_DIM**-0.5), rtol=2e-2, atol=2e-2)

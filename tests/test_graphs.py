@@ -1,0 +1,143 @@
+"""Static passes and their graphs, checked on CPU: a static pass computes what the dynamic pass
+does; captured with torch.compile(fullgraph=True, dynamic=False) it compiles exactly once per
+pass shape however the cache's length moves (no graph break, no host value baked in), which is
+what a CUDA graph replay relies on; graphed presets stay exactly autoregressive."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounter
+
+from cache import build_policy
+from cache.full import FullCacheConfig
+from cache.retrieval import RetrievalCacheConfig
+from cache.streaming import StreamingCacheConfig
+from cascade.checkpoint import load_model
+from cascade.graphs import MAX_GRAPH_TOKENS, PassGraphs, cuda_graph
+from cascade.pipeline import StopRule
+from tests.conftest import make_checkpoint
+from tests.test_pipeline import PROMPT, SMALL_CACHES, runtime_for
+
+CONFIGS = {
+    "full": FullCacheConfig(),
+    "streaming": StreamingCacheConfig(sinks=4, window=24),
+    "retrieval": RetrievalCacheConfig(budget=32, chunk_size=4),
+}
+PASSES = [1, 1, 4, 1, 3, 1, 1, 4, 2, 1]
+"""Tokens per pass after the prompt; each pass keeps all but its last token (a rejection)."""
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("graphs") / "llama", "llama-gqa-tied")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_checkpoint):
+    return load_model(tiny_checkpoint, torch.float32, torch.device("cpu"))
+
+
+def eager_capture(run):
+    return run
+
+
+def compiled_capture(counter: CompileCounter):
+    return lambda run: torch.compile(run, fullgraph=True, dynamic=False, backend=counter)
+
+
+@pytest.fixture(autouse=True)
+def fresh_compile_caches():
+    """Every capture compiles the same ``run`` code: start each test with none compiled yet, and
+    room for every shape of a three-stage pipeline."""
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=64):
+        yield
+
+
+def run_passes(model, kind: str, capture=None) -> list[torch.Tensor]:
+    """Prefill 60 tokens, then PASSES with rollbacks and commits -> each pass's logits [T, V]."""
+    layout = model.cache_layout(capacity=96, max_pending=8)
+    tokens = torch.randint(0, model.spec.vocab_size, (60 + sum(PASSES),), generator=torch.Generator().manual_seed(3))
+    tokens = tokens.to(model.device)
+    full = build_policy(FullCacheConfig(), layout)
+    model(tokens[None, :60], full)
+    full.commit(60)
+    cache = full if kind == "full" else build_policy(CONFIGS[kind], layout, full)
+    if kind == "streaming":
+        for start in range(0, 60, 6):  # within its pending room
+            model(tokens[None, start : start + 6], cache)
+            cache.commit(start + 6)
+    graphs = PassGraphs(model, cache, capture) if capture else None
+    logits, length = [], 60
+    for count in PASSES:
+        ids = tokens[None, length : length + count]
+        logits.append((graphs(ids, count) if graphs else model(ids, cache, count))[0])
+        length += count - 1 if count > 1 else count
+        cache.rollback(length)
+        cache.commit(length)
+        if cache is not full:  # the source holds every committed token, as the target stage would
+            model(tokens[None, full.length : length], full)
+            full.commit(length)
+    return logits
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_static_passes_compute_what_dynamic_passes_do(kind, tiny_model):
+    dynamic = run_passes(tiny_model, kind)
+    static = run_passes(tiny_model, kind, eager_capture)
+    for expected, got in zip(dynamic, static, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_a_static_pass_compiles_once_per_shape_whatever_the_length(kind, tiny_model):
+    counter = CompileCounter()
+    dynamic = run_passes(tiny_model, kind)
+    compiled = run_passes(tiny_model, kind, compiled_capture(counter))
+    for expected, got in zip(dynamic, compiled, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert counter.frame_count == len(set(PASSES))  # retrieval's first, selecting pass is eager
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_cuda_graph_replays_compute_what_dynamic_passes_do(kind, tiny_checkpoint):
+    model = load_model(tiny_checkpoint, torch.float32, torch.device("cuda"))
+    dynamic = run_passes(model, kind)
+    replayed = run_passes(model, kind, cuda_graph)
+    for expected, got in zip(dynamic, replayed, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_long_passes_and_selecting_passes_run_eagerly(tiny_model):
+    layout = tiny_model.cache_layout(capacity=96)
+    full = build_policy(FullCacheConfig(), layout)
+    counter = CompileCounter()
+    graphs = PassGraphs(tiny_model, full, compiled_capture(counter))
+    graphs(torch.zeros(1, MAX_GRAPH_TOKENS + 1, dtype=torch.long), 1)
+    assert counter.frame_count == 0 and not graphs.graphs
+    full.commit(full.length)
+    retrieval = build_policy(CONFIGS["retrieval"], layout, full)
+    assert not retrieval.graph_ready
+    tiny_model(torch.zeros(1, 1, dtype=torch.long), retrieval)
+    assert retrieval.graph_ready
+
+
+@pytest.mark.parametrize("preset", ["self-spec", "triforce"])
+def test_graphed_presets_greedy_equal_autoregressive(preset, tiny_dir, tiny_draft_dir):
+    expected = generate(runtime_for("autoregressive", tiny_dir, tiny_draft_dir, kernels="eager"))
+    runtime = runtime_for(preset, tiny_dir, tiny_draft_dir, SMALL_CACHES[preset], kernels="eager")
+    counter = CompileCounter()
+    runtime.capture = compiled_capture(counter)
+    pipeline = runtime.pipeline_for(len(PROMPT), 40)
+    assert generate(runtime, pipeline) == expected
+    shapes = [len(stage.graphs.graphs) for stage in pipeline.stages]
+    assert all(shapes) and counter.frame_count == sum(shapes)
+
+
+def generate(runtime, pipeline=None) -> list[int]:
+    pipeline = pipeline or runtime.pipeline_for(len(PROMPT), 40)
+    stop = StopRule(frozenset(), 40)
+    return pipeline.generate(torch.tensor(PROMPT), stop, torch.Generator().manual_seed(0)).token_ids
