@@ -1,14 +1,21 @@
-"""Each stage's step cost next to its roofline on this machine.
+"""Each stage's step cost next to its roofline on this machine (CPU or CUDA).
 
 Measures the memory bandwidth (reading a large tensor) and the matmul peak (a large square
 product) in the chosen dtype, then times the passes the cascade runs at each context: a one-token
 step under the full cache (autoregressive decoding), a one-token step under the retrieval cache
-(the self-speculating stage's proposals) and a (gamma + 1)-token verification pass under the full
-cache. A pass's roofline is max(bytes read / bandwidth, FLOPs / matmul peak), where bytes read are
-the weights once plus the KV the cache policy reports, and FLOPs are 2 per weight per token plus
-the attention products. The KV is random: only the timing matters.
+(the self-speculating stage's proposals), a (gamma + 1)-token verification pass under the full
+cache, and one under the retrieval cache (the middle stage of ``triforce`` verifying the draft).
+A pass's roofline is max(bytes read / bandwidth, FLOPs / matmul peak), where bytes read are the
+weights once plus the KV the cache policy reports, and FLOPs are 2 per weight per token plus the
+attention products. The KV is random: only the timing matters.
+
+The model is the provisioned SmolLM2 (YaRN-stretched to the context), or with ``--shape`` a
+random-weight model of a published shape, for cost-only figures that feed the cost model (e.g.
+Llama-2-7B at 120K tokens on a GPU; ``--draft-shape llama-68m`` adds TriForce's draft step). On
+CUDA, passes of up to 16 tokens replay as CUDA graphs unless ``--no-graphs``.
 
     python scripts/roofline.py [--contexts 8000 16000 32000] [--gamma 6] [--budget 4096]
+    python scripts/roofline.py --shape llama-2-7b --draft-shape llama-68m --contexts 120000
 """
 
 from __future__ import annotations
@@ -21,13 +28,25 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import LlamaConfig
 
 from cache import build_policy
 from cache.full import FullCache
 from cache.retrieval import RetrievalCacheConfig
-from cascade.checkpoint import load_checkpoint, yarn_scaling
+from cache.streaming import StreamingCacheConfig
+from cascade.attention import resolve_kernels
+from cascade.checkpoint import load_checkpoint, model_spec, yarn_scaling
+from cascade.graphs import PassGraphs, cuda_graph
+from cascade.model import CausalLM
 from cascade.models import default_model
+from cascade.rope import Rotary, rope_frequencies
 
+SHAPES = {  # random-weight models in published shapes (Llama-2-7B and TriForce's 68M draft)
+    "llama-2-7b": LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                              num_attention_heads=32, num_key_value_heads=32, vocab_size=32000),
+    "llama-68m": LlamaConfig(hidden_size=768, intermediate_size=3072, num_hidden_layers=2,
+                             num_attention_heads=12, num_key_value_heads=12, vocab_size=32000),
+}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -39,81 +58,140 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--kernels", choices=["compiled", "eager"], default="compiled",
                         help="one-token passes through the compiled kernels (as the runtime runs them) or eagerly")
+    parser.add_argument("--attention", choices=["auto", "cpu", "sdpa", "flash"], default="auto")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--no-graphs", action="store_true", help="on CUDA, run every pass eagerly")
+    parser.add_argument("--shape", choices=list(SHAPES), help="a random-weight model of this shape, not SmolLM2")
+    parser.add_argument("--draft-shape", choices=list(SHAPES), help="also time this shape's draft step "
+                                                                    "(streaming cache of --draft-window tokens)")
+    parser.add_argument("--draft-window", type=int, default=256)
     parser.add_argument("--out", type=Path, default=Path("results/roofline.json"))
     return parser.parse_args(argv)
 
 
-def median_seconds(run, repeats: int) -> float:
-    run()  # first touch
+def median_seconds(run, repeats: int, device: torch.device) -> float:
+    run()  # first touch (and, with graphs, the capture)
     times = []
     for _ in range(repeats):
+        torch.cuda.synchronize() if device.type == "cuda" else None
         started = time.perf_counter()
         run()
+        torch.cuda.synchronize() if device.type == "cuda" else None
         times.append(time.perf_counter() - started)
     return statistics.median(times)
 
 
-def memory_bandwidth(dtype: torch.dtype, repeats: int) -> float:
-    """Bytes per second reading a 512 MiB tensor (a sum reads each byte once)."""
-    data = torch.ones(2**29 // torch.empty((), dtype=dtype).element_size(), dtype=dtype)
-    return data.nbytes / median_seconds(lambda: data.sum(), repeats)
+def memory_bandwidth(dtype: torch.dtype, repeats: int, device: torch.device) -> float:
+    """Bytes per second reading a 512 MiB (CPU) or 4 GiB (CUDA) tensor (a sum reads each byte once)."""
+    size = 2**32 if device.type == "cuda" else 2**29
+    data = torch.ones(size // dtype.itemsize, dtype=dtype, device=device)
+    return data.nbytes / median_seconds(lambda: data.sum(), repeats, device)
 
 
-def matmul_peak(dtype: torch.dtype, repeats: int) -> float:
-    """FLOPs per second of a 2048 x 2048 x 2048 product."""
-    a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
-    return 2 * 2048**3 / median_seconds(lambda: a @ b, repeats)
+def matmul_peak(dtype: torch.dtype, repeats: int, device: torch.device) -> float:
+    """FLOPs per second of an n x n x n product (n = 2048 on CPU, 8192 on CUDA)."""
+    n = 8192 if device.type == "cuda" else 2048
+    a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
+    return 2 * n**3 / median_seconds(lambda: a @ b, repeats, device)
 
 
-def pass_figures(model, cache, tokens: int, repeats: int, bandwidth: float, peak: float) -> dict:
+def random_model(config: LlamaConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    """A model of ``config``'s shape with random weights (std 0.02; norms at 1), built on ``device``."""
+    config.max_position_embeddings = 1 << 20  # cost only: positions past the trained range are fine
+    spec = model_spec(config, {"lm_head.weight": None})  # an output projection of its own (untied)
+    rotary = Rotary(*rope_frequencies(config), device=device)
+    with torch.device("meta"):
+        model = CausalLM(spec, rotary)
+    model = model.to(dtype).to_empty(device=device).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            parameter.fill_(1.0) if "norm" in name else parameter.normal_(0.0, 0.02)
+    return model
+
+
+def pass_figures(model, cache, tokens: int, args, bandwidth: float, peak: float) -> dict:
     """Time a ``tokens``-token pass at the cache's end (rolled back after each) against its roofline."""
     spec = model.spec
     start = cache.length
-    ids = torch.randint(0, spec.vocab_size, (1, tokens))
+    ids = torch.randint(0, spec.vocab_size, (1, tokens), device=model.device)
+    graphed = model.device.type == "cuda" and not args.no_graphs
+    forward = PassGraphs(model, cache, cuda_graph) if graphed else (lambda ids, n: model(ids, cache, n))
 
     def run() -> None:
-        model(ids, cache, tokens)
+        forward(ids, tokens)
         cache.rollback(start)
 
-    seconds = median_seconds(run, repeats)
+    seconds = median_seconds(run, args.repeats, model.device)
     weight_bytes = sum(p.nbytes for p in model.parameters())
     kv_bytes = cache.read_bytes()
     weights = sum(p.numel() for p in model.parameters())
-    keys_read = kv_bytes // spec.num_layers // (2 * spec.num_kv_heads * spec.head_dim * model.dtype.itemsize)
+    keys_read = kv_bytes // cache.layout.bytes_per_token
     attention_flops = 4 * spec.num_layers * spec.num_heads * spec.head_dim * keys_read * tokens
     flops = 2 * weights * tokens + attention_flops
     roofline = max((weight_bytes + kv_bytes) / bandwidth, flops / peak)
-    return {"tokens": tokens, "ms": seconds * 1000, "bytes_read": weight_bytes + kv_bytes, "flops": flops,
-            "memory_ms": (weight_bytes + kv_bytes) / bandwidth * 1000, "compute_ms": flops / peak * 1000,
-            "roofline_ms": roofline * 1000, "measured_over_roofline": seconds / roofline}
+    return {"tokens": tokens, "graphed": graphed, "ms": seconds * 1000, "bytes_read": weight_bytes + kv_bytes,
+            "flops": flops, "memory_ms": (weight_bytes + kv_bytes) / bandwidth * 1000,
+            "compute_ms": flops / peak * 1000, "roofline_ms": roofline * 1000,
+            "measured_over_roofline": seconds / roofline}
 
 
-def context_figures(args, path: Path, context: int, bandwidth: float, peak: float) -> dict:
-    scaling = yarn_scaling(path, context + 64)
-    model = load_checkpoint(path, getattr(torch, args.dtype), torch.device("cpu"), scaling).model
-    model.one_token_kernels = args.kernels == "compiled"
+def load_target(args, path: Path | None, context: int) -> tuple[CausalLM, dict | None]:
+    """The model whose passes are timed at ``context``, and the rope scaling it runs with."""
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    if args.shape:
+        model, scaling = random_model(SHAPES[args.shape], dtype, device), None
+    else:
+        scaling = yarn_scaling(path, context + 64)
+        model = load_checkpoint(path, dtype, device, scaling).model
+    model.one_token_kernels = args.kernels == "compiled" and device.type == "cpu"
+    model.attention = resolve_kernels(args.attention, device)
+    return model, scaling
+
+
+def filled_cache(cache, tokens: int):
+    """``cache`` after ``tokens`` more random committed tokens (written directly: no forward pass)."""
+    cache.allocate(tokens)
+    cache.keys.normal_()
+    cache.values.normal_()
+    cache.commit(cache.length)
+    return cache
+
+
+def context_figures(args, path: Path | None, context: int, bandwidth: float, peak: float) -> dict:
+    model, scaling = load_target(args, path, context)
     layout = model.cache_layout(context + 64, args.gamma + 2)
-    full = FullCache(layout)
-    full.allocate(context)
-    full.keys.normal_()
-    full.values.normal_()
-    full.commit(context)
+    full = filled_cache(FullCache(layout), context)
     retrieval = build_policy(RetrievalCacheConfig(budget=args.budget), layout, full)
+    verify = args.gamma + 1
     passes = {
-        "full, 1 token (autoregressive step)": pass_figures(model, full, 1, args.repeats, bandwidth, peak),
-        f"retrieval {args.budget}, 1 token (proposal)": pass_figures(model, retrieval, 1, args.repeats, bandwidth, peak),
-        f"full, {args.gamma + 1} tokens (verification)": pass_figures(
-            model, full, args.gamma + 1, args.repeats, bandwidth, peak),
+        "full, 1 token (autoregressive step)": pass_figures(model, full, 1, args, bandwidth, peak),
+        f"retrieval {args.budget}, 1 token (proposal)": pass_figures(model, retrieval, 1, args, bandwidth, peak),
+        f"retrieval {args.budget}, {verify} tokens (verifying the draft)": pass_figures(
+            model, retrieval, verify, args, bandwidth, peak),
+        f"full, {verify} tokens (verification)": pass_figures(model, full, verify, args, bandwidth, peak),
     }
+    if args.draft_shape:
+        draft = random_model(SHAPES[args.draft_shape], model.dtype, model.device)
+        draft.attention = model.attention
+        window = StreamingCacheConfig(sinks=4, window=args.draft_window)
+        streaming = build_policy(window, draft.cache_layout(context + 64, args.gamma + 2))
+        for start in range(0, 4 + args.draft_window, args.gamma + 2):  # fill its window within its pending room
+            filled_cache(streaming, min(args.gamma + 2, 4 + args.draft_window - start))
+        passes[f"draft {args.draft_shape}, streaming {4 + args.draft_window}, 1 token"] = pass_figures(
+            draft, streaming, 1, args, bandwidth, peak)
+    del model, full, retrieval
+    torch.cuda.empty_cache() if args.device == "cuda" else None
     return {"context": context, "rope_scaling": scaling, "passes": passes}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    dtype = getattr(torch, args.dtype)
-    bandwidth, peak = memory_bandwidth(dtype, args.repeats), matmul_peak(dtype, args.repeats)
-    print(f"memory bandwidth {bandwidth / 1e9:.1f} GB/s, {args.dtype} matmul peak {peak / 1e9:.0f} GFLOP/s")
-    path = default_model("target", log=lambda message: print(message, file=sys.stderr))
+    dtype, device = getattr(torch, args.dtype), torch.device(args.device)
+    bandwidth, peak = memory_bandwidth(dtype, args.repeats, device), matmul_peak(dtype, args.repeats, device)
+    hardware = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    print(f"{hardware}: memory bandwidth {bandwidth / 1e9:.1f} GB/s, {args.dtype} matmul peak "
+          f"{peak / 1e9:.0f} GFLOP/s")
+    path = None if args.shape else default_model("target", log=lambda message: print(message, file=sys.stderr))
     rows = []
     print("| context | pass | measured ms | memory-bound ms | compute-bound ms | measured / roofline |")
     print("|---:|---|---:|---:|---:|---:|")
@@ -123,7 +201,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, row in figures["passes"].items():
             print(f"| {context} | {name} | {row['ms']:.1f} | {row['memory_ms']:.1f} | {row['compute_ms']:.1f} | "
                   f"{row['measured_over_roofline']:.1f}x |")
-    report = {"dtype": args.dtype, "kernels": args.kernels, "bandwidth_bytes_per_s": bandwidth,
+    report = {"hardware": hardware, "model": args.shape or "SmolLM2", "dtype": args.dtype, "kernels": args.kernels,
+              "attention": args.attention, "graphs": device.type == "cuda" and not args.no_graphs,
+              "bandwidth_bytes_per_s": bandwidth,
               "matmul_flops_per_s": peak, "threads": torch.get_num_threads(), "contexts": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
