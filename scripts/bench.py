@@ -113,9 +113,10 @@ class FirstTokenClock:
     def __init__(self) -> None:
         self.calls, self.first_token_at = 0, 0.0
 
-    def put(self, value) -> None:
+    def put(self, value: torch.Tensor) -> None:
         self.calls += 1
         if self.calls == 2:
+            value.cpu()  # on CUDA, wait until the token exists
             self.first_token_at = time.perf_counter()
 
     def end(self) -> None:
@@ -129,6 +130,7 @@ def run_transformers(args, impl: str, target: Path, draft: Path | None, prompt: 
     from transformers.utils import logging
 
     from cascade.checkpoint import apply_rope_scaling
+    from cascade.runtime import pick_device
 
     logging.set_verbosity_error()
     logging.disable_progress_bar()
@@ -136,10 +138,12 @@ def run_transformers(args, impl: str, target: Path, draft: Path | None, prompt: 
     config = AutoConfig.from_pretrained(target)
     if scaling := yarn_scaling(target, prompt.numel() + args.new_tokens):
         apply_rope_scaling(config, scaling["kind"], scaling["factor"])  # the same stretch cascade applies
-    model = AutoModelForCausalLM.from_pretrained(target, config=config, dtype=dtype).eval()
+    device = pick_device()  # where cascade runs too
+    model = AutoModelForCausalLM.from_pretrained(target, config=config, dtype=dtype).to(device).eval()
+    prompt = prompt.to(device)
     extra = {}
     if impl == "transformers-assisted":
-        extra["assistant_model"] = AutoModelForCausalLM.from_pretrained(draft, dtype=dtype).eval()
+        extra["assistant_model"] = AutoModelForCausalLM.from_pretrained(draft, dtype=dtype).to(device).eval()
     sampling = SAMPLING[mode]
     if sampling["temperature"]:
         extra.update(do_sample=True, temperature=sampling["temperature"], top_p=sampling["top_p"], top_k=0)
@@ -151,7 +155,7 @@ def run_transformers(args, impl: str, target: Path, draft: Path | None, prompt: 
         torch.manual_seed(0)
         started = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(ids[None, :], attention_mask=torch.ones(1, ids.numel(), dtype=torch.long),
+            out = model.generate(ids[None, :], attention_mask=torch.ones_like(ids)[None, :],
                                  max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
                                  pad_token_id=model.config.eos_token_id, streamer=clock, **extra)
         return clock.first_token_at - started, time.perf_counter() - clock.first_token_at, out[0, ids.numel():].tolist()
@@ -171,6 +175,8 @@ def run_case(args: argparse.Namespace) -> dict:
     runner = run_transformers if impl.startswith("transformers") else run_cascade
     run, tokens = runner(args, impl, target, draft, prompt, mode)
     run["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if torch.cuda.is_available():
+        run["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
     return {"run": run, "token_ids": tokens}
 
 
@@ -275,7 +281,8 @@ def machine() -> dict:
 
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
-    return {"cpu": cpu, "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return {"cpu": cpu, "gpu": gpu, "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version()}
 
