@@ -34,6 +34,7 @@ class TopKOracleCacheConfig(CachePolicyConfig):
 @register_policy(TopKOracleCacheConfig)
 class TopKOracleCache(FullCache):
     static_passes = False  # picks its keys per pass, by value
+
     def __init__(
         self, layout: CacheLayout, config: TopKOracleCacheConfig, source: CachePolicy | None = None
     ) -> None:
