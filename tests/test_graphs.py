@@ -15,9 +15,8 @@ from cache.retrieval import RetrievalCacheConfig
 from cache.streaming import StreamingCacheConfig
 from cascade.checkpoint import load_model
 from cascade.graphs import MAX_GRAPH_TOKENS, PassGraphs, cuda_graph
-from cascade.pipeline import StopRule
 from tests.conftest import make_checkpoint
-from tests.test_pipeline import PROMPT, SMALL_CACHES, runtime_for
+from tests.test_pipeline import PROMPT, SMALL_CACHES, generate, runtime_for
 
 CONFIGS = {
     "full": FullCacheConfig(),
@@ -127,17 +126,11 @@ def test_long_passes_and_selecting_passes_run_eagerly(tiny_model):
 
 @pytest.mark.parametrize("preset", ["self-spec", "triforce"])
 def test_graphed_presets_greedy_equal_autoregressive(preset, tiny_dir, tiny_draft_dir):
-    expected = generate(runtime_for("autoregressive", tiny_dir, tiny_draft_dir, kernels="eager"))
+    expected = generate(runtime_for("autoregressive", tiny_dir, tiny_draft_dir, kernels="eager"), PROMPT).token_ids
     runtime = runtime_for(preset, tiny_dir, tiny_draft_dir, SMALL_CACHES[preset], kernels="eager")
     counter = CompileCounter()
     runtime.capture = compiled_capture(counter)
     pipeline = runtime.pipeline_for(len(PROMPT), 40)
-    assert generate(runtime, pipeline) == expected
+    assert generate(runtime, PROMPT, pipeline=pipeline).token_ids == expected
     shapes = [len(stage.graphs.graphs) for stage in pipeline.stages]
     assert all(shapes) and counter.frame_count == sum(shapes)
-
-
-def generate(runtime, pipeline=None) -> list[int]:
-    pipeline = pipeline or runtime.pipeline_for(len(PROMPT), 40)
-    stop = StopRule(frozenset(), 40)
-    return pipeline.generate(torch.tensor(PROMPT), stop, torch.Generator().manual_seed(0)).token_ids

@@ -26,8 +26,9 @@ def runtime_for(preset, target, draft, overrides=(), config_file=None, logs=None
     return build_runtime(config, log=(logs.append if logs is not None else lambda message: None))
 
 
-def generate(runtime, prompt_ids, max_new_tokens=40, eos=(), seed=0):
-    pipeline = runtime.pipeline_for(len(prompt_ids), max_new_tokens)
+def generate(runtime, prompt_ids, max_new_tokens=40, eos=(), seed=0, pipeline=None):
+    """``pipeline``: one already built from ``runtime`` (to inspect its stages afterwards)."""
+    pipeline = pipeline or runtime.pipeline_for(len(prompt_ids), max_new_tokens)
     stop = StopRule(frozenset(eos), max_new_tokens)
     return pipeline.generate(torch.tensor(prompt_ids), stop, torch.Generator().manual_seed(seed))
 
