@@ -51,24 +51,41 @@ class StopRule:
         return new, None
 
 
-@dataclass
 class Draw:
-    """Tokens drawn from one stage's distribution, with that distribution at each of them."""
+    """Tokens drawn from one stage's distribution, with that distribution at each of them.
 
-    tokens: list[int]
-    probs: torch.Tensor | None
-    """[n, V] float32; None under greedy decoding, where the tokens are the argmaxes."""
+    The ids stay on the device that drew them, so a stage's decoding feeds each token to its next
+    pass without the host waiting; the host reads them (``tokens``) once, when it needs them."""
+
+    def __init__(self, ids: torch.Tensor, probs: torch.Tensor | None, tokens: list[int] | None = None) -> None:
+        self.ids = ids
+        """[n] int64 on the model's device."""
+        self.probs = probs
+        """[n, V] float32; None under greedy decoding, where the tokens are the argmaxes."""
+        self._tokens = tokens
+
+    @classmethod
+    def of(cls, tokens: list[int], probs: torch.Tensor | None, device: torch.device) -> Draw:
+        """Tokens the host already knows (a verdict's)."""
+        return cls(torch.tensor(tokens).to(device, non_blocking=True), probs, tokens)
+
+    @property
+    def tokens(self) -> list[int]:
+        if self._tokens is None:
+            self._tokens = self.ids.tolist()  # the host's one wait for the device
+        return self._tokens
 
     def __len__(self) -> int:
-        return len(self.tokens)
+        return self.ids.numel()
 
     def __add__(self, other: Draw) -> Draw:
-        if self.probs is None:
-            return Draw(self.tokens + other.tokens, None)
-        return Draw(self.tokens + other.tokens, torch.cat([self.probs, other.probs]))
+        probs = None if self.probs is None else torch.cat([self.probs, other.probs])
+        known = self._tokens is not None and other._tokens is not None
+        return Draw(torch.cat([self.ids, other.ids]), probs, self._tokens + other._tokens if known else None)
 
     def first(self, count: int) -> Draw:
-        return Draw(self.tokens[:count], None if self.probs is None else self.probs[:count])
+        probs = None if self.probs is None else self.probs[:count]
+        return Draw(self.ids[:count], probs, None if self._tokens is None else self._tokens[:count])
 
 
 class Pipeline:
@@ -127,6 +144,8 @@ class Pipeline:
 
     def _draw(self, level: int, context: list[int], count: int) -> Draw:
         """``count`` tokens from stage ``level``'s distribution after ``context`` (left unchanged)."""
+        if level == 0:
+            return self._decode(context, count)
         start = len(context)
         drawn = self._round(level, context, count)
         while len(drawn) < count:
@@ -137,6 +156,15 @@ class Pipeline:
             for stage in self.stages[: level + 1]:
                 stage.truncate(start + count)
         return drawn.first(count)
+
+    def _decode(self, context: list[int], count: int) -> Draw:
+        """``count`` tokens the lowest stage decodes by itself after ``context``: each token is fed
+        to the next pass as a device tensor, so no pass waits for the host to read one."""
+        stage = self.stages[0]
+        drawn = self._draw_from_logits(stage.extend(context, 1))
+        while len(drawn) < count:
+            drawn += self._draw_from_logits(stage.feed(drawn.ids[-1:], 1))
+        return drawn
 
     def _round(self, level: int, context: list[int], room: int) -> Draw:
         """One round of stage ``level``: >= 1 tokens of its distribution (at most ``room`` + 1)."""
@@ -155,20 +183,18 @@ class Pipeline:
         proposing = time.perf_counter()
         proposal = self._draw(level - 1, context, gamma)
         verifying = time.perf_counter()
-        context += proposal.tokens
-        logits = stage.extend(context, gamma + 1)  # [G + 1, V]
-        del context[-gamma:]
+        logits = stage.extend(context, gamma + 1, proposal.ids)  # [G + 1, V]
         verdict, target_probs = self._verify(level, proposal, logits)
         finished = time.perf_counter()
         for lower in self.stages[: level + 1]:
             lower.truncate(len(context) + verdict.accepted)
         self._record(proposer, gamma, verdict, verifying - proposing, finished - verifying)
         tokens = proposal.tokens[: verdict.accepted] + [verdict.next_token]
-        return Draw(tokens, None if target_probs is None else target_probs[: verdict.accepted + 1])
+        return Draw.of(tokens, None if target_probs is None else target_probs[: verdict.accepted + 1], logits.device)
 
     def _verify(self, level: int, proposal: Draw, logits: torch.Tensor):
         """Stage ``level``'s verdict on ``proposal`` given its logits [G + 1, V] -> (verdict, probs)."""
-        draft_tokens = torch.tensor(proposal.tokens, device=logits.device)  # [G]
+        draft_tokens = proposal.ids  # [G]
         if self.greedy:
             return verify_greedy(draft_tokens, logits.argmax(-1)), None
         target_probs = token_probs(logits, self.sampling)  # [G + 1, V]
@@ -176,11 +202,11 @@ class Pipeline:
         return verify(draft_tokens, proposal.probs, target_probs, uniforms, self.generator), target_probs
 
     def _draw_from_logits(self, logits: torch.Tensor) -> Draw:
-        """One token from logits [1, V], as autoregressive decoding draws it."""
+        """One token from logits [1, V], as autoregressive decoding draws it (left on the device)."""
         if self.greedy:
-            return Draw([int(logits[0].argmax())], None)
+            return Draw(logits.argmax(-1), None)  # [1]
         probs = token_probs(logits, self.sampling)  # [1, V]
-        return Draw([int(sample(probs[0], self.generator))], probs)
+        return Draw(sample(probs, self.generator), probs)  # [1]
 
     def _record(self, proposer: Stage, gamma: int, verdict: Verdict, propose_s: float, verify_s: float) -> None:
         stats = proposer.stats

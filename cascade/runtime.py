@@ -9,10 +9,12 @@ from pathlib import Path
 
 import torch
 
+from cache.full import FullCache
 from cascade.attention import resolve_kernels
 from cascade.checkpoint import LoadedModel, load_checkpoint
 from cascade.errors import CascadeError
 from cascade.graphs import Capture, cuda_graph
+from cascade.model import CausalLM
 from cascade.models import default_model
 from cascade.pipeline import GenerationResult, Pipeline, StopRule, TokenCallback
 from cascade.prompt_cache import PromptCache, model_key
@@ -140,11 +142,23 @@ def build_runtime(config: PipelineConfig, log: Callable[[str], None]) -> Runtime
         if loaded is not None:
             loaded.model.one_token_kernels = compiled
             loaded.model.attention = attention
+            warm_up(loaded.model) if compiled else None
     models = {"target": (target, config.target), "draft": (draft, config.draft)}
     prompt_caches = {role: prompt_cache(config, loaded, model_config, log)
                      for role, (loaded, model_config) in models.items() if loaded and config.prompt_cache.dir}
     capture = cuda_graph if device.type == "cuda" and config.cuda_graphs else None
     return Runtime(config, target, draft, log, prompt_caches, capture)
+
+
+def warm_up(model: CausalLM) -> None:
+    """Decode a few tokens on a throwaway cache, so that compiling the one-token kernels (seconds,
+    once per process) happens at load and is never timed as a step of a generation (the cost
+    model would take it for the verifier's step cost). The cache is larger than what it holds,
+    as real ones are, or the kernels would be specialised to a fully used buffer's strides."""
+    cache = FullCache(model.cache_layout(capacity=8))
+    for _ in range(3):
+        model(torch.zeros(1, 1, dtype=torch.long, device=model.device), cache, num_logits=1)
+        cache.commit(cache.length)
 
 
 def prompt_cache(config: PipelineConfig, loaded: LoadedModel, model_config: ModelConfig,

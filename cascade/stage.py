@@ -82,10 +82,16 @@ class Stage:
             self.cache.commit(self.cache.length)
         return logits[0, -1]  # [V]
 
-    def extend(self, context: list[int], num_logits: int) -> torch.Tensor:
-        """Feed the tokens of ``context`` this stage has not seen -> logits [N, V] of the last N."""
+    def extend(self, context: list[int], num_logits: int, proposed: torch.Tensor | None = None) -> torch.Tensor:
+        """Feed the tokens of ``context`` this stage has not seen, then the ``proposed`` ids [G]
+        (on the model's device) -> logits [N, V] of the last N."""
+        unseen = torch.tensor(context[self.cache.length :]).to(self.model.device, non_blocking=True)  # [T]
+        return self.feed(unseen if proposed is None else torch.cat([unseen, proposed]), num_logits)
+
+    def feed(self, token_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
+        """Run token_ids [T] (on the model's device) after what the cache holds -> logits [N, V]
+        of the last N. Nothing here waits for the device, so passes queue up behind each other."""
         started = time.perf_counter()
-        token_ids = torch.tensor(context[self.cache.length :], device=self.model.device)  # [T]
         if self.graphs is not None:
             logits = self.graphs(token_ids[None, :], num_logits)[0]  # [N, V]
         else:

@@ -62,10 +62,11 @@ def residual_probs(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> tor
 
 def verify_greedy(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> Verdict:
     """Greedy verification: keep proposals while they equal the verifier's argmax ``target_tokens``
-    [G + 1], then emit the verifier's argmax."""
+    [G + 1], then emit the verifier's argmax; both read with one host sync."""
     proposals = len(draft_tokens)
-    accepted = leading_true(draft_tokens == target_tokens[:proposals])
-    return Verdict(accepted, int(target_tokens[accepted]))
+    accepted = (draft_tokens == target_tokens[:proposals]).long().cumprod(0).sum(0, keepdim=True)  # [1]
+    accepted, next_token = torch.cat([accepted, target_tokens.gather(0, accepted)]).tolist()
+    return Verdict(accepted, next_token)
 
 
 def leading_true(flags: torch.Tensor) -> int:

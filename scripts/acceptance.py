@@ -25,7 +25,7 @@ from pathlib import Path
 
 from cache import POLICIES
 from cascade.checkpoint import yarn_scaling
-from cascade.data import DOCUMENTS, document_ids
+from cascade.data import DOCUMENT_NAMES, document_ids
 from cascade.home import prompt_cache_dir, prompt_cache_option
 from cascade.models import default_model
 from cascade.runtime import build_runtime
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gamma", type=int, default=6)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    parser.add_argument("--document", choices=sorted(DOCUMENTS), default="lcet10")
+    parser.add_argument("--document", choices=DOCUMENT_NAMES, default="lcet10")
     parser.add_argument("--out", type=Path, default=Path("results/acceptance.json"))
     parser.add_argument("--prompt-cache", type=prompt_cache_option, default=str(prompt_cache_dir()),
                         help="where prefilled prompts are stored and reused (default: %(default)s); 'none'")

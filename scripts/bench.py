@@ -30,7 +30,7 @@ import torch
 from tqdm import tqdm
 
 from cascade.checkpoint import yarn_scaling
-from cascade.data import DOCUMENTS, document_ids
+from cascade.data import DOCUMENT_NAMES, document_ids
 from cascade.errors import CascadeError
 from cascade.home import prompt_cache_option
 
@@ -54,7 +54,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sampling", nargs="+", choices=sorted(SAMPLING), default=["greedy"],
                         help="greedy and/or sample at temperature 0.6 / top-p 0.9 (seeded)")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    parser.add_argument("--document", choices=sorted(DOCUMENTS), default="plrabn12", help="prompt source")
+    parser.add_argument("--document", choices=DOCUMENT_NAMES, default="plrabn12", help="prompt source")
     parser.add_argument("--target", help="checkpoint directory (default: the provisioned SmolLM2)")
     parser.add_argument("--draft", help="draft checkpoint directory (default: the provisioned draft)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

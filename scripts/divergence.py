@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from cascade.data import DOCUMENTS, document_text
+from cascade.data import DOCUMENT_NAMES, document_text
 from cascade.pipeline import StopRule
 from cascade.runtime import build_runtime
 from configs import load_config
@@ -30,7 +30,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=8, help="prompts, consecutive windows of the document")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    parser.add_argument("--document", choices=sorted(DOCUMENTS), default="lcet10")
+    parser.add_argument("--document", choices=DOCUMENT_NAMES, default="lcet10")
     parser.add_argument("--draft", help="draft checkpoint directory (presets with a draft stage)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="config override for the presets (e.g. stages.0.cache.budget=512)")

@@ -88,6 +88,11 @@ def test_document_text_fetches_on_first_use(home):
     assert is_fetched(FAKE)
 
 
+def test_a_corpus_name_reads_all_its_documents_in_order(home):
+    assert document_text("fake", quiet) == "first line\nsecond line\n\n\ncafé\n"  # alpha, a blank line, beta
+    assert {"essays", "canterbury"} <= set(corpus.DOCUMENT_NAMES) and "plrabn12" in corpus.DOCUMENT_NAMES
+
+
 def test_interrupted_extraction_leaves_no_corpus_and_no_staging(home, monkeypatch):
     checked = []
 

@@ -47,13 +47,18 @@ class ToyStage:
         self.committed = len(self.seen)
         return self.logits[self.seen[-1]]  # [V]
 
-    def extend(self, context: list[int], num_logits: int) -> torch.Tensor:
+    def extend(self, context: list[int], num_logits: int, proposed: torch.Tensor | None = None) -> torch.Tensor:
+        if proposed is not None:
+            context = context + proposed.tolist()
         held = len(self.seen)
         assert context[:held] == self.seen, "fed a context that contradicts the cache"
         assert len(context) - held >= num_logits, "asked for logits of positions it was not fed"
         self.stats.forward_calls += 1
         self.seen += context[held:]
         return self.logits[context[-num_logits:]]  # [N, V]
+
+    def feed(self, token_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
+        return self.extend(self.seen, num_logits, token_ids)
 
     def catch_up(self, context: list[int], chunk: int) -> None:
         self.seen = context[:-1]

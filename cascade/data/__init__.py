@@ -2,6 +2,7 @@
 
 from cascade.data.corpus import (
     CORPORA,
+    DOCUMENT_NAMES,
     DOCUMENTS,
     Corpus,
     document_ids,
@@ -11,4 +12,7 @@ from cascade.data.corpus import (
     is_fetched,
 )
 
-__all__ = ["CORPORA", "DOCUMENTS", "Corpus", "document_ids", "document_path", "document_text", "fetch_corpus", "is_fetched"]
+__all__ = [
+    "CORPORA", "DOCUMENT_NAMES", "DOCUMENTS", "Corpus", "document_ids", "document_path", "document_text",
+    "fetch_corpus", "is_fetched",
+]

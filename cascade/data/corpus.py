@@ -73,6 +73,9 @@ CORPORA = {
     )
 }
 DOCUMENTS = {name: corpus for corpus in CORPORA.values() for name in corpus.documents}
+DOCUMENT_NAMES = sorted(DOCUMENTS) + sorted(CORPORA)
+"""What ``document_text`` reads: each file as a document, and each corpus as one document (its
+files in the order listed, joined by blank lines), e.g. ``essays``: all the essays, a long prompt."""
 
 
 def data_dir() -> Path:
@@ -91,7 +94,9 @@ def document_path(name: str) -> Path:
 
 
 def document_text(name: str, log: Log = lambda message: print(message, file=sys.stderr)) -> str:
-    """The text of document ``name``, fetching its corpus on first use."""
+    """The text of document ``name`` (one of ``DOCUMENT_NAMES``), fetching its corpus on first use."""
+    if name in CORPORA:
+        return "\n\n".join(document_text(document, log) for document in CORPORA[name].documents)
     path = document_path(name)
     if not path.is_file():
         fetch_corpus(DOCUMENTS[name], log)

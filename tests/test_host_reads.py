@@ -1,0 +1,95 @@
+"""No host sync inside a speculation round: the lowest stage feeds each token it draws to its next
+pass as a device tensor, and a greedy verification reads its verdict in one transfer.
+
+On CPU a host read is counted where it happens: ``aten._local_scalar_dense`` (``int()``,
+``.item()``, ``bool()`` of a tensor) and ``Tensor.tolist``. On CUDA the same rounds run under
+``torch.cuda.set_sync_debug_mode("error")``, which fails on any synchronising call.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from cascade.verification import verify_greedy
+from tests.test_pipeline import PROMPT, SMALL_CACHES, generate, runtime_for
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the reads of tensor values into Python while active."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        super().__init__()
+        self.count = 0
+        tolist = torch.Tensor.tolist
+
+        def counted_tolist(tensor):
+            self.count += 1
+            return tolist(tensor)
+
+        monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+def reads_per_decode(pipeline, monkeypatch: pytest.MonkeyPatch, reads: HostReads) -> list[int]:
+    """Host reads during each of ``pipeline``'s lowest-stage decodes, filled in as it generates."""
+    counts, decode = [], pipeline._decode
+
+    def counted_decode(context, count):
+        before = reads.count
+        drawn = decode(context, count)
+        counts.append(reads.count - before)
+        return drawn
+
+    monkeypatch.setattr(pipeline, "_decode", counted_decode)
+    return counts
+
+
+@pytest.mark.parametrize("preset", ["triforce", "self-spec"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_the_lowest_stage_decodes_a_round_without_host_reads(preset, temperature, tiny_dir, tiny_draft_dir,
+                                                             monkeypatch):
+    runtime = runtime_for(preset, tiny_dir, tiny_draft_dir, SMALL_CACHES[preset], kernels="eager",
+                          **{"sampling.temperature": temperature})
+    pipeline = runtime.pipeline_for(len(PROMPT), 24)
+    reads = HostReads(monkeypatch)
+    counts = reads_per_decode(pipeline, monkeypatch, reads)
+    with reads:
+        result = generate(runtime, PROMPT, 24, pipeline=pipeline)
+    assert len(result.token_ids) == 24
+    assert len(counts) >= 4 and reads.count > 0  # it decoded, and reads elsewhere are seen
+    assert counts == [0] * len(counts)
+
+
+def test_a_greedy_verdict_is_read_in_one_transfer(monkeypatch):
+    draft = torch.tensor([5, 7, 9, 2])
+    target = torch.tensor([5, 7, 3, 2, 8])  # argmaxes: the third proposal is rejected, 3 recovered
+    reads = HostReads(monkeypatch)
+    with reads:
+        verdict = verify_greedy(draft, target)
+    assert (verdict.accepted, verdict.next_token) == (2, 3)
+    assert reads.count == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("preset", ["triforce", "self-spec"])
+def test_the_lowest_stage_decodes_without_syncing_on_cuda(preset, tiny_dir, tiny_draft_dir, monkeypatch):
+    runtime = runtime_for(preset, tiny_dir, tiny_draft_dir, SMALL_CACHES[preset])
+    pipeline = runtime.pipeline_for(len(PROMPT), 24)
+    decode = pipeline._decode
+
+    def strict_decode(context, count):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return decode(context, count)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(pipeline, "_decode", strict_decode)
+    assert len(generate(runtime, PROMPT, 24, pipeline=pipeline).token_ids) == 24
