@@ -37,17 +37,18 @@ def verify(
     generator: torch.Generator | None,
 ) -> Verdict:
     """Sampling verification. ``uniforms`` [G] in [0, 1) decide acceptance; ``generator`` draws the
-    recovered or bonus token."""
+    recovered or bonus token. Computed on the device and read with one host sync."""
     proposals = len(draft_tokens)
     rows = torch.arange(proposals, device=draft_tokens.device)
     target_at_draft = target_probs[rows, draft_tokens]  # [G]
     draft_at_draft = draft_probs[rows, draft_tokens]  # [G]
     kept = uniforms * draft_at_draft < target_at_draft  # [G]: u < target / draft, no division
-    accepted = leading_true(kept)
-    if accepted == proposals:
-        return Verdict(accepted, int(sample(target_probs[proposals], generator)))
-    residual = residual_probs(target_probs[accepted], draft_probs[accepted])
-    return Verdict(accepted, int(sample(residual, generator)))
+    accepted = leading_true(kept)  # [1]
+    target_next = target_probs.index_select(0, accepted)[0]  # [V]
+    residual = residual_probs(target_next, draft_probs.index_select(0, accepted.clamp_max(proposals - 1))[0])
+    next_probs = torch.where(accepted == proposals, target_next, residual)  # bonus if all were accepted
+    accepted, next_token = torch.cat([accepted, sample(next_probs, generator)[None]]).tolist()
+    return Verdict(accepted, next_token)
 
 
 def residual_probs(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
@@ -57,18 +58,17 @@ def residual_probs(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> tor
     positive in exact arithmetic; if rounding erases it, target itself is the limit."""
     excess = (target_probs - draft_probs).clamp_min(0)  # [V]
     total = excess.sum()
-    return excess / total if total > 0 else target_probs
+    return torch.where(total > 0, excess / total, target_probs)
 
 
 def verify_greedy(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> Verdict:
     """Greedy verification: keep proposals while they equal the verifier's argmax ``target_tokens``
     [G + 1], then emit the verifier's argmax; both read with one host sync."""
-    proposals = len(draft_tokens)
-    accepted = (draft_tokens == target_tokens[:proposals]).long().cumprod(0).sum(0, keepdim=True)  # [1]
+    accepted = leading_true(draft_tokens == target_tokens[: len(draft_tokens)])  # [1]
     accepted, next_token = torch.cat([accepted, target_tokens.gather(0, accepted)]).tolist()
     return Verdict(accepted, next_token)
 
 
-def leading_true(flags: torch.Tensor) -> int:
-    """How many of flags [G] are True before the first False, read with one host sync."""
-    return int(flags.int().cumprod(0).sum())
+def leading_true(flags: torch.Tensor) -> torch.Tensor:
+    """How many of flags [G] are True before the first False -> [1] int64, left on the device."""
+    return flags.long().cumprod(0).sum(0, keepdim=True)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cascade.verification import verify_greedy
+from cascade.verification import verify, verify_greedy
 from tests.test_pipeline import PROMPT, SMALL_CACHES, generate, runtime_for
 
 
@@ -72,6 +72,17 @@ def test_a_greedy_verdict_is_read_in_one_transfer(monkeypatch):
     with reads:
         verdict = verify_greedy(draft, target)
     assert (verdict.accepted, verdict.next_token) == (2, 3)
+    assert reads.count == 1
+
+
+@pytest.mark.parametrize("target_row", [[0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])  # a rejection; all accepted
+def test_a_sampled_verdict_is_read_in_one_transfer(target_row, monkeypatch):
+    draft_probs = torch.tensor([[1.0, 0.0, 0.0], [1.0, 0.0, 0.0]])  # [G=2, V=3]
+    target_probs = torch.tensor([[1.0, 0.0, 0.0], target_row, [0.0, 1.0, 0.0]])  # [G + 1, V]
+    reads = HostReads(monkeypatch)
+    with reads:
+        verdict = verify(torch.tensor([0, 0]), draft_probs, target_probs, torch.tensor([0.5, 0.5]), None)
+    assert (verdict.accepted, verdict.next_token) == ((1, 2) if target_row[2] else (2, 1))
     assert reads.count == 1
 
 
