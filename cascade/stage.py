@@ -85,7 +85,7 @@ class Stage:
     def extend(self, context: list[int], num_logits: int, proposed: torch.Tensor | None = None) -> torch.Tensor:
         """Feed the tokens of ``context`` this stage has not seen, then the ``proposed`` ids [G]
         (on the model's device) -> logits [N, V] of the last N."""
-        unseen = torch.tensor(context[self.cache.length :]).to(self.model.device, non_blocking=True)  # [T]
+        unseen = torch.tensor(context[self.cache.length :], dtype=torch.long).to(self.model.device, non_blocking=True)
         return self.feed(unseen if proposed is None else torch.cat([unseen, proposed]), num_logits)
 
     def feed(self, token_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
