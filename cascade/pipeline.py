@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from cascade.sampling import sample, token_probs
-from cascade.stage import Stage
+from cascade.stage import Stage, device_ids
 from cascade.stats import GenerationStats
 from cascade.verification import Verdict, verify, verify_greedy
 from configs.schema import SamplingConfig
@@ -67,7 +67,7 @@ class Draw:
     @classmethod
     def of(cls, tokens: list[int], probs: torch.Tensor | None, device: torch.device) -> Draw:
         """Tokens the host already knows (a verdict's)."""
-        return cls(torch.tensor(tokens).to(device, non_blocking=True), probs, tokens)
+        return cls(device_ids(tokens, device), probs, tokens)
 
     @property
     def tokens(self) -> list[int]:

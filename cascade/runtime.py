@@ -142,7 +142,8 @@ def build_runtime(config: PipelineConfig, log: Callable[[str], None]) -> Runtime
         if loaded is not None:
             loaded.model.one_token_kernels = compiled
             loaded.model.attention = attention
-            warm_up(loaded.model) if compiled else None
+            if compiled:
+                warm_up(loaded.model)
     models = {"target": (target, config.target), "draft": (draft, config.draft)}
     prompt_caches = {role: prompt_cache(config, loaded, model_config, log)
                      for role, (loaded, model_config) in models.items() if loaded and config.prompt_cache.dir}

@@ -17,6 +17,11 @@ from cascade.schedule import Schedule
 from cascade.stats import StageStats
 
 
+def device_ids(tokens: list[int], device: torch.device) -> torch.Tensor:
+    """Token ids the host holds -> [T] int64 on ``device``, copied without waiting for the device."""
+    return torch.tensor(tokens, dtype=torch.long).to(device, non_blocking=True)
+
+
 class Stage:
     def __init__(
         self,
@@ -85,7 +90,7 @@ class Stage:
     def extend(self, context: list[int], num_logits: int, proposed: torch.Tensor | None = None) -> torch.Tensor:
         """Feed the tokens of ``context`` this stage has not seen, then the ``proposed`` ids [G]
         (on the model's device) -> logits [N, V] of the last N."""
-        unseen = torch.tensor(context[self.cache.length :], dtype=torch.long).to(self.model.device, non_blocking=True)
+        unseen = device_ids(context[self.cache.length :], self.model.device)  # [T]
         return self.feed(unseen if proposed is None else torch.cat([unseen, proposed]), num_logits)
 
     def feed(self, token_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
