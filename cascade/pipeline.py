@@ -216,6 +216,7 @@ class Pipeline:
         stats.rejections += verdict.accepted < gamma
         stats.propose_s += propose_s
         stats.verify_s += verify_s
+        stats.verify_s_by_gamma[gamma] = stats.verify_s_by_gamma.get(gamma, 0.0) + verify_s
         proposer.schedule.observe(stats, gamma, verdict.accepted)
         proposer.cache.observe_acceptance(gamma, verdict.accepted)
 

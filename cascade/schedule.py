@@ -4,13 +4,15 @@
 - ``heuristic``: transformers' assisted-generation rule: +2 after a round where every proposal was
   accepted, -1 otherwise (at least 1, at most the configured gamma).
 - ``cost_model``: from the stage's measured per-token acceptance ``a``, the time ``p`` of one
-  proposed token, the time ``v`` of one verification pass and the time ``s`` of one plain step of
-  the verifier (measured by decoding one round without speculation first), pick the gamma with the
-  most tokens per second, (1 - a^(g+1)) / ((1 - a)(p g + v)), against 1 / s for gamma 0. With
-  ``v = s`` this is the textbook speed-up (1 - a^(g+1)) / ((1 - a)(c g + 1)), c = p / s; on a CPU a
-  multi-token verification pass costs more than a plain step, which is why ``v`` is measured
-  apart. Gamma 0 bypasses the stage (the verifier decodes by itself) when no gamma pays; the
-  stage is probed again every ``PROBE_EVERY`` rounds.
+  proposed token, the time ``v(g)`` of a verification pass of g proposals and the time ``s`` of one
+  plain step of the verifier (measured by decoding one round without speculation first), pick the
+  gamma with the most tokens per second, (1 - a^(g+1)) / ((1 - a)(p g + v(g))), against 1 / s for
+  gamma 0. With ``v(g) = s`` this is the textbook speed-up (1 - a^(g+1)) / ((1 - a)(c g + 1)),
+  c = p / s. On a CPU a multi-token pass is compute-bound and costs more the more tokens it holds,
+  so ``v(g)`` is a line fitted through the measured passes and the plain step (``StageStats.
+  verification_s``): a short gamma can pay where the configured one does not. Gamma 0 bypasses the
+  stage (the verifier decodes by itself) when no gamma pays; the stage is probed again every
+  ``PROBE_EVERY`` rounds.
 """
 
 from __future__ import annotations

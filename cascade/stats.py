@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from cascade.costs import expected_speedup
+from cascade.costs import expected_speedup, rising_line
 
 
 @dataclass
@@ -32,6 +32,8 @@ class StageStats:
     """Time drawing this stage's proposals, the stages below it included."""
     verify_s: float = 0.0
     """Time the stage above spent verifying them."""
+    verify_s_by_gamma: dict[int, float] = field(default_factory=dict)
+    """``verify_s`` split by the round's gamma (its rounds are counted in ``gamma_choices``)."""
     plain_steps: int = 0
     """Rounds the stage above decoded alone (gamma 0: bypassed, or timing a plain step)."""
     plain_s: float = 0.0
@@ -70,14 +72,26 @@ class StageStats:
             return 0.0
         return (self.verify_s / self.rounds) / (self.plain_s / self.plain_steps)
 
+    def verification_s(self, gamma: float) -> float:
+        """Expected time of a verification pass of ``gamma`` proposals: a line through the mean pass
+        time at each gamma verified so far and a plain step's at gamma 0, weighted by their counts
+        (never falling: a pass of more tokens costs no less). On a CPU the line rises (multi-token
+        passes are compute-bound); on a GPU it stays nearly flat."""
+        points = [(g, seconds / self.gamma_choices[g], self.gamma_choices[g])
+                  for g, seconds in self.verify_s_by_gamma.items()]
+        if self.plain_steps:
+            points.append((0, self.plain_s / self.plain_steps, self.plain_steps))
+        intercept, slope = rising_line(points)
+        return intercept + slope * gamma
+
     def expected_speedup(self, gamma: float) -> float:
         """The cost model's speed-up at ``gamma`` from these measurements; a verification pass counts
         as one plain step until a plain step has been timed."""
         if not self.rounds or not self.proposed:
             return 1.0
-        verify_s = self.verify_s / self.rounds
-        step_s = self.plain_s / self.plain_steps if self.plain_steps else verify_s
-        return expected_speedup(self.acceptance_mle, self.propose_s / self.proposed, verify_s, step_s, gamma)
+        step_s = self.plain_s / self.plain_steps if self.plain_steps else self.verify_s / self.rounds
+        return expected_speedup(self.acceptance_mle, self.propose_s / self.proposed, self.verification_s(gamma),
+                                step_s, gamma)
 
     @property
     def mean_gamma(self) -> float:

@@ -57,6 +57,9 @@ def test_adaptive_schedules_stay_exact(schedule, tiny_dir, tiny_draft_dir, autor
     result = generate(runtime_for("triforce", tiny_dir, tiny_draft_dir, overrides), PROMPT)
     assert result.token_ids == autoregressive_tokens
     assert result.stats.stages[0].schedule == schedule
+    for stage in result.stats.stages[:-1]:  # what the cost model fits its verification line to
+        assert set(stage.verify_s_by_gamma) == {gamma for gamma in stage.gamma_choices if gamma}
+        assert sum(stage.verify_s_by_gamma.values()) == pytest.approx(stage.verify_s)
 
 
 def test_a_stage_bypassed_for_long_catches_up_within_its_room(tiny_dir, tiny_draft_dir):

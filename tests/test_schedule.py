@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cascade.costs import expected_speedup, expected_tokens
+from cascade.costs import expected_speedup, expected_tokens, rising_line
 from cascade.schedule import PROBE_EVERY, WARMUP_ROUNDS, CostModelSchedule, HeuristicSchedule, Schedule
 from cascade.stats import StageStats
 
@@ -19,6 +19,8 @@ def measured(acceptance_runs: list[tuple[int, int]], propose_s: float, verify_s:
         stats.rejections += accepted < proposed
         stats.propose_s += propose_s * proposed
         stats.verify_s += verify_s
+        stats.gamma_choices[proposed] = stats.gamma_choices.get(proposed, 0) + 1
+        stats.verify_s_by_gamma[proposed] = stats.verify_s_by_gamma.get(proposed, 0.0) + verify_s
     return stats
 
 
@@ -57,7 +59,8 @@ def test_cost_model_times_a_plain_step_first_then_picks_the_best_gamma():
     assert schedule.next_gamma(good, room=100) == 8
     mediocre = measured([(4, 1)] * WARMUP_ROUNDS, propose_s=0.005, verify_s=0.12, step_s=0.1)  # a = 0.5
     schedule.observe(mediocre, 4, 1)
-    assert schedule.current == 3  # long runs rarely survive: rates 1.2, 1.35, 1.39, 1.38 for gamma 1-4
+    # long runs rarely survive and a pass costs 0.1 + 0.005 g: speed-ups 1.36, 1.46, 1.44, 1.38 for gamma 1-4
+    assert schedule.current == 2
 
 
 def test_cost_model_bypasses_a_stage_that_does_not_pay_and_probes_it_again():
@@ -66,3 +69,32 @@ def test_cost_model_bypasses_a_stage_that_does_not_pay_and_probes_it_again():
     schedule.observe(useless, 6, 0)
     gammas = [schedule.next_gamma(useless, room=100) for _ in range(PROBE_EVERY + 1)]
     assert gammas == [0] * PROBE_EVERY + [1]
+
+
+def test_rising_line_fits_weighted_points_and_never_falls():
+    assert rising_line([(0, 1.0, 1), (2, 2.0, 1)]) == pytest.approx((1.0, 0.5))
+    assert rising_line([(0, 1.0, 3), (1, 2.0, 1), (1, 4.0, 1)]) == pytest.approx((1.0, 2.0))
+    assert rising_line([(6, 2.0, 4)]) == (2.0, 0.0)  # one width measured: flat
+    assert rising_line([(0, 3.0, 1), (6, 1.0, 1)]) == (2.0, 0.0)  # falling: flat at the weighted mean
+
+
+def test_verification_cost_is_interpolated_between_a_plain_step_and_the_measured_passes():
+    stats = measured([(6, 1)] * WARMUP_ROUNDS, propose_s=0.047, verify_s=0.215, step_s=0.13)
+    assert stats.verification_s(0) == pytest.approx(0.13)
+    assert stats.verification_s(6) == pytest.approx(0.215)
+    assert stats.verification_s(1) == pytest.approx(0.13 + 0.085 / 6)
+    unstepped = measured([(6, 1)], propose_s=0.047, verify_s=0.215, step_s=0.13)
+    unstepped.plain_steps, unstepped.plain_s = 0, 0.0
+    assert unstepped.verification_s(1) == pytest.approx(0.215)  # nothing to interpolate from yet
+
+
+def test_cost_model_finds_the_short_gamma_that_pays_when_passes_grow_with_their_width():
+    """32K on this CPU: a = 0.5, a retrieval proposal 47 ms, a plain step 130 ms, a 7-token pass
+    215 ms. Gamma 6 loses (0.52x), and so does gamma 1 if its 2-token pass cost as much as a
+    7-token one (0.74x); at its fitted 144 ms it pays (1.02x)."""
+    stats = measured([(6, 1)] * WARMUP_ROUNDS, propose_s=0.047, verify_s=0.215, step_s=0.13)
+    assert stats.expected_speedup(6) == pytest.approx(0.52, abs=0.01)
+    assert stats.expected_speedup(1) == pytest.approx(1.02, abs=0.01)
+    schedule = CostModelSchedule(6)
+    schedule.observe(stats, 6, 1)
+    assert schedule.next_gamma(stats, room=100) == 1
