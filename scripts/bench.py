@@ -61,7 +61,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="config override for every cascade preset (repeatable)")
     parser.add_argument("--prompt-cache", type=prompt_cache_option, default=None, metavar="DIR",
                         help="reuse prefilled prompts stored in DIR: cascade cases load the prompt's K/V "
-                             "instead of prefilling it (decode only; prefill is then not measured)")
+                             "instead of prefilling it, transformers' target continues from it (decode "
+                             "only; prefill is then not measured)")
     parser.add_argument("--out", type=Path, default=Path("results/bench.json"))
     parser.add_argument("--case", help=argparse.SUPPRESS)  # "impl:context": run one case, print JSON
     args = parser.parse_args(argv)
@@ -82,9 +83,8 @@ def model_dirs(args: argparse.Namespace, impl: str) -> tuple[Path, Path | None]:
     return target, Path(args.draft) if args.draft else default_model("draft", log=log)
 
 
-def run_cascade(args, impl: str, target: Path, draft: Path | None, prompt: torch.Tensor,
-                mode: str) -> tuple[dict, list[int]]:
-    from cascade.runtime import build_runtime
+def cascade_config(args, impl: str, target: Path, draft: Path | None, prompt: torch.Tensor, mode: str):
+    """The validated config of preset ``impl`` for this case."""
     from configs import load_config
 
     settings = {"dtype": args.dtype, "max_new_tokens": args.new_tokens, "target.path": str(target),
@@ -94,8 +94,14 @@ def run_cascade(args, impl: str, target: Path, draft: Path | None, prompt: torch
         settings["draft.path"] = str(draft)
     if scaling := yarn_scaling(target, prompt.numel() + args.new_tokens):
         settings["target.rope_scaling"] = scaling
-    _, config = load_config(impl, None, args.set, settings)
-    runtime = build_runtime(config, log=log)
+    return load_config(impl, None, args.set, settings)[1]
+
+
+def run_cascade(args, impl: str, target: Path, draft: Path | None, prompt: torch.Tensor,
+                mode: str) -> tuple[dict, list[int]]:
+    from cascade.runtime import build_runtime
+
+    runtime = build_runtime(cascade_config(args, impl, target, draft, prompt, mode), log=log)
     warmup = prompt[: min(prompt.numel(), WARMUP_TOKENS)]
     for prompt_now in [warmup] * args.warmups + [prompt]:  # the last generation is the measured one
         # no EOS: exactly N tokens, like min_new_tokens; seeded from the config (seed 0)
@@ -123,9 +129,38 @@ class FirstTokenClock:
         pass
 
 
+def stored_prompt(args, target: Path, prompt: torch.Tensor, mode: str) -> Path:
+    """The file in which cascade's cases store this prompt's prefill (its target K/V)."""
+    from cascade.runtime import build_runtime
+
+    config = cascade_config(args, "autoregressive", target, None, prompt, mode)
+    path = build_runtime(config, log=log).prompt_caches["target"].path(prompt, config.prefill_chunk)
+    if not path.exists():
+        raise CascadeError(f"{args.prompt_cache} holds no prefill of this {prompt.numel()}-token prompt; "
+                           "a cascade case of the same run stores it (include one in --impls)")
+    return path
+
+
+def continued_cache(path: Path, config, length: int, device: torch.device):
+    """A transformers cache holding the stored prompt's K/V [1, H_kv, T, D] of its first ``length``
+    tokens (rotated keys, as transformers caches them), to continue the prompt from."""
+    from safetensors import safe_open
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=config)
+    with safe_open(path, framework="pt", device=str(device)) as stored:
+        for layer in range(config.num_hidden_layers):
+            cache.update(stored.get_slice(f"keys.{layer}")[:, :, :length],
+                         stored.get_slice(f"values.{layer}")[:, :, :length], layer)
+    return cache
+
+
 def run_transformers(args, impl: str, target: Path, draft: Path | None, prompt: torch.Tensor,
                      mode: str) -> tuple[dict, list[int]]:
-    """Prefill = time to the first new token; decode = the rest."""
+    """Prefill = time to the first new token; decode = the rest. With ``--prompt-cache`` the target
+    continues from the prompt's K/V stored by the cascade cases (all but its last token, which
+    generate() then feeds), so long prompts are not prefilled again; the assistant model (no stored
+    cache) still prefills the whole prompt in its first call, within prefill time."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging
 
@@ -150,20 +185,25 @@ def run_transformers(args, impl: str, target: Path, draft: Path | None, prompt: 
     else:
         extra.update(do_sample=False)
 
-    def timed(ids: torch.Tensor) -> tuple[float, float, list[int]]:
+    def timed(ids: torch.Tensor, **continued) -> tuple[float, float, list[int]]:
         clock = FirstTokenClock()
         torch.manual_seed(0)
         started = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(ids[None, :], attention_mask=torch.ones_like(ids)[None, :],
                                  max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                                 pad_token_id=model.config.eos_token_id, streamer=clock, **extra)
+                                 pad_token_id=model.config.eos_token_id, streamer=clock, **extra, **continued)
         return clock.first_token_at - started, time.perf_counter() - clock.first_token_at, out[0, ids.numel():].tolist()
 
     for _ in range(args.warmups):
         timed(prompt[:WARMUP_TOKENS])
-    prefill_s, decode_s, tokens = timed(prompt)
-    return {"prefill_s": prefill_s, "decode_s": decode_s, "prefill_tokens_per_s": prompt.numel() / prefill_s,
+    continued = {}
+    if args.prompt_cache:
+        path = stored_prompt(args, target, prompt.cpu(), mode)
+        continued["past_key_values"] = continued_cache(path, model.config, prompt.numel() - 1, device)
+    prefill_s, decode_s, tokens = timed(prompt, **continued)
+    return {"prefill_s": None if continued else prefill_s, "decode_s": decode_s,
+            "prefill_tokens_per_s": None if continued else prompt.numel() / prefill_s,
             "decode_tokens_per_s": (args.new_tokens - 1) / decode_s}, tokens
 
 
