@@ -43,8 +43,10 @@ SAMPLING = {"greedy": {"temperature": 0.0, "top_p": 1.0}, "sample": {"temperatur
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python scripts/bench.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--impls", nargs="+", choices=IMPLS, default=["autoregressive", "self-spec", "transformers"],
-                        help="what to measure; the first is the baseline of the ratios")
+    parser.add_argument("--impls", nargs="+", type=impl_option, default=["autoregressive", "self-spec", "transformers"],
+                        metavar="IMPL", help=f"what to measure, from {', '.join(IMPLS)}; a preset may carry its own "
+                        "config overrides, PRESET+KEY=VALUE[+KEY=VALUE] (e.g. self-spec+stages.0.schedule=cost_model, "
+                        "to compare settings side by side); the first is the baseline of the ratios")
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 8000], help="prompt lengths in tokens")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per run")
     parser.add_argument("--repeats", type=int, default=3,
@@ -74,17 +76,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 # ---- one case, in its own process -------------------------------------------------------------
 
 
+def impl_option(value: str) -> str:
+    """An implementation, or a preset followed by +KEY=VALUE overrides."""
+    name, *overrides = value.split("+")
+    malformed = ":" in value or any("=" not in item for item in overrides)
+    if name not in IMPLS or malformed or (overrides and name not in PRESETS):
+        raise argparse.ArgumentTypeError(f"{value!r}: expected one of {', '.join(IMPLS)}, or PRESET+KEY=VALUE...")
+    return value
+
+
 def model_dirs(args: argparse.Namespace, impl: str) -> tuple[Path, Path | None]:
     from cascade.models import default_model
 
     target = Path(args.target) if args.target else default_model("target", log=log)
-    if impl not in NEEDS_DRAFT:
+    if impl.split("+")[0] not in NEEDS_DRAFT:
         return target, None
     return target, Path(args.draft) if args.draft else default_model("draft", log=log)
 
 
 def cascade_config(args, impl: str, target: Path, draft: Path | None, prompt: torch.Tensor, mode: str):
-    """The validated config of preset ``impl`` for this case."""
+    """The validated config of ``impl`` (a preset and its +KEY=VALUE overrides) for this case."""
     from configs import load_config
 
     settings = {"dtype": args.dtype, "max_new_tokens": args.new_tokens, "target.path": str(target),
@@ -94,7 +105,8 @@ def cascade_config(args, impl: str, target: Path, draft: Path | None, prompt: to
         settings["draft.path"] = str(draft)
     if scaling := yarn_scaling(target, prompt.numel() + args.new_tokens):
         settings["target.rope_scaling"] = scaling
-    return load_config(impl, None, args.set, settings)[1]
+    preset, *overrides = impl.split("+")
+    return load_config(preset, None, [*args.set, *overrides], settings)[1]
 
 
 def run_cascade(args, impl: str, target: Path, draft: Path | None, prompt: torch.Tensor,
@@ -344,7 +356,8 @@ def table(runs: list[dict], ratio_rows: list[dict]) -> str:
 def store_prompts(args: argparse.Namespace, cases: list[Case]) -> None:
     """Run each cascade case once, unmeasured, so that every measured one loads its prompt (a first
     prefill and its write would otherwise set the peak RSS of one round)."""
-    for impl, context in dict.fromkeys((impl, context) for impl, context, _ in cases if impl in PRESETS):
+    for impl, context in dict.fromkeys((impl, context) for impl, context, _ in cases
+                                       if not impl.startswith("transformers")):
         started = time.perf_counter()
         spawn_case(args, impl, context, args.sampling[0])
         log(f"[prompt cache] {impl} at {context}: prompt stored or found ({time.perf_counter() - started:.0f} s)")
