@@ -95,6 +95,8 @@ class Pipeline:
         self.prefill_chunk = prefill_chunk
         self.greedy = sampling.temperature == 0
         self.generator: torch.Generator | None = None
+        self.clock = stages[-1].clock
+        """Times the rounds (proposing, verifying, plain steps) for the schedules."""
 
     @property
     def target(self) -> Stage:
@@ -115,7 +117,9 @@ class Pipeline:
         context, emitted = prompt_ids.tolist(), []
         new = first
         while True:
-            kept, stats.stop_reason = stop.cut(emitted, new.tokens)
+            kept, stats.stop_reason = stop.cut(emitted, new.tokens)  # the host has caught up
+            for stage in self.stages:
+                stage.clock.settle()
             emitted += kept
             context += kept
             for stage in self.stages:
@@ -174,21 +178,22 @@ class Pipeline:
         if proposer:
             proposer.stats.gamma_choices[gamma] = proposer.stats.gamma_choices.get(gamma, 0) + 1
         if gamma == 0:
-            stepping = time.perf_counter()
+            stepping = self.clock.mark()
             drawn = self._draw_from_logits(stage.extend(context, 1))
-            if proposer:
+            if proposer:  # timing the step waits for it, as reading its token next does
                 proposer.stats.plain_steps += 1
-                proposer.stats.plain_s += time.perf_counter() - stepping
+                proposer.stats.plain_s += self.clock.seconds(stepping, self.clock.mark())
             return drawn
-        proposing = time.perf_counter()
+        proposing = self.clock.mark()
         proposal = self._draw(level - 1, context, gamma)
-        verifying = time.perf_counter()
+        verifying = self.clock.mark()
         logits = stage.extend(context, gamma + 1, proposal.ids)  # [G + 1, V]
-        verdict, target_probs = self._verify(level, proposal, logits)
-        finished = time.perf_counter()
+        verdict, target_probs = self._verify(level, proposal, logits)  # read: the host has caught up
+        finished = self.clock.mark()
         for lower in self.stages[: level + 1]:
             lower.truncate(len(context) + verdict.accepted)
-        self._record(proposer, gamma, verdict, verifying - proposing, finished - verifying)
+        self._record(proposer, gamma, verdict, self.clock.seconds(proposing, verifying),
+                     self.clock.seconds(verifying, finished))
         tokens = proposal.tokens[: verdict.accepted] + [verdict.next_token]
         return Draw.of(tokens, None if target_probs is None else target_probs[: verdict.accepted + 1], logits.device)
 

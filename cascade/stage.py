@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from cache import build_policy
 from cache.base import CacheLayout, CachePolicy
 from cache.config import CachePolicyConfig
 from cache.full import FullCacheConfig
+from cascade.clock import Clock
 from cascade.graphs import Capture, PassGraphs
 from cascade.model import CausalLM
 from cascade.prompt_cache import PromptCache
@@ -52,6 +51,8 @@ class Stage:
         if source is None:
             self._use_cache(build_policy(cache_config, layout))
         self.stats = StageStats(name, schedule=schedule.name if schedule else "")
+        self.clock = Clock(model.device)
+        """Times this stage's passes; its spans are settled by the pipeline between rounds."""
 
     @property
     def length(self) -> int:
@@ -65,13 +66,13 @@ class Stage:
         if self.source is not None:
             self._use_cache(build_policy(self.cache_config, self.layout, self.source.cache))
             return None
-        started = time.perf_counter()
+        started = self.clock.mark()
         stored = self.prompt_cache.load(prompt_ids, chunk, self.cache) if self.prompt_cache else None
         self.stats.prefill_loaded = stored is not None
         logits = self._prefill(prompt_ids, chunk) if stored is None else stored
         if self.prompt_cache and stored is None:
             self.prompt_cache.save(prompt_ids, chunk, self.cache, logits)
-        self.stats.prefill_s += time.perf_counter() - started
+        self.clock.add(self.stats, "prefill_s", started, self.clock.mark())
         return logits
 
     def _use_cache(self, cache: CachePolicy) -> None:
@@ -96,12 +97,12 @@ class Stage:
     def feed(self, token_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
         """Run token_ids [T] (on the model's device) after what the cache holds -> logits [N, V]
         of the last N. Nothing here waits for the device, so passes queue up behind each other."""
-        started = time.perf_counter()
+        started = self.clock.mark()
         if self.graphs is not None:
             logits = self.graphs(token_ids[None, :], num_logits)[0]  # [N, V]
         else:
             logits = self.model(token_ids[None, :], self.cache, num_logits)[0]
-        self.stats.time_s += time.perf_counter() - started
+        self.clock.add(self.stats, "time_s", started, self.clock.mark())
         self.stats.forward_calls += 1
         self.stats.tokens_processed += token_ids.numel()
         self.stats.kv_bytes_read += self.cache.read_bytes()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cascade.clock import Clock
 from cascade.pipeline import Pipeline, StopRule
 from cascade.sampling import sample, token_probs
 from cascade.schedule import SCHEDULES, Schedule
@@ -33,6 +34,7 @@ class ToyStage:
         self.logits = logits  # [V, V]: row = previous token
         self.schedule = schedule
         self.stats = StageStats(name)
+        self.clock = Clock(torch.device("cpu"))
         self.cache = self
         self.source = None
         self.seen: list[int] = []
