@@ -5,7 +5,7 @@ All run the same checkpoint in the same dtype on the first N tokens of a long do
 sampled (temperature 0.6, top-p 0.9); beyond the target's native context its rope is stretched with
 YaRN. The machine's speed drifts, so the cases are interleaved: each of ``--repeats`` rounds runs
 every (implementation, context) case once, each in its own subprocess (load, ``--warmups``
-generations on a shorter prompt, one measured generation), odd rounds in reverse order. A case
+short generations on a shorter prompt, one measured generation), odd rounds in reverse order. A case
 reports the median over rounds (peak RSS: the maximum); every ratio to the baseline implementation
 is taken within each round, then its median reported.
 
@@ -38,6 +38,7 @@ PRESETS = ("autoregressive", "speculative", "self-spec", "triforce")
 IMPLS = (*PRESETS, "transformers", "transformers-assisted")
 NEEDS_DRAFT = {"speculative", "triforce", "transformers-assisted"}
 WARMUP_TOKENS = 5000  # warm-up prompts are at most this long: first-touch costs without long prefills
+WARMUP_NEW_TOKENS = 16  # and generate this many: a few rounds of every pass shape, without a long decode
 SAMPLING = {"greedy": {"temperature": 0.0, "top_p": 1.0}, "sample": {"temperature": 0.6, "top_p": 0.9}}
 
 
@@ -115,9 +116,10 @@ def run_cascade(args, impl: str, target: Path, draft: Path | None, prompt: torch
 
     runtime = build_runtime(cascade_config(args, impl, target, draft, prompt, mode), log=log)
     warmup = prompt[: min(prompt.numel(), WARMUP_TOKENS)]
-    for prompt_now in [warmup] * args.warmups + [prompt]:  # the last generation is the measured one
-        # no EOS: exactly N tokens, like min_new_tokens; seeded from the config (seed 0)
-        result = runtime.generate(prompt_now.tolist(), args.new_tokens, stop_at_eos=False)
+    for _ in range(args.warmups):
+        runtime.generate(warmup.tolist(), min(args.new_tokens, WARMUP_NEW_TOKENS), stop_at_eos=False)
+    # no EOS: exactly N tokens, like min_new_tokens; seeded from the config (seed 0)
+    result = runtime.generate(prompt.tolist(), args.new_tokens, stop_at_eos=False)
     stats = result.stats.to_dict()
     loaded = stats["prefill_loaded"]
     return {"prefill_s": None if loaded else stats["prefill_s"], "decode_s": stats["decode_s"],
@@ -197,23 +199,23 @@ def run_transformers(args, impl: str, target: Path, draft: Path | None, prompt: 
     else:
         extra.update(do_sample=False)
 
-    def timed(ids: torch.Tensor, **continued) -> tuple[float, float, list[int]]:
+    def timed(ids: torch.Tensor, new_tokens: int, **continued) -> tuple[float, float, list[int]]:
         clock = FirstTokenClock()
         torch.manual_seed(0)
         started = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(ids[None, :], attention_mask=torch.ones_like(ids)[None, :],
-                                 max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                                 max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                  pad_token_id=model.config.eos_token_id, streamer=clock, **extra, **continued)
         return clock.first_token_at - started, time.perf_counter() - clock.first_token_at, out[0, ids.numel():].tolist()
 
     for _ in range(args.warmups):
-        timed(prompt[:WARMUP_TOKENS])
+        timed(prompt[:WARMUP_TOKENS], min(args.new_tokens, WARMUP_NEW_TOKENS))
     continued = {}
     if args.prompt_cache:
         path = stored_prompt(args, target, prompt.cpu(), mode)
         continued["past_key_values"] = continued_cache(path, model.config, prompt.numel() - 1, device)
-    prefill_s, decode_s, tokens = timed(prompt, **continued)
+    prefill_s, decode_s, tokens = timed(prompt, args.new_tokens, **continued)
     return {"prefill_s": None if continued else prefill_s, "decode_s": decode_s,
             "prefill_tokens_per_s": None if continued else prompt.numel() / prefill_s,
             "decode_tokens_per_s": (args.new_tokens - 1) / decode_s}, tokens
@@ -359,7 +361,7 @@ def store_prompts(args: argparse.Namespace, cases: list[Case]) -> None:
     for impl, context in dict.fromkeys((impl, context) for impl, context, _ in cases
                                        if not impl.startswith("transformers")):
         started = time.perf_counter()
-        spawn_case(args, impl, context, args.sampling[0])
+        spawn_case(argparse.Namespace(**{**vars(args), "warmups": 0}), impl, context, args.sampling[0])
         log(f"[prompt cache] {impl} at {context}: prompt stored or found ({time.perf_counter() - started:.0f} s)")
 
 
