@@ -4,9 +4,10 @@ On CPU an op has finished when it returns, so wall-clock marks time the work. On
 passes are queued without the host waiting (nothing is read back until the verdict), so a
 wall-clock mark taken after launching the proposals would time their launches and charge their
 device time to the verification that waits for them. There a mark is a CUDA event recorded on the
-current stream. A span is read with ``seconds`` where the host has waited for the device anyway (a
-verdict or a drawn token was read), or, inside a round, noted with ``add`` and added to its counter
-at ``settle``, so timing never adds a sync to a round.
+current stream. A round's split is read with ``seconds`` after its verdict, which the host waits
+for anyway; a timed plain step is read right after it (a wait, before its token is read anyway
+at the top level, possibly a little early one level down); pass times are noted with ``add`` and
+summed at ``settle``, between rounds, so the lowest stage's decoding never waits for timing.
 """
 
 from __future__ import annotations

@@ -118,8 +118,7 @@ class Pipeline:
         new = first
         while True:
             kept, stats.stop_reason = stop.cut(emitted, new.tokens)  # the host has caught up
-            for stage in self.stages:
-                stage.clock.settle()
+            self._settle_timings()
             emitted += kept
             context += kept
             for stage in self.stages:
@@ -134,10 +133,15 @@ class Pipeline:
             if stats.stop_reason:
                 break
             new = self._round(len(self.stages) - 1, context, stop.max_new_tokens - len(emitted))
+        self._settle_timings()  # the last catch-up passes
         stats.decode_s = time.perf_counter() - started
         stats.new_tokens = len(emitted)
         stats.predicted_speedup = self._predicted_speedup()
         return GenerationResult(emitted, stats)
+
+    def _settle_timings(self) -> None:
+        for stage in self.stages:
+            stage.clock.settle()
 
     def _prefill(self, prompt_ids: torch.Tensor) -> torch.Tensor:
         """Prefill every stage (sources before the stages reading them) -> the target's logits [V]."""
@@ -177,10 +181,11 @@ class Pipeline:
         gamma = proposer.schedule.next_gamma(proposer.stats, room) if proposer else 0
         if proposer:
             proposer.stats.gamma_choices[gamma] = proposer.stats.gamma_choices.get(gamma, 0) + 1
+        clean = len(context) - stage.length == 1  # the pass feeds no skipped tokens: time it
         if gamma == 0:
             stepping = self.clock.mark()
             drawn = self._draw_from_logits(stage.extend(context, 1))
-            if proposer:  # timing the step waits for it, as reading its token next does
+            if proposer and clean:  # timing the step waits for it (on CUDA)
                 proposer.stats.plain_steps += 1
                 proposer.stats.plain_s += self.clock.seconds(stepping, self.clock.mark())
             return drawn
@@ -193,7 +198,7 @@ class Pipeline:
         for lower in self.stages[: level + 1]:
             lower.truncate(len(context) + verdict.accepted)
         self._record(proposer, gamma, verdict, self.clock.seconds(proposing, verifying),
-                     self.clock.seconds(verifying, finished))
+                     self.clock.seconds(verifying, finished), clean)
         tokens = proposal.tokens[: verdict.accepted] + [verdict.next_token]
         return Draw.of(tokens, None if target_probs is None else target_probs[: verdict.accepted + 1], logits.device)
 
@@ -213,7 +218,8 @@ class Pipeline:
         probs = token_probs(logits, self.sampling)  # [1, V]
         return Draw(sample(probs, self.generator), probs)  # [1]
 
-    def _record(self, proposer: Stage, gamma: int, verdict: Verdict, propose_s: float, verify_s: float) -> None:
+    def _record(self, proposer: Stage, gamma: int, verdict: Verdict, propose_s: float, verify_s: float,
+                clean: bool) -> None:
         stats = proposer.stats
         stats.rounds += 1
         stats.proposed += gamma
@@ -221,7 +227,9 @@ class Pipeline:
         stats.rejections += verdict.accepted < gamma
         stats.propose_s += propose_s
         stats.verify_s += verify_s
-        stats.verify_s_by_gamma[gamma] = stats.verify_s_by_gamma.get(gamma, 0.0) + verify_s
+        if clean:
+            stats.clean_verifications[gamma] = stats.clean_verifications.get(gamma, 0) + 1
+            stats.clean_verification_s[gamma] = stats.clean_verification_s.get(gamma, 0.0) + verify_s
         proposer.schedule.observe(stats, gamma, verdict.accepted)
         proposer.cache.observe_acceptance(gamma, verdict.accepted)
 

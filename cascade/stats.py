@@ -32,12 +32,16 @@ class StageStats:
     """Time drawing this stage's proposals, the stages below it included."""
     verify_s: float = 0.0
     """Time the stage above spent verifying them."""
-    verify_s_by_gamma: dict[int, float] = field(default_factory=dict)
-    """``verify_s`` split by the round's gamma (its rounds are counted in ``gamma_choices``)."""
+    clean_verifications: dict[int, int] = field(default_factory=dict)
+    """Verification passes of exactly gamma + 1 tokens (the verifier had nothing to catch up on),
+    by gamma: the passes the cost model fits its verification time to."""
+    clean_verification_s: dict[int, float] = field(default_factory=dict)
+    """Their time, by gamma."""
     plain_steps: int = 0
-    """Rounds the stage above decoded alone (gamma 0: bypassed, or timing a plain step)."""
+    """One-token passes of the stage above decoding alone (gamma 0: bypassed, or timing a plain
+    step); passes that also caught up on skipped tokens are not counted."""
     plain_s: float = 0.0
-    """Time of those one-token passes."""
+    """Time of those passes."""
     schedule: str = ""
     """The gamma schedule of this stage's proposals ('' for the last stage, which proposes nothing)."""
     gamma_choices: dict[int, int] = field(default_factory=dict)
@@ -76,17 +80,20 @@ class StageStats:
         """Expected time of a verification pass of ``gamma`` proposals: a line through the mean pass
         time at each gamma verified so far and a plain step's at gamma 0, weighted by their counts
         (never falling: a pass of more tokens costs no less). On a CPU the line rises (multi-token
-        passes are compute-bound); on a GPU it stays nearly flat."""
-        points = [(g, seconds / self.gamma_choices[g], self.gamma_choices[g])
-                  for g, seconds in self.verify_s_by_gamma.items()]
+        passes are compute-bound); on a GPU it stays nearly flat. Without clean passes or plain
+        steps yet: the mean verification pass."""
+        points = [(g, seconds / self.clean_verifications[g], self.clean_verifications[g])
+                  for g, seconds in self.clean_verification_s.items()]
         if self.plain_steps:
             points.append((0, self.plain_s / self.plain_steps, self.plain_steps))
+        if not points:
+            return self.verify_s / self.rounds if self.rounds else 0.0
         intercept, slope = rising_line(points)
         return intercept + slope * gamma
 
     def expected_speedup(self, gamma: float) -> float:
-        """The cost model's speed-up at ``gamma`` from these measurements; a verification pass counts
-        as one plain step until a plain step has been timed."""
+        """The cost model's speed-up at ``gamma`` from these measurements; until a plain step has
+        been timed, the mean verification pass stands in for one."""
         if not self.rounds or not self.proposed:
             return 1.0
         step_s = self.plain_s / self.plain_steps if self.plain_steps else self.verify_s / self.rounds

@@ -68,6 +68,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "only; prefill is then not measured)")
     parser.add_argument("--out", type=Path, default=Path("results/bench.json"))
     parser.add_argument("--case", help=argparse.SUPPRESS)  # "impl:context": run one case, print JSON
+    parser.add_argument("--prompt-file", help=argparse.SUPPRESS)  # a transformers case continues from it
     args = parser.parse_args(argv)
     if args.new_tokens < 2 or args.repeats < 1 or min(args.contexts) < 1:
         parser.error("--new-tokens must be >= 2, --repeats >= 1 and every context >= 1")
@@ -114,7 +115,8 @@ def run_cascade(args, impl: str, target: Path, draft: Path | None, prompt: torch
                 mode: str) -> tuple[dict, list[int]]:
     from cascade.runtime import build_runtime
 
-    runtime = build_runtime(cascade_config(args, impl, target, draft, prompt, mode), log=log)
+    config = cascade_config(args, impl, target, draft, prompt, mode)
+    runtime = build_runtime(config, log=log)
     warmup = prompt[: min(prompt.numel(), WARMUP_TOKENS)]
     for _ in range(args.warmups):
         runtime.generate(warmup.tolist(), min(args.new_tokens, WARMUP_NEW_TOKENS), stop_at_eos=False)
@@ -122,9 +124,11 @@ def run_cascade(args, impl: str, target: Path, draft: Path | None, prompt: torch
     result = runtime.generate(prompt.tolist(), args.new_tokens, stop_at_eos=False)
     stats = result.stats.to_dict()
     loaded = stats["prefill_loaded"]
+    stored = runtime.prompt_caches["target"].path(prompt, config.prefill_chunk) if args.prompt_cache else None
     return {"prefill_s": None if loaded else stats["prefill_s"], "decode_s": stats["decode_s"],
             "prefill_tokens_per_s": None if loaded else prompt.numel() / stats["prefill_s"],
-            "decode_tokens_per_s": stats["tokens_per_s"], "stats": stats}, result.token_ids
+            "decode_tokens_per_s": stats["tokens_per_s"], "stats": stats,
+            "prompt_file": str(stored) if stored else None}, result.token_ids
 
 
 class FirstTokenClock:
@@ -141,18 +145,6 @@ class FirstTokenClock:
 
     def end(self) -> None:
         pass
-
-
-def stored_prompt(args, target: Path, prompt: torch.Tensor, mode: str) -> Path:
-    """The file in which cascade's cases store this prompt's prefill (its target K/V)."""
-    from cascade.runtime import build_runtime
-
-    config = cascade_config(args, "autoregressive", target, None, prompt, mode)
-    path = build_runtime(config, log=log).prompt_caches["target"].path(prompt, config.prefill_chunk)
-    if not path.exists():
-        raise CascadeError(f"{args.prompt_cache} holds no prefill of this {prompt.numel()}-token prompt; "
-                           "a cascade case of the same run stores it (include one in --impls)")
-    return path
 
 
 def continued_cache(path: Path, config, length: int, device: torch.device):
@@ -172,7 +164,7 @@ def continued_cache(path: Path, config, length: int, device: torch.device):
 def run_transformers(args, impl: str, target: Path, draft: Path | None, prompt: torch.Tensor,
                      mode: str) -> tuple[dict, list[int]]:
     """Prefill = time to the first new token; decode = the rest. With ``--prompt-cache`` the target
-    continues from the prompt's K/V stored by the cascade cases (all but its last token, which
+    continues from the prompt's K/V a cascade case stored (``prompt_file``; all but its last token, which
     generate() then feeds), so long prompts are not prefilled again; the assistant model (no stored
     cache) still prefills the whole prompt in its first call, within prefill time."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -212,9 +204,9 @@ def run_transformers(args, impl: str, target: Path, draft: Path | None, prompt: 
     for _ in range(args.warmups):
         timed(prompt[:WARMUP_TOKENS], min(args.new_tokens, WARMUP_NEW_TOKENS))
     continued = {}
-    if args.prompt_cache:
-        path = stored_prompt(args, target, prompt.cpu(), mode)
-        continued["past_key_values"] = continued_cache(path, model.config, prompt.numel() - 1, device)
+    if args.prompt_file:
+        continued["past_key_values"] = continued_cache(Path(args.prompt_file), model.config, prompt.numel() - 1,
+                                                       device)
     prefill_s, decode_s, tokens = timed(prompt, args.new_tokens, **continued)
     return {"prefill_s": None if continued else prefill_s, "decode_s": decode_s,
             "prefill_tokens_per_s": None if continued else prompt.numel() / prefill_s,
@@ -248,6 +240,8 @@ def spawn_case(args: argparse.Namespace, impl: str, context: int, mode: str) -> 
                *(["--draft", args.draft] if args.draft else []),
                *(["--prompt-cache", args.prompt_cache] if args.prompt_cache else []),
                *[arg for setting in args.set for arg in ("--set", setting)]]
+    if impl.startswith("transformers") and context in args.prompt_files:
+        command += ["--prompt-file", args.prompt_files[context]]
     result = subprocess.run(command, stdout=subprocess.PIPE, text=True)
     if result.returncode != 0:
         raise CascadeError(f"the {impl} case at context {context} failed (exit {result.returncode})")
@@ -355,20 +349,26 @@ def table(runs: list[dict], ratio_rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def store_prompts(args: argparse.Namespace, cases: list[Case]) -> None:
+def store_prompts(args: argparse.Namespace, cases: list[Case]) -> dict[int, str]:
     """Run each cascade case once, unmeasured, so that every measured one loads its prompt (a first
-    prefill and its write would otherwise set the peak RSS of one round)."""
+    prefill and its write would otherwise set the peak RSS of one round) -> {context: the file
+    holding its target prefill}, which the transformers cases continue from."""
+    files = {}
     for impl, context in dict.fromkeys((impl, context) for impl, context, _ in cases
                                        if not impl.startswith("transformers")):
         started = time.perf_counter()
-        spawn_case(argparse.Namespace(**{**vars(args), "warmups": 0}), impl, context, args.sampling[0])
+        case = spawn_case(argparse.Namespace(**{**vars(args), "warmups": 0}), impl, context, args.sampling[0])
+        files[context] = case["run"]["prompt_file"]
         log(f"[prompt cache] {impl} at {context}: prompt stored or found ({time.perf_counter() - started:.0f} s)")
+    if missing := sorted({context for impl, context, _ in cases if impl.startswith("transformers")} - set(files)):
+        raise CascadeError(f"transformers cases continue from a cascade case's stored prompt, and contexts "
+                           f"{missing} have none: add a preset to --impls, or drop --prompt-cache")
+    return files
 
 
 def drive(args: argparse.Namespace) -> None:
     cases = [(impl, context, mode) for mode in args.sampling for context in args.contexts for impl in args.impls]
-    if args.prompt_cache:
-        store_prompts(args, cases)
+    args.prompt_files = store_prompts(args, cases) if args.prompt_cache else {}
     with tqdm(total=len(cases) * args.repeats, desc="bench", unit="case", file=sys.stderr) as bar:
         rounds = [run_round(args, cases, index, bar) for index in range(args.repeats)]
     runs = [summarize(args, case, [measured[case] for measured in rounds]) for case in cases]

@@ -19,8 +19,8 @@ def measured(acceptance_runs: list[tuple[int, int]], propose_s: float, verify_s:
         stats.rejections += accepted < proposed
         stats.propose_s += propose_s * proposed
         stats.verify_s += verify_s
-        stats.gamma_choices[proposed] = stats.gamma_choices.get(proposed, 0) + 1
-        stats.verify_s_by_gamma[proposed] = stats.verify_s_by_gamma.get(proposed, 0.0) + verify_s
+        stats.clean_verifications[proposed] = stats.clean_verifications.get(proposed, 0) + 1
+        stats.clean_verification_s[proposed] = stats.clean_verification_s.get(proposed, 0.0) + verify_s
     return stats
 
 
@@ -86,6 +86,9 @@ def test_verification_cost_is_interpolated_between_a_plain_step_and_the_measured
     unstepped = measured([(6, 1)], propose_s=0.047, verify_s=0.215, step_s=0.13)
     unstepped.plain_steps, unstepped.plain_s = 0, 0.0
     assert unstepped.verification_s(1) == pytest.approx(0.215)  # nothing to interpolate from yet
+    unstepped.clean_verifications, unstepped.clean_verification_s = {}, {}
+    assert unstepped.verification_s(1) == pytest.approx(0.215)  # only passes that caught up: their mean
+    assert StageStats("fresh").verification_s(1) == 0.0
 
 
 def test_cost_model_finds_the_short_gamma_that_pays_when_passes_grow_with_their_width():
