@@ -68,6 +68,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "only; prefill is then not measured)")
     parser.add_argument("--out", type=Path, default=Path("results/bench.json"))
     parser.add_argument("--case", help=argparse.SUPPRESS)  # "impl:context": run one case, print JSON
+    parser.add_argument("--store-only", action="store_true", help=argparse.SUPPRESS)  # 2 tokens: store the prompt
     parser.add_argument("--prompt-file", help=argparse.SUPPRESS)  # a transformers case continues from it
     args = parser.parse_args(argv)
     if args.new_tokens < 2 or args.repeats < 1 or min(args.contexts) < 1:
@@ -121,7 +122,7 @@ def run_cascade(args, impl: str, target: Path, draft: Path | None, prompt: torch
     for _ in range(args.warmups):
         runtime.generate(warmup.tolist(), min(args.new_tokens, WARMUP_NEW_TOKENS), stop_at_eos=False)
     # no EOS: exactly N tokens, like min_new_tokens; seeded from the config (seed 0)
-    result = runtime.generate(prompt.tolist(), args.new_tokens, stop_at_eos=False)
+    result = runtime.generate(prompt.tolist(), 2 if args.store_only else args.new_tokens, stop_at_eos=False)
     stats = result.stats.to_dict()
     loaded = stats["prefill_loaded"]
     stored = runtime.prompt_caches["target"].path(prompt, config.prefill_chunk) if args.prompt_cache else None
@@ -235,7 +236,7 @@ RATES = ("decode_tokens_per_s", "prefill_tokens_per_s")
 def spawn_case(args: argparse.Namespace, impl: str, context: int, mode: str) -> dict:
     command = [sys.executable, __file__, "--case", f"{impl}:{context}:{mode}", "--new-tokens", str(args.new_tokens),
                "--dtype", args.dtype, "--document", args.document, "--warmups", str(args.warmups),
-               "--contexts", str(context),
+               "--contexts", str(context), *(["--store-only"] if args.store_only else []),
                *(["--target", args.target] if args.target else []),
                *(["--draft", args.draft] if args.draft else []),
                *(["--prompt-cache", args.prompt_cache] if args.prompt_cache else []),
@@ -357,7 +358,8 @@ def store_prompts(args: argparse.Namespace, cases: list[Case]) -> dict[int, str]
     for impl, context in dict.fromkeys((impl, context) for impl, context, _ in cases
                                        if not impl.startswith("transformers")):
         started = time.perf_counter()
-        case = spawn_case(argparse.Namespace(**{**vars(args), "warmups": 0}), impl, context, args.sampling[0])
+        storing = argparse.Namespace(**{**vars(args), "warmups": 0, "store_only": True})
+        case = spawn_case(storing, impl, context, args.sampling[0])
         files[context] = case["run"]["prompt_file"]
         log(f"[prompt cache] {impl} at {context}: prompt stored or found ({time.perf_counter() - started:.0f} s)")
     if missing := sorted({context for impl, context, _ in cases if impl.startswith("transformers")} - set(files)):

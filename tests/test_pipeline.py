@@ -51,7 +51,7 @@ def test_preset_greedy_equals_autoregressive(preset, draft_is_target, tiny_dir, 
         assert proposers[0].acceptance_rate == (1.0 if draft_is_target else pytest.approx(0.0, abs=0.1))
 
 
-@pytest.mark.parametrize("schedule", ["heuristic", "cost_model"])
+@pytest.mark.parametrize("schedule", ["fixed", "heuristic", "cost_model"])
 def test_adaptive_schedules_stay_exact(schedule, tiny_dir, tiny_draft_dir, autoregressive_tokens):
     overrides = SMALL_CACHES["triforce"] + [f"stages.{i}.schedule={schedule}" for i in (0, 1)]
     result = generate(runtime_for("triforce", tiny_dir, tiny_draft_dir, overrides), PROMPT)
