@@ -79,9 +79,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 # ---- one case, in its own process -------------------------------------------------------------
 
 
+def split_impl(impl: str) -> tuple[str, list[str]]:
+    """``PRESET+KEY=VALUE+...`` -> (the implementation's name, its overrides)."""
+    name, *overrides = impl.split("+")
+    return name, overrides
+
+
 def impl_option(value: str) -> str:
     """An implementation, or a preset followed by +KEY=VALUE overrides."""
-    name, *overrides = value.split("+")
+    name, overrides = split_impl(value)
     malformed = ":" in value or any("=" not in item for item in overrides)
     if name not in IMPLS or malformed or (overrides and name not in PRESETS):
         raise argparse.ArgumentTypeError(f"{value!r}: expected one of {', '.join(IMPLS)}, or PRESET+KEY=VALUE...")
@@ -92,7 +98,7 @@ def model_dirs(args: argparse.Namespace, impl: str) -> tuple[Path, Path | None]:
     from cascade.models import default_model
 
     target = Path(args.target) if args.target else default_model("target", log=log)
-    if impl.split("+")[0] not in NEEDS_DRAFT:
+    if split_impl(impl)[0] not in NEEDS_DRAFT:
         return target, None
     return target, Path(args.draft) if args.draft else default_model("draft", log=log)
 
@@ -108,7 +114,7 @@ def cascade_config(args, impl: str, target: Path, draft: Path | None, prompt: to
         settings["draft.path"] = str(draft)
     if scaling := yarn_scaling(target, prompt.numel() + args.new_tokens):
         settings["target.rope_scaling"] = scaling
-    preset, *overrides = impl.split("+")
+    preset, overrides = split_impl(impl)
     return load_config(preset, None, [*args.set, *overrides], settings)[1]
 
 
