@@ -8,6 +8,8 @@ A forward pass over ``T`` new tokens talks to its policy in three steps:
    policies that choose what to keep by attention scores (H2O, top-k) score with the query;
 3. the caller later ``commit``s the tokens it keeps or ``rollback``s the ones it rejects.
 
+``restart`` empties a policy for the next sequence without giving up its buffers.
+
 Models never know which policy they run under; rollback is a pointer move, never a copy.
 """
 
@@ -117,6 +119,11 @@ class CachePolicy(ABC):
         if not self.committed <= length <= self.length:
             raise ValueError(f"rollback({length}) outside [{self.committed}, {self.length}]")
         self.length = length
+
+    def restart(self) -> None:
+        """Empty the cache for a new sequence, keeping its buffers: the next request of a runtime
+        reuses them (and every graph captured over them) instead of allocating its own."""
+        self.length = self.committed = 0
 
     @property
     def graph_ready(self) -> bool:

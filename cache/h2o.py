@@ -56,6 +56,11 @@ class H2OCache(SlotCache):
         self.pending: list[tuple[int, list[torch.Tensor | None]]] = []
         """(first sequence index, per-layer queries [B, H, T, D]) of each pass since the last commit."""
 
+    def restart(self) -> None:
+        super().restart()
+        self.scores.zero_()
+        self.pending = []
+
     def allocate(self, num_new: int) -> torch.Tensor:
         positions = self._allocate_slots(num_new)  # [T] absolute: keys keep their rotation
         self.pending.append((self.length - num_new, [None] * self.layout.num_layers))

@@ -87,6 +87,7 @@ class RetrievalCacheConfig(CachePolicyConfig):
 @register_policy(RetrievalCacheConfig)
 class RetrievalCache(SlotCache):
     reads_source = True
+
     def __init__(
         self, layout: CacheLayout, config: RetrievalCacheConfig, source: CachePolicy | None = None
     ) -> None:
@@ -94,8 +95,19 @@ class RetrievalCache(SlotCache):
             raise ValueError("the retrieval cache reads the prompt from a full cache of the same model")
         super().__init__(layout, config.budget + layout.capacity - source.committed, source)
         self.config = config
-        self.prompt_length = self.length = self.committed = source.committed
-        self.kept = kept_prompt_tokens(self.prompt_length, config.budget, config.chunk_size)
+        self._take_prompt()
+
+    def restart(self) -> None:
+        """Start over on the prompt the source now holds (it was prefilled again): chunks are
+        selected afresh. The slots hold the new kept prompt and what follows while the prompt
+        leaves at least as much room after it as the first one did."""
+        super().restart()
+        self._take_prompt()
+
+    def _take_prompt(self) -> None:
+        """Hold the source's committed tokens as the prompt, chunks to be selected on the next pass."""
+        self.prompt_length = self.length = self.committed = self.source.committed
+        self.kept = kept_prompt_tokens(self.prompt_length, self.config.budget, self.config.chunk_size)
         """Prompt tokens held (the same for every layer and head); the rest are ``dropped``."""
         self.dropped = self.prompt_length - self.kept
         self.selections = 0

@@ -40,6 +40,11 @@ class SlotCache(CachePolicy):
         self._valid_slots = torch.zeros(1, dtype=torch.int32, device=layout.device)
         """[1] slots a static pass's attention reads (its last token's slot + 1)."""
 
+    def restart(self) -> None:
+        super().restart()
+        self.dropped = self._start = 0
+        self._mask, self._static = None, False
+
     @property
     def used_slots(self) -> int:
         return self.length - self.dropped

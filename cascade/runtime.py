@@ -20,7 +20,7 @@ from cascade.pipeline import GenerationResult, Pipeline, StopRule, TokenCallback
 from cascade.prompt_cache import PromptCache, model_key
 from cascade.schedule import SCHEDULES
 from cascade.stage import Stage
-from configs.schema import ModelConfig, PipelineConfig
+from configs.schema import ModelConfig, PipelineConfig, StageConfig
 
 
 def pick_device() -> torch.device:
@@ -42,9 +42,28 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+@dataclass(frozen=True)
+class CacheRequest:
+    """What one generation asks of its stages' caches."""
+
+    stages: tuple[StageConfig, ...]
+    capacity: int
+    """Tokens of the whole sequence: prompt, new tokens and a round of speculation."""
+    room: int
+    """Tokens after the prompt (new tokens and a round of speculation)."""
+    max_pending: int
+    """Most tokens written between two commits."""
+
+    def holds(self, other: CacheRequest) -> bool:
+        """Caches built for this request can serve ``other``: the same stages, no longer a
+        sequence, no more room after the prompt (a retrieval cache's slots are its budget + room)."""
+        return (self.stages, self.max_pending) == (other.stages, other.max_pending) and (
+            self.capacity >= other.capacity and self.room >= other.room)
+
+
 @dataclass
 class Runtime:
-    """Loaded models for one config; ``pipeline_for`` builds fresh caches per prompt."""
+    """Loaded models for one config; ``pipeline_for`` gives each request stages with caches."""
 
     config: PipelineConfig
     target: LoadedModel
@@ -54,6 +73,10 @@ class Runtime:
     """Per model role, where its full-cache stages store and load prefilled prompts."""
     capture: Capture | None = None
     """How stages capture their short passes as graphs (None: all passes run eagerly)."""
+    stages: list[Stage] = field(default_factory=list)
+    """The last request's stages, kept for the next request their caches hold."""
+    built_for: CacheRequest | None = None
+    """The request ``stages`` were built for."""
 
     @property
     def tokenizer(self):
@@ -89,11 +112,23 @@ class Runtime:
         return self.config.model_copy(update={"stages": kept})
 
     def pipeline_for(self, prompt_tokens: int, max_new_tokens: int) -> Pipeline:
-        """Stages with caches sized for this request (checked against the context limit)."""
+        """Stages with caches sized for this request (checked against the context limit): the
+        last request's, restarted, where their caches hold this one too (so are their graphs)."""
         config = self.check_request(prompt_tokens, max_new_tokens)
         speculation = sum(stage.gamma + 1 for stage in config.stages[:-1])
-        capacity = prompt_tokens + max_new_tokens + speculation
-        max_pending = config.prefill_chunk + speculation + 1  # a lagging stage's catch-up + a round
+        request = CacheRequest(tuple(config.stages), prompt_tokens + max_new_tokens + speculation,
+                               max_new_tokens + speculation, config.prefill_chunk + speculation + 1)
+        schedules = [SCHEDULES[stage.schedule](stage.gamma) for stage in config.stages[:-1]] + [None]
+        if self.built_for is not None and self.built_for.holds(request):
+            for stage, schedule in zip(self.stages, schedules, strict=True):
+                stage.restart(schedule)
+        else:
+            self.stages = []  # the old caches go before the new ones are allocated
+            self.stages = self.build_stages(config, request, schedules)
+            self.built_for = request
+        return Pipeline(self.stages, config.sampling, config.prefill_chunk)
+
+    def build_stages(self, config: PipelineConfig, request: CacheRequest, schedules: list) -> list[Stage]:
         last = len(config.stages) - 1
         stages: dict[int, Stage] = {}
         for index in range(last, -1, -1):  # sources (full-cache stages) come after their readers
@@ -104,21 +139,21 @@ class Runtime:
                 f"{index}:{stage.model}/{stage.cache.kind}",
                 model,
                 stage.cache,
-                model.cache_layout(capacity, max_pending),
-                SCHEDULES[stage.schedule](stage.gamma) if index < last else None,
+                model.cache_layout(request.capacity, request.max_pending),
+                schedules[index],
                 None if source is None else stages[source],
                 self.prompt_caches.get(stage.model),
                 self.capture,
             )
-        return Pipeline([stages[i] for i in range(last + 1)], config.sampling, config.prefill_chunk)
+        return [stages[i] for i in range(last + 1)]
 
     def stop_rule(self, max_new_tokens: int) -> StopRule:
         return StopRule(frozenset(self.target.eos_token_ids), max_new_tokens)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int | None = None,
                  on_tokens: TokenCallback | None = None, stop_at_eos: bool = True) -> GenerationResult:
-        """Generate after ``prompt_ids`` with fresh caches and the config's seed (checked first).
-        ``stop_at_eos=False`` makes exactly ``max_new_tokens`` (for measurements)."""
+        """Generate after ``prompt_ids`` (checked first) with the config's seed, on ``pipeline_for``'s
+        stages. ``stop_at_eos=False`` makes exactly ``max_new_tokens`` (for measurements)."""
         max_new_tokens = max_new_tokens or self.config.max_new_tokens
         device = self.target.model.device
         pipeline = self.pipeline_for(len(prompt_ids), max_new_tokens)

@@ -42,7 +42,6 @@ class Stage:
         self.model = model
         self.cache_config = cache_config
         self.layout = layout
-        self.schedule = schedule
         self.source = source
         self.prompt_cache = prompt_cache if isinstance(cache_config, FullCacheConfig) else None
         self.capture = capture
@@ -50,8 +49,14 @@ class Stage:
         self.graphs: PassGraphs | None = None
         if source is None:
             self._use_cache(build_policy(cache_config, layout))
-        self.stats = StageStats(name, schedule=schedule.name if schedule else "")
-        self.clock = Clock(model.device)
+        self.restart(schedule)
+
+    def restart(self, schedule: Schedule | None) -> None:
+        """Fresh counters, clock and ``schedule`` for the next generation; the cache (emptied by
+        the next prefill) and its graphs are kept."""
+        self.schedule = schedule
+        self.stats = StageStats(self.name, schedule=schedule.name if schedule else "")
+        self.clock = Clock(self.model.device)
         """Times this stage's passes; its spans are settled by the pipeline between rounds."""
 
     @property
@@ -60,12 +65,13 @@ class Stage:
         return self.cache.length
 
     def prefill(self, prompt_ids: torch.Tensor, chunk: int) -> torch.Tensor | None:
-        """Write prompt_ids [T] into the cache -> last position's logits [V] (None for a stage that
-        reads its source's prompt KV instead): loaded from the prompt cache if it holds this
-        prompt, else computed ``chunk`` tokens per pass (and stored there)."""
+        """Write prompt_ids [T] into the emptied cache -> last position's logits [V] (None for a
+        stage that reads its source's prompt KV instead): loaded from the prompt cache if it holds
+        this prompt, else computed ``chunk`` tokens per pass (and stored there)."""
         if self.source is not None:
-            self._use_cache(build_policy(self.cache_config, self.layout, self.source.cache))
+            self._read_source()
             return None
+        self.cache.restart()
         started = self.clock.mark()
         stored = self.prompt_cache.load(prompt_ids, chunk, self.cache) if self.prompt_cache else None
         self.stats.prefill_loaded = stored is not None
@@ -74,6 +80,13 @@ class Stage:
             self.prompt_cache.save(prompt_ids, chunk, self.cache, logits)
         self.clock.add(self.stats, "prefill_s", started, self.clock.mark())
         return logits
+
+    def _read_source(self) -> None:
+        """Read the prompt the source has just prefilled: into a new cache, or the kept one."""
+        if self.cache is None:
+            self._use_cache(build_policy(self.cache_config, self.layout, self.source.cache))
+        else:
+            self.cache.restart()
 
     def _use_cache(self, cache: CachePolicy) -> None:
         self.cache = cache

@@ -5,9 +5,11 @@ All run the same checkpoint in the same dtype on the first N tokens of a long do
 sampled (temperature 0.6, top-p 0.9); beyond the target's native context its rope is stretched with
 YaRN. The machine's speed drifts, so the cases are interleaved: each of ``--repeats`` rounds runs
 every (implementation, context) case once, each in its own subprocess (load, ``--warmups``
-short generations on a shorter prompt, one measured generation), odd rounds in reverse order. A case
-reports the median over rounds (peak RSS: the maximum); every ratio to the baseline implementation
-is taken within each round, then its median reported.
+short generations on a shorter prompt, one measured generation), odd rounds in reverse order; where
+passes are captured as CUDA graphs the warm-ups make the measured request itself, whose caches and
+graphs the measured generation then reuses. A case reports the median over rounds (peak RSS: the
+maximum); every ratio to the baseline implementation is taken within each round, then its median
+reported.
 
     python scripts/bench.py [--impls autoregressive self-spec transformers] [--contexts 1024 8000]
         [--new-tokens 64] [--repeats 3] [--sampling greedy sample] [--dtype bfloat16]
@@ -53,7 +55,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3,
                         help="rounds, each running every case once (medians reported)")
     parser.add_argument("--warmups", type=int, default=2,
-                        help="generations on a shorter prompt before the measured one, per process")
+                        help="generations before the measured one, per process (on a shorter prompt, "
+                        "except where CUDA graphs are captured)")
     parser.add_argument("--sampling", nargs="+", choices=sorted(SAMPLING), default=["greedy"],
                         help="greedy and/or sample at temperature 0.6 / top-p 0.9 (seeded)")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
@@ -124,9 +127,12 @@ def run_cascade(args, impl: str, target: Path, draft: Path | None, prompt: torch
 
     config = cascade_config(args, impl, target, draft, prompt, mode)
     runtime = build_runtime(config, log=log)
-    warmup = prompt[: min(prompt.numel(), WARMUP_TOKENS)]
+    if runtime.capture is None:
+        warmup, warmup_tokens = prompt[:WARMUP_TOKENS], min(args.new_tokens, WARMUP_NEW_TOKENS)
+    else:  # graphs belong to the caches they were captured over: warm up those of the measured request
+        warmup, warmup_tokens = prompt, args.new_tokens
     for _ in range(args.warmups):
-        runtime.generate(warmup.tolist(), min(args.new_tokens, WARMUP_NEW_TOKENS), stop_at_eos=False)
+        runtime.generate(warmup.tolist(), warmup_tokens, stop_at_eos=False)
     # no EOS: exactly N tokens, like min_new_tokens; seeded from the config (seed 0)
     result = runtime.generate(prompt.tolist(), 2 if args.store_only else args.new_tokens, stop_at_eos=False)
     stats = result.stats.to_dict()

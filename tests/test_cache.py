@@ -27,20 +27,23 @@ def test_every_policy_has_a_test_config():
     assert set(POLICIES) == set(SMALL_CONFIGS)
 
 
-def after_prompt(kind: str, model, prompt: torch.Tensor, capacity: int = 64):
+def after_prompt(kind: str, model, prompt: torch.Tensor, capacity: int = 64, restarted=None):
     """A ``kind`` policy that has seen ``prompt`` [1, T] (via a full source where it reads one)
-    and decoded one committed token after it (retrieval selects its chunks there)."""
+    and decoded one committed token after it (retrieval selects its chunks there): a new one, or
+    the policy ``restarted`` (and its source) emptied for it."""
     layout = model.cache_layout(capacity, max_pending=8)
     config = POLICIES[kind].config(**SMALL_CONFIGS[kind])
     if kind in NEEDS_SOURCE:
-        source = FullCache(layout)
+        source = restarted.source if restarted else FullCache(layout)
+        source.restart()
         model(prompt, source)
         source.commit(source.length)
-        policy = build_policy(config, layout, source)
+        policy = restarted or build_policy(config, layout, source)
         chunks = [prompt[:, -1:]]
     else:
-        policy = build_policy(config, layout)
+        policy = restarted or build_policy(config, layout)
         chunks = [*prompt.split(8, dim=1), prompt[:, -1:]]
+    policy.restart()
     for chunk in chunks:
         model(chunk, policy)
         policy.commit(policy.length)
@@ -67,6 +70,20 @@ def test_rollback_then_rewrite_equals_never_written(kind, tiny_model):
     tiny_model(rejected, rolled)  # speculative tokens that get rejected
     rolled.rollback(rolled.committed)
     got = [tiny_model(token[None], rolled) for token in tokens[0, :, None]]
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("kind", sorted(POLICIES))
+def test_a_restarted_cache_equals_a_new_one(kind, tiny_model):
+    first, second, tokens = (random_tokens(tiny_model, n, seed) for seed, n in enumerate((36, 26, 6)))
+    new = after_prompt(kind, tiny_model, second)
+    expected = [tiny_model(token[None], new) for token in tokens[0, :, None]]
+
+    used = after_prompt(kind, tiny_model, first)
+    tiny_model(tokens, used)  # left mid-round, with tokens neither committed nor rolled back
+    restarted = after_prompt(kind, tiny_model, second, restarted=used)
+    assert restarted is used
+    got = [tiny_model(token[None], restarted) for token in tokens[0, :, None]]
     torch.testing.assert_close(got, expected, atol=0, rtol=0)
 
 

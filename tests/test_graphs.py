@@ -125,12 +125,18 @@ def test_long_passes_and_selecting_passes_run_eagerly(tiny_model):
 
 
 @pytest.mark.parametrize("preset", ["self-spec", "triforce"])
-def test_graphed_presets_greedy_equal_autoregressive(preset, tiny_dir, tiny_draft_dir):
-    expected = generate(runtime_for("autoregressive", tiny_dir, tiny_draft_dir, kernels="eager"), PROMPT).token_ids
+def test_graphed_presets_greedy_equal_autoregressive_and_keep_their_graphs(preset, tiny_dir, tiny_draft_dir):
+    """A runtime's next request (here a shorter prompt) restarts the last one's stages: same
+    caches, and not one pass shape compiled twice."""
+    autoregressive = runtime_for("autoregressive", tiny_dir, tiny_draft_dir, kernels="eager")
     runtime = runtime_for(preset, tiny_dir, tiny_draft_dir, SMALL_CACHES[preset], kernels="eager")
     counter = CompileCounter()
     runtime.capture = compiled_capture(counter)
-    pipeline = runtime.pipeline_for(len(PROMPT), 40)
-    assert generate(runtime, PROMPT, pipeline=pipeline).token_ids == expected
+    used = []  # per request: its stages and their caches
+    for prompt in (PROMPT, PROMPT[:250]):
+        pipeline = runtime.pipeline_for(len(prompt), 40)
+        assert generate(runtime, prompt, pipeline=pipeline).token_ids == generate(autoregressive, prompt).token_ids
+        used.append([(stage, stage.cache) for stage in pipeline.stages])
+    assert used[0] == used[1]
     shapes = [len(stage.graphs.graphs) for stage in pipeline.stages]
     assert all(shapes) and counter.frame_count == sum(shapes)
