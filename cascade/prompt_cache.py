@@ -30,6 +30,17 @@ MODEL_CODE = (model, attention, rope, one_token, checkpoint, full, slots)
 """Modules whose source decides a prefill's numbers: editing them invalidates stored prompts."""
 
 
+KV_NAMES = ("keys", "values")
+"""A stored layer's tensors are named ``keys.{layer}`` and ``values.{layer}``."""
+
+
+def stored_layer(stored: safe_open, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """From an open prompt file: ``layer``'s keys and values [1, H_kv, length, D] (rotated keys)
+    of the prompt's first ``length`` tokens."""
+    keys, values = (stored.get_slice(f"{name}.{layer}")[:, :, :length] for name in KV_NAMES)
+    return keys, values
+
+
 def model_key(checkpoint_dir: Path, settings: dict[str, object]) -> str:
     """Digest of a checkpoint's files (name, size, mtime), ``settings`` and the model code."""
     digest = hashlib.sha256()
@@ -69,8 +80,8 @@ class PromptCache:
                     raise ValueError("it holds a different prompt")
                 cache.allocate(length)
                 for layer in range(cache.layout.num_layers):
-                    cache.keys[layer, :, :, :length] = stored.get_tensor(f"keys.{layer}")  # [1, H_kv, T, D]
-                    cache.values[layer, :, :, :length] = stored.get_tensor(f"values.{layer}")
+                    keys, values = stored_layer(stored, layer, length)
+                    cache.keys[layer, :, :, :length], cache.values[layer, :, :, :length] = keys, values
                 logits = stored.get_tensor("logits")  # [V]
         except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
             self.log(f"prompt cache: {path.name} is unusable ({exc}); deleting it and prefilling")
@@ -86,8 +97,8 @@ class PromptCache:
         length = prompt_ids.numel()
         tensors = {"prompt": prompt_ids.cpu().to(torch.int64), "logits": logits.contiguous()}
         for layer in range(cache.layout.num_layers):
-            tensors[f"keys.{layer}"] = cache.keys[layer, :, :, :length].contiguous()
-            tensors[f"values.{layer}"] = cache.values[layer, :, :, :length].contiguous()
+            for name, buffer in zip(KV_NAMES, (cache.keys, cache.values), strict=True):
+                tensors[f"{name}.{layer}"] = buffer[layer, :, :, :length].contiguous()  # [1, H_kv, T, D]
         path = self.path(prompt_ids, chunk)
         self.directory.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.partial")

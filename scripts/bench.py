@@ -166,11 +166,12 @@ def continued_cache(path: Path, config, length: int, device: torch.device):
     from safetensors import safe_open
     from transformers import DynamicCache
 
+    from cascade.prompt_cache import stored_layer
+
     cache = DynamicCache(config=config)
     with safe_open(path, framework="pt", device=str(device)) as stored:
         for layer in range(config.num_hidden_layers):
-            cache.update(stored.get_slice(f"keys.{layer}")[:, :, :length],
-                         stored.get_slice(f"values.{layer}")[:, :, :length], layer)
+            cache.update(*stored_layer(stored, layer, length), layer)
     return cache
 
 
