@@ -18,7 +18,7 @@ from cascade.model import CausalLM
 from cascade.models import default_model
 from cascade.pipeline import GenerationResult, Pipeline, StopRule, TokenCallback
 from cascade.prompt_cache import PromptCache, model_key
-from cascade.schedule import SCHEDULES
+from cascade.schedule import SCHEDULES, Schedule
 from cascade.stage import Stage
 from configs.schema import ModelConfig, PipelineConfig, StageConfig
 
@@ -52,7 +52,7 @@ class CacheRequest:
     room: int
     """Tokens after the prompt (new tokens and a round of speculation)."""
     max_pending: int
-    """Most tokens written between two commits."""
+    """Most tokens written between two commits (a lagging stage's catch-up chunk + one round)."""
 
     def holds(self, other: CacheRequest) -> bool:
         """Caches built for this request can serve ``other``: the same stages, no longer a
@@ -128,7 +128,9 @@ class Runtime:
             self.built_for = request
         return Pipeline(self.stages, config.sampling, config.prefill_chunk)
 
-    def build_stages(self, config: PipelineConfig, request: CacheRequest, schedules: list) -> list[Stage]:
+    def build_stages(self, config: PipelineConfig, request: CacheRequest,
+                     schedules: list[Schedule | None]) -> list[Stage]:
+        """New stages (and caches) for ``request``, with ``schedules`` per stage (None for the last)."""
         last = len(config.stages) - 1
         stages: dict[int, Stage] = {}
         for index in range(last, -1, -1):  # sources (full-cache stages) come after their readers
