@@ -60,16 +60,21 @@ def random_tokens(model, count: int, seed: int) -> torch.Tensor:
     return torch.randint(0, model.spec.vocab_size, (1, count), generator=torch.Generator().manual_seed(seed))
 
 
+def decode_each(model, cache, tokens: torch.Tensor) -> list[torch.Tensor]:
+    """Feed tokens [1, T] one pass each -> each pass's logits [1, 1, V]."""
+    return [model(token[None], cache) for token in tokens[0, :, None]]
+
+
 @pytest.mark.parametrize("kind", sorted(POLICIES))
 def test_rollback_then_rewrite_equals_never_written(kind, tiny_model):
     prompt, tokens, rejected = (random_tokens(tiny_model, n, seed) for seed, n in enumerate((30, 6, 5)))
     clean = after_prompt(kind, tiny_model, prompt)
-    expected = [tiny_model(token[None], clean) for token in tokens[0, :, None]]
+    expected = decode_each(tiny_model, clean, tokens)
 
     rolled = after_prompt(kind, tiny_model, prompt)
     tiny_model(rejected, rolled)  # speculative tokens that get rejected
     rolled.rollback(rolled.committed)
-    got = [tiny_model(token[None], rolled) for token in tokens[0, :, None]]
+    got = decode_each(tiny_model, rolled, tokens)
     torch.testing.assert_close(got, expected, atol=0, rtol=0)
 
 
@@ -77,13 +82,13 @@ def test_rollback_then_rewrite_equals_never_written(kind, tiny_model):
 def test_a_restarted_cache_equals_a_new_one(kind, tiny_model):
     first, second, tokens = (random_tokens(tiny_model, n, seed) for seed, n in enumerate((36, 26, 6)))
     new = after_prompt(kind, tiny_model, second)
-    expected = [tiny_model(token[None], new) for token in tokens[0, :, None]]
+    expected = decode_each(tiny_model, new, tokens)
 
     used = after_prompt(kind, tiny_model, first)
     tiny_model(tokens, used)  # left mid-round, with tokens neither committed nor rolled back
     restarted = after_prompt(kind, tiny_model, second, restarted=used)
     assert restarted is used
-    got = [tiny_model(token[None], restarted) for token in tokens[0, :, None]]
+    got = decode_each(tiny_model, restarted, tokens)
     torch.testing.assert_close(got, expected, atol=0, rtol=0)
 
 

@@ -125,8 +125,7 @@ gives the same tokens every time."""
 
 
 def test_sampled_cascade_is_seeded(tiny_dir, tiny_draft_dir):
-    overrides = SAMPLED_FIXED
-    runtime = runtime_for("triforce", tiny_dir, tiny_draft_dir, overrides)
+    runtime = runtime_for("triforce", tiny_dir, tiny_draft_dir, SAMPLED_FIXED)
     first, again = (generate(runtime, PROMPT, 20, seed=3).token_ids for _ in range(2))
     assert first == again
     assert first != generate(runtime, PROMPT, 20, seed=4).token_ids
@@ -135,13 +134,12 @@ def test_sampled_cascade_is_seeded(tiny_dir, tiny_draft_dir):
 def test_requests_in_a_row_reuse_the_stages_that_hold_them_and_change_nothing(tiny_dir, tiny_draft_dir):
     """A runtime restarts the last request's stages for a prompt their caches hold and builds new
     ones for a longer one; either way a request samples what it would on a new runtime."""
-    overrides = SAMPLED_FIXED
-    runtime = runtime_for("triforce", tiny_dir, tiny_draft_dir, overrides)
+    runtime = runtime_for("triforce", tiny_dir, tiny_draft_dir, SAMPLED_FIXED)
     stages = []
     for prompt in (PROMPT[:250], PROMPT, PROMPT[:200]):
         pipeline = runtime.pipeline_for(len(prompt), 20)
         tokens = generate(runtime, prompt, 20, seed=3, pipeline=pipeline).token_ids
-        new_runtime = runtime_for("triforce", tiny_dir, tiny_draft_dir, overrides)
+        new_runtime = runtime_for("triforce", tiny_dir, tiny_draft_dir, SAMPLED_FIXED)
         assert tokens == generate(new_runtime, prompt, 20, seed=3).token_ids
         stages.append(pipeline.stages)
     assert stages[1] != stages[0] and stages[2] == stages[1]
