@@ -9,6 +9,11 @@ A pass's roofline is max(bytes read / bandwidth, FLOPs / matmul peak), where byt
 weights once plus the KV the cache policy reports, and FLOPs are 2 per weight per token plus the
 attention products. The KV is random: only the timing matters.
 
+With ``--acceptance`` (the retrieval stage's per-token acceptance at each context, e.g. the
+``acceptance_mle`` a bench run reports), it also prints the ceiling of ``self-spec``: the best
+speed-up over autoregressive decoding the cost model predicts at any gamma, from the measured pass
+times and from the rooflines, i.e. what faster kernels alone could reach at that acceptance.
+
 The model is the provisioned SmolLM2 (YaRN-stretched to the context), or with ``--shape`` a
 random-weight model of a published shape, for cost-only figures that feed the cost model (e.g.
 Llama-2-7B at 120K tokens on a GPU; ``--draft-shape llama-68m`` adds TriForce's draft step). On
@@ -36,6 +41,7 @@ from cache.retrieval import RetrievalCacheConfig
 from cache.streaming import StreamingCacheConfig
 from cascade.attention import resolve_kernels
 from cascade.checkpoint import load_checkpoint, model_spec, yarn_scaling
+from cascade.costs import expected_speedup
 from cascade.graphs import PassGraphs, cuda_graph
 from cascade.model import CausalLM
 from cascade.models import default_model
@@ -65,8 +71,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--draft-shape", choices=list(SHAPES), help="also time this shape's draft step "
                                                                     "(streaming cache of --draft-window tokens)")
     parser.add_argument("--draft-window", type=int, default=256)
+    parser.add_argument("--acceptance", type=float, nargs="+", metavar="A",
+                        help="the retrieval stage's per-token acceptance at each context (one value, or one "
+                             "per context): also print self-spec's speed-up ceiling there")
     parser.add_argument("--out", type=Path, default=Path("results/roofline.json"))
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.acceptance is not None:
+        if len(args.acceptance) not in (1, len(args.contexts)):
+            parser.error(f"--acceptance takes one value or one per context ({len(args.contexts)}), "
+                         f"not {len(args.acceptance)}")
+        if not all(0.0 <= a < 1.0 for a in args.acceptance):
+            parser.error(f"--acceptance values are probabilities in [0, 1); got {args.acceptance}")
+        if len(args.acceptance) == 1:
+            args.acceptance = args.acceptance * len(args.contexts)
+    return args
 
 
 def median_seconds(run, repeats: int, device: torch.device) -> float:
@@ -135,6 +153,33 @@ def pass_figures(model, cache, tokens: int, args, bandwidth: float, peak: float)
             "measured_over_roofline": seconds / roofline}
 
 
+def self_spec_ceiling(step: dict, proposal: dict, verification: dict, acceptance: float) -> dict:
+    """The best (gamma, speed-up) of ``self-spec`` at ``acceptance``, from measured pass times and from
+    rooflines, for gammas up to the verification pass's width - 1.
+
+    A measured verification pass of g + 1 tokens is interpolated linearly between the one-token step
+    and the timed verification pass (the cost model's line in the pass width); its roofline is exact:
+    the bytes do not change with the width and the FLOPs grow with it.
+    """
+    widest = verification["tokens"] - 1
+
+    def measured_verify(gamma: int) -> float:
+        return step["ms"] + (verification["ms"] - step["ms"]) * gamma / widest
+
+    def roofline_verify(gamma: int) -> float:
+        return max(step["memory_ms"], step["compute_ms"] * (gamma + 1))
+
+    ceiling = {}
+    for name, propose_ms, verify_ms, step_ms in (
+        ("measured", proposal["ms"], measured_verify, step["ms"]),
+        ("roofline", proposal["roofline_ms"], roofline_verify, step["roofline_ms"]),
+    ):
+        speedups = {g: expected_speedup(acceptance, propose_ms, verify_ms(g), step_ms, g) for g in range(1, widest + 1)}
+        gamma = max(speedups, key=speedups.get)
+        ceiling[name] = {"gamma": gamma, "speedup": speedups[gamma]}
+    return {"acceptance": acceptance, **ceiling}
+
+
 def load_target(args, path: Path | None, context: int) -> tuple[CausalLM, dict | None]:
     """The model whose passes are timed at ``context``, and the rope scaling it runs with."""
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -157,7 +202,9 @@ def filled_cache(cache, tokens: int):
     return cache
 
 
-def context_figures(args, path: Path | None, context: int, bandwidth: float, peak: float) -> dict:
+def context_figures(
+    args, path: Path | None, context: int, bandwidth: float, peak: float, acceptance: float | None
+) -> dict:
     model, scaling = load_target(args, path, context)
     layout = model.cache_layout(context + 64, args.gamma + 2)
     full = filled_cache(FullCache(layout), context)
@@ -181,7 +228,11 @@ def context_figures(args, path: Path | None, context: int, bandwidth: float, pea
             draft, streaming, 1, args, bandwidth, peak)
     del model, full, retrieval
     torch.cuda.empty_cache() if args.device == "cuda" else None
-    return {"context": context, "rope_scaling": scaling, "passes": passes}
+    figures = {"context": context, "rope_scaling": scaling, "passes": passes}
+    if acceptance is not None:
+        step, proposal, _, verification = list(passes.values())[:4]
+        figures["self_spec_ceiling"] = self_spec_ceiling(step, proposal, verification, acceptance)
+    return figures
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,12 +246,19 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     print("| context | pass | measured ms | memory-bound ms | compute-bound ms | measured / roofline |")
     print("|---:|---|---:|---:|---:|---:|")
-    for context in args.contexts:
-        figures = context_figures(args, path, context, bandwidth, peak)
+    for context, acceptance in zip(args.contexts, args.acceptance or [None] * len(args.contexts)):
+        figures = context_figures(args, path, context, bandwidth, peak, acceptance)
         rows.append(figures)
         for name, row in figures["passes"].items():
             print(f"| {context} | {name} | {row['ms']:.1f} | {row['memory_ms']:.1f} | {row['compute_ms']:.1f} | "
                   f"{row['measured_over_roofline']:.1f}x |")
+    for figures in rows:
+        if "self_spec_ceiling" in figures:
+            ceiling = figures["self_spec_ceiling"]
+            print(f"self-spec ceiling at {figures['context']} (acceptance {ceiling['acceptance']:.2f}): "
+                  f"{ceiling['measured']['speedup']:.2f}x at gamma {ceiling['measured']['gamma']} from measured "
+                  f"passes, {ceiling['roofline']['speedup']:.2f}x at gamma {ceiling['roofline']['gamma']} "
+                  "at the rooflines")
     report = {"hardware": hardware, "model": args.shape or "SmolLM2", "dtype": args.dtype, "kernels": args.kernels,
               "attention": args.attention, "graphs": device.type == "cuda" and not args.no_graphs,
               "bandwidth_bytes_per_s": bandwidth,

@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
+
+import pytest
+
+
+def load_roofline_script():
+    spec = importlib.util.spec_from_file_location("roofline", "scripts/roofline.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_roofline_times_every_pass_of_a_random_shape(tmp_path):
     out = tmp_path / "roofline.json"
     command = [sys.executable, "scripts/roofline.py", "--shape", "llama-68m", "--draft-shape", "llama-68m",
                "--contexts", "300", "--budget", "64", "--gamma", "3", "--draft-window", "28", "--repeats", "1",
-               "--device", "cpu", "--kernels", "eager", "--out", str(out)]
+               "--device", "cpu", "--kernels", "eager", "--acceptance", "0.8", "--out", str(out)]
     printed = subprocess.run(command, capture_output=True, text=True, check=True).stdout
     report = json.loads(out.read_text())
     assert report["model"] == "llama-68m" and not report["graphs"]
@@ -23,3 +33,26 @@ def test_roofline_times_every_pass_of_a_random_shape(tmp_path):
     assert proposal["bytes_read"] < full_step["bytes_read"]  # 64 prompt tokens of KV instead of 300
     assert all(row["ms"] > 0 and row["roofline_ms"] > 0 for row in passes.values())
     assert "| 300 | draft llama-68m, streaming 32, 1 token |" in printed
+    ceiling = report["contexts"][0]["self_spec_ceiling"]
+    assert ceiling["acceptance"] == 0.8 and 1 <= ceiling["roofline"]["gamma"] <= 3
+    assert "self-spec ceiling at 300 (acceptance 0.80)" in printed
+
+
+def test_the_self_spec_ceiling_is_the_best_gamma_of_the_cost_model():
+    # acceptance 0.8: expected tokens per verification 1.8, 2.44, 2.952, 3.3616 at gamma 1-4
+    step = {"ms": 100.0, "memory_ms": 30.0, "compute_ms": 5.0, "roofline_ms": 30.0}
+    proposal = {"ms": 30.0, "roofline_ms": 10.0}
+    verification = {"tokens": 7, "ms": 160.0}  # measured g + 1 tokens: 100 + 10 g ms
+    ceiling = load_roofline_script().self_spec_ceiling(step, proposal, verification, 0.8)
+    assert ceiling["measured"]["gamma"] == 2  # 2.44 * 100 / (2 * 30 + 120)
+    assert ceiling["measured"]["speedup"] == pytest.approx(244 / 180)
+    assert ceiling["roofline"]["gamma"] == 3  # 2.952 * 30 / (3 * 10 + 30): still memory-bound at 4 tokens
+    assert ceiling["roofline"]["speedup"] == pytest.approx(2.952 * 30 / 60)
+
+
+def test_acceptance_must_match_the_contexts():
+    command = [sys.executable, "scripts/roofline.py", "--contexts", "100", "200", "--acceptance", "0.5", "0.6",
+               "0.7"]
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "--acceptance takes one value or one per context (2), not 3" in result.stderr
