@@ -16,6 +16,7 @@ from pydantic import Field, model_validator
 
 from cache.base import AttentionView, CacheLayout, CachePolicy
 from cache.config import CachePolicyConfig
+from cache.received_attention import received_attention
 from cache.registry import register_policy
 from cache.slots import SlotCache, causal_mask, pending_room
 
@@ -92,14 +93,11 @@ class H2OCache(SlotCache):
     def _accumulate(self, layer: int, query: torch.Tensor, first_slot: int) -> None:
         """Add the attention that queries in slots first_slot.. pay to each earlier slot."""
         for start in range(0, query.shape[2], SCORE_BLOCK):
-            block = query[0, :, start : start + SCORE_BLOCK].float()  # [H, T, D]
+            block = query[0, :, start : start + SCORE_BLOCK]  # [H, T, D]
             end = first_slot + start + block.shape[1]
-            keys = self.keys[layer, 0, :, :end].float()  # [H_kv, S, D]
-            grouped = block.unflatten(0, (keys.shape[0], -1))  # [H_kv, G, T, D]
-            logits = torch.einsum("hgtd,hsd->hgts", grouped, keys) * keys.shape[-1] ** -0.5
-            query_slots = torch.arange(end - block.shape[1], end, device=keys.device)
-            logits += causal_mask(query_slots, end, logits.dtype)
-            self.scores[layer, :, :end] += logits.softmax(-1).sum((1, 2))
+            query_slots = torch.arange(end - block.shape[1], end, device=block.device)
+            mask = causal_mask(query_slots, end, torch.float32)  # [T, S]
+            self.scores[layer, :, :end] += received_attention(block, self.keys[layer, 0, :, :end], mask)
 
     def _evict(self, count: int) -> None:
         """Per head, drop the ``count`` lowest-scored tokens older than the recent window."""

@@ -77,7 +77,8 @@ class RetrievalCacheConfig(CachePolicyConfig):
         if self.budget % self.chunk_size:
             raise ValueError(f"budget ({self.budget}) must be a multiple of chunk_size ({self.chunk_size})")
         if self.budget // self.chunk_size < 2:
-            raise ValueError("budget must hold at least 2 chunks (the sink chunk and one more)")
+            raise ValueError(f"budget ({self.budget}) must hold at least 2 chunks of chunk_size ({self.chunk_size}): "
+                             "the sink chunk and one more")
         if self.recent > self.budget - 2 * self.chunk_size:
             raise ValueError(f"recent ({self.recent}) must leave room in the budget ({self.budget}) for the sink "
                              f"chunk and one chosen chunk of {self.chunk_size}")

@@ -18,6 +18,7 @@ from pydantic import Field
 from cache.base import AttentionView, CacheLayout, CachePolicy
 from cache.config import CachePolicyConfig
 from cache.full import FullCache
+from cache.received_attention import received_attention
 from cache.registry import register_policy
 from cache.slots import causal_mask
 
@@ -61,8 +62,4 @@ class TopKOracleCache(FullCache):
 
 def top_attended(query: torch.Tensor, keys: torch.Tensor, count: int) -> torch.Tensor:
     """Indices [H_kv, count] of the keys [B, H_kv, S, D] with the most attention from query [B, H, T, D]."""
-    num_kv_heads = keys.shape[1]
-    grouped = query[0].float().unflatten(0, (num_kv_heads, -1))  # [H_kv, G, T, D]
-    logits = torch.einsum("hgtd,hsd->hgts", grouped, keys[0].float()) * keys.shape[-1] ** -0.5
-    attention = logits.softmax(-1).sum((1, 2))  # [H_kv, S]
-    return attention.topk(count, dim=-1).indices
+    return received_attention(query[0], keys[0]).topk(count, dim=-1).indices

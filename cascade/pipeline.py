@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cascade.sampling import sample, token_probs
+from cascade.sampling import draw, token_probs
 from cascade.stage import Stage, device_ids
 from cascade.stats import GenerationStats
 from cascade.verification import Verdict, verify, verify_greedy
@@ -213,10 +213,7 @@ class Pipeline:
 
     def _draw_from_logits(self, logits: torch.Tensor) -> Draw:
         """One token from logits [1, V], as autoregressive decoding draws it (left on the device)."""
-        if self.greedy:
-            return Draw(logits.argmax(-1), None)  # [1]
-        probs = token_probs(logits, self.sampling)  # [1, V]
-        return Draw(sample(probs, self.generator), probs)  # [1]
+        return Draw(*draw(logits, self.sampling, self.generator))  # [1], probs [1, V] or None
 
     def _record(self, proposer: Stage, gamma: int, verdict: Verdict, propose_s: float, verify_s: float,
                 clean: bool) -> None:

@@ -41,8 +41,12 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
 
 
-def next_token(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None):
-    """The token autoregressive decoding emits after ``logits`` [..., V]."""
+def draw(
+    logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The token autoregressive decoding emits after ``logits`` [..., V] -> (token [...] int64, the
+    float32 probabilities [..., V] it was drawn from; None when greedy: the argmax, no draw)."""
     if sampling.temperature == 0:
-        return logits.argmax(-1)
-    return sample(token_probs(logits, sampling), generator)
+        return logits.argmax(-1), None
+    probs = token_probs(logits, sampling)
+    return sample(probs, generator), probs

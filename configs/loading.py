@@ -13,7 +13,7 @@ from cascade.errors import CascadeError
 from configs.schema import PipelineConfig
 
 PRESET_DIR = Path(__file__).parent / "presets"
-DEFAULT_PRESET = "self-spec"  # "triforce" once a draft model ships (it needs one)
+DEFAULT_PRESET = "self-spec"  # not "triforce": the shipped draft is accepted too rarely to pay (README)
 
 
 def preset_names() -> list[str]:

@@ -1,8 +1,9 @@
 """Cache-policy and setting ablations: a YAML grid of runs, one CSV row each, a JSON summary, plots.
 
 Runs already in the CSV are skipped, so a killed sweep continues where it stopped (the CSV is the
-state; delete it to start over). Each run loads its config, warms up on a short prompt, and reports
-the median decode speed of ``--repeats`` generations; speed-ups are over the autoregressive run of
+state; delete it to start over). Each run loads its config, warms up with a 2-token generation on
+its own prompt (a shorter one could fall within a sparse stage's budget), and reports the median
+decode speed of ``--repeats`` generations; speed-ups are over the autoregressive run of
 the same document, context, temperature and length, which the grid adds by itself.
 
     python scripts/ablate.py [--grid scripts/grids/triforce.yaml | --quick] [--out results/ablation]

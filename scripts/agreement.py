@@ -25,7 +25,6 @@ from cascade.data import document_text
 from cascade.models import default_model
 
 
-
 def reference_run(model, prompt: torch.Tensor, new_tokens: int) -> tuple[FullCache, list[int]]:
     """Full-cache greedy generation; returns the cache as it was after the prompt, and the tokens."""
     full = FullCache(model.cache_layout(prompt.numel() + new_tokens))
@@ -60,7 +59,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[7936, 16000])
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.01, 0.03, 0.05, 0.10])
-    parser.add_argument("--policies", nargs="+", default=["topk_oracle", "retrieval", "h2o", "streaming"])
+    parser.add_argument("--policies", nargs="+", default=["topk_oracle", "retrieval", "h2o", "streaming"],
+                        choices=sorted(kind for kind in POLICIES if kind != "full"),
+                        help="cache policies compared with the full cache (each at every budget)")
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--document", default="plrabn12")
     parser.add_argument("--out", type=Path, default=Path("results/agreement.json"))

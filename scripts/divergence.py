@@ -15,11 +15,8 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
 from cascade.data import DOCUMENT_NAMES, document_text
-from cascade.pipeline import StopRule
-from cascade.runtime import build_runtime
+from cascade.runtime import Runtime, build_runtime
 from configs import load_config
 
 
@@ -38,15 +35,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def greedy_tokens(preset: str, args: argparse.Namespace, prompts: list[list[int]], overrides: list[str]):
+def preset_runtime(preset: str, args: argparse.Namespace, overrides: list[str]) -> Runtime:
     settings = {"dtype": args.dtype, "max_new_tokens": args.new_tokens}
     if args.draft:
         settings["draft.path"] = args.draft
     _, config = load_config(preset, None, overrides, settings)
-    runtime = build_runtime(config, log=lambda message: print(message, file=sys.stderr))
-    stop = StopRule(frozenset(), args.new_tokens)
-    return runtime, [runtime.pipeline_for(len(p), args.new_tokens).generate(torch.tensor(p), stop).token_ids
-                     for p in prompts]
+    return build_runtime(config, log=lambda message: print(message, file=sys.stderr))
+
+
+def greedy_tokens(runtime: Runtime, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    return [runtime.generate(prompt, new_tokens, stop_at_eos=False).token_ids for prompt in prompts]
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -55,16 +53,15 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    runtime, reference = None, None
     report = {"settings": {k: getattr(args, k) for k in ("presets", "context", "prompts", "new_tokens", "dtype",
                                                            "document", "set")}, "presets": {}}
+    autoregressive = preset_runtime("autoregressive", args, [])
+    ids = autoregressive.tokenizer.encode(document_text(args.document))
+    prompts = [ids[i * args.context : (i + 1) * args.context] for i in range(args.prompts)]
+    reference = greedy_tokens(autoregressive, prompts, args.new_tokens)
+    del autoregressive
     for preset in args.presets:
-        if reference is None:
-            probe, _ = greedy_tokens("autoregressive", args, [[0]], [])
-            ids = probe.tokenizer.encode(document_text(args.document))
-            prompts = [ids[i * args.context : (i + 1) * args.context] for i in range(args.prompts)]
-            runtime, reference = greedy_tokens("autoregressive", args, prompts, [])
-        _, outputs = greedy_tokens(preset, args, prompts, args.set)
+        outputs = greedy_tokens(preset_runtime(preset, args, args.set), prompts, args.new_tokens)
         firsts = [first_difference(out, ref) for out, ref in zip(outputs, reference, strict=True)]
         diverged = [f for f in firsts if f is not None]
         report["presets"][preset] = {"diverged": len(diverged), "of": len(firsts), "first_difference": firsts}

@@ -25,9 +25,9 @@ import torch
 
 from cascade.checkpoint import load_model, yarn_scaling
 from cascade.data import document_ids
-from cascade.errors import CascadeError
 from cascade.draft.agreement import greedy_agreement
 from cascade.draft.teacher import HELD_OUT
+from cascade.errors import CascadeError
 from cascade.models import default_model
 from cascade.runtime import build_runtime
 from configs import load_config

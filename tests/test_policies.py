@@ -309,15 +309,20 @@ def test_h2o_ignores_the_attention_of_rolled_back_tokens():
     from cache.h2o import H2OCache, H2OCacheConfig
 
     layout = CacheLayout(1, 1, 4, capacity=40, dtype=torch.float32, device=CPU, max_pending=4)
-    cache = H2OCache(layout, H2OCacheConfig(budget=6, recent=3))
-    cache.allocate(4)
-    cache.update(0, torch.randn(1, 1, 4, 4), torch.randn(1, 1, 4, 4), torch.randn(1, 1, 4, 4))
-    cache.commit(2)
-    scores_after_two = cache.scores.clone()
-    cache.rollback(2)
-    cache.commit(2)
-    torch.testing.assert_close(cache.scores, scores_after_two)
-    assert cache.scores[0, 0, :2].sum().item() == pytest.approx(2.0)  # two queries, probabilities sum to 1
+    generator = torch.Generator().manual_seed(5)
+    keys, queries, rejected = (torch.randn(1, 1, 4, 4, generator=generator) for _ in range(3))
+    speculated, plain = (H2OCache(layout, H2OCacheConfig(budget=6, recent=3)) for _ in range(2))
+    speculated.allocate(4)  # tokens 0-1, then two that are rejected after the commit of 0-1
+    speculated.update(0, keys, keys, torch.cat([queries[:, :, :2], rejected[:, :, 2:]], dim=2))
+    speculated.commit(2)
+    speculated.rollback(2)
+    for cache, passes in ((speculated, [(2, 4)]), (plain, [(0, 2), (2, 4)])):
+        for start, end in passes:
+            cache.allocate(end - start)
+            cache.update(0, keys[:, :, start:end], keys[:, :, start:end], queries[:, :, start:end])
+            cache.commit(end)
+    torch.testing.assert_close(speculated.scores, plain.scores)
+    assert speculated.scores[0, 0, :4].sum().item() == pytest.approx(4.0)  # four queries, each sums to 1
 
 
 def test_h2o_forgets_the_rolled_back_part_of_a_pass():
@@ -326,15 +331,15 @@ def test_h2o_forgets_the_rolled_back_part_of_a_pass():
     layout = CacheLayout(1, 1, 4, capacity=40, dtype=torch.float32, device=CPU, max_pending=8)
     generator = torch.Generator().manual_seed(3)
     keys, queries = torch.randn(1, 1, 6, 4, generator=generator), torch.randn(1, 1, 6, 4, generator=generator)
+    rejected = torch.randn(1, 1, 2, 4, generator=generator)
     partial, whole = (H2OCache(layout, H2OCacheConfig(budget=30, recent=3)) for _ in range(2))
     partial.allocate(4)
-    partial.update(0, keys[:, :, :4], keys[:, :, :4], torch.randn(1, 1, 4, 4, generator=generator))
+    partial.update(0, keys[:, :, :4], keys[:, :, :4], torch.cat([queries[:, :, :2], rejected], dim=2))
     partial.rollback(2)  # the last two tokens of that pass are rejected ...
     for cache, passes in ((partial, [(2, 6)]), (whole, [(0, 2), (2, 6)])):
         for start, end in passes:  # ... and replaced by other tokens
             cache.allocate(end - start)
             cache.update(0, keys[:, :, start:end], keys[:, :, start:end], queries[:, :, start:end])
-    whole.pending[0] = (0, [partial.pending[0][1][0]])  # same first two queries in both
     for cache in (partial, whole):
         cache.commit(6)
     torch.testing.assert_close(partial.scores, whole.scores)

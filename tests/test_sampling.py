@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from cascade.sampling import next_token, token_probs
+from cascade.sampling import draw, token_probs
 from configs import SamplingConfig
 
 
@@ -28,7 +28,8 @@ def test_greedy_is_one_hot_at_argmax():
     logits = torch.tensor([[0.1, 2.0, -1.0], [5.0, 4.0, 4.5]])
     probs = token_probs(logits, SamplingConfig(temperature=0))
     assert probs.tolist() == [[0, 1, 0], [1, 0, 0]]
-    assert next_token(logits, SamplingConfig(), None).tolist() == [1, 0]
+    token, probs = draw(logits, SamplingConfig(), None)
+    assert token.tolist() == [1, 0] and probs is None
 
 
 def test_top_p_keeps_the_smallest_set_reaching_p():
@@ -40,8 +41,8 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
 def test_sampling_is_reproducible_and_follows_the_distribution():
     sampling = SamplingConfig(temperature=1.0)
     logits = torch.log(torch.tensor([0.7, 0.2, 0.1]))
-    draws = [int(next_token(logits, sampling, torch.Generator().manual_seed(seed))) for seed in range(3000)]
-    again = [int(next_token(logits, sampling, torch.Generator().manual_seed(seed))) for seed in range(3000)]
+    draws = [int(draw(logits, sampling, torch.Generator().manual_seed(seed))[0]) for seed in range(3000)]
+    again = [int(draw(logits, sampling, torch.Generator().manual_seed(seed))[0]) for seed in range(3000)]
     assert draws == again
     frequencies = torch.bincount(torch.tensor(draws), minlength=3) / len(draws)
     assert (frequencies - torch.tensor([0.7, 0.2, 0.1])).abs().max() < 0.03

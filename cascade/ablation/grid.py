@@ -3,8 +3,9 @@
 Run settings are config keys in dotted form (``stages.0.gamma``, ``stages.0.cache.chunk_size``) and
 these run keys: ``preset``, ``document``, ``context`` (prompt tokens), ``new_tokens``, ``temperature``,
 ``policy`` and ``budget_share``: the cache kind of the preset's sparse target stage (stage 0 of
-``self-spec``, stage 1 of ``triforce``) and its budget as a share of the prompt. Every distinct (document, context, temperature, new_tokens) also gets an ``autoregressive``
-run: the baseline of its speed-ups.
+``self-spec``, stage 1 of ``triforce``) and its budget as a share of the prompt. Every distinct
+(document, context, temperature, new_tokens) also gets an ``autoregressive`` run: the baseline of
+its speed-ups.
 """
 
 from __future__ import annotations

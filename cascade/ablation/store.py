@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from cascade.ablation.grid import RUN_KEYS
+from cascade.append_only import drop_torn_line
 
 COLUMNS = ("run_id", *RUN_KEYS, "settings", "tokens_per_s", "ms_per_token", "prefill_s", "tokens_per_verify",
            "predicted_speedup", "acceptance", "mean_accepted_run", "stage_time_s", "wall_s")
@@ -21,10 +22,7 @@ class RunTable:
     def __init__(self, path: Path) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
-        if path.exists():
-            data = path.read_bytes()
-            if data and not data.endswith(b"\n"):  # a row cut short by a kill: that run never finished
-                path.write_bytes(data[: data.rfind(b"\n") + 1])
+        drop_torn_line(path)  # a row cut short by a kill: that run never finished
 
     def rows(self) -> dict[str, dict[str, Any]]:
         """Finished runs by id, numbers and JSON columns decoded."""

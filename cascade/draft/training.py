@@ -78,7 +78,8 @@ class Trainer:
 
     def __init__(self, draft: torch.nn.Module, data: dict[str, torch.Tensor], plan: TrainPlan,
                  checkpoint: Path, device: torch.device) -> None:
-        self.draft, self.data, self.plan, self.checkpoint, self.device = draft.to(device), data, plan, checkpoint, device
+        self.draft, self.data, self.plan = draft.to(device), data, plan
+        self.checkpoint, self.device = checkpoint, device
         decay = [p for n, p in draft.named_parameters() if p.ndim >= 2]
         no_decay = [p for n, p in draft.named_parameters() if p.ndim < 2]
         self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": plan.weight_decay},

@@ -6,7 +6,6 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from cascade.errors import CascadeError
 from cascade.home import models_dir
 from cascade.models.catalog import DEFAULTS, Role
 from cascade.models.provision import MANIFEST, fetch, installed_path
@@ -23,9 +22,7 @@ def installed_models() -> list[dict]:
 
 def default_model(role: Role, log: Callable[[str], None]) -> Path:
     """Path of the default model for ``role``, fetched now if this is its first use."""
-    entry = DEFAULTS.get(role)
-    if entry is None:
-        raise CascadeError(f"there is no default {role} model yet; pass --{role} DIR")
+    entry = DEFAULTS[role]
     if (path := installed_path(entry)) is not None:
         return path
     log(f"cascade: the default {role} {entry.name} is not provisioned yet; fetching it (first use)")

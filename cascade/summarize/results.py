@@ -11,20 +11,14 @@ import json
 import os
 from pathlib import Path
 
+from cascade.append_only import drop_torn_line
+
 
 class ResultLog:
     def __init__(self, path: Path) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.remove_torn_line()
-
-    def remove_torn_line(self) -> None:
-        if not self.path.exists():
-            return
-        data = self.path.read_bytes()
-        if data and not data.endswith(b"\n"):
-            with open(self.path, "r+b") as handle:
-                handle.truncate(data.rfind(b"\n") + 1)
+        drop_torn_line(path)
 
     def records(self) -> list[dict]:
         if not self.path.exists():
