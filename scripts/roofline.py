@@ -210,9 +210,11 @@ def context_figures(
     full = filled_cache(FullCache(layout), context)
     retrieval = build_policy(RetrievalCacheConfig(budget=args.budget), layout, full)
     verify = args.gamma + 1
+    step = pass_figures(model, full, 1, args, bandwidth, peak)
+    proposal = pass_figures(model, retrieval, 1, args, bandwidth, peak)
     passes = {
-        "full, 1 token (autoregressive step)": pass_figures(model, full, 1, args, bandwidth, peak),
-        f"retrieval {args.budget}, 1 token (proposal)": pass_figures(model, retrieval, 1, args, bandwidth, peak),
+        "full, 1 token (autoregressive step)": step,
+        f"retrieval {args.budget}, 1 token (proposal)": proposal,
         f"retrieval {args.budget}, {verify} tokens (verifying the draft)": pass_figures(
             model, retrieval, verify, args, bandwidth, peak),
         f"full, {verify} tokens (verification)": pass_figures(model, full, verify, args, bandwidth, peak),
@@ -230,7 +232,7 @@ def context_figures(
     torch.cuda.empty_cache() if args.device == "cuda" else None
     figures = {"context": context, "rope_scaling": scaling, "passes": passes}
     if acceptance is not None:
-        step, proposal, _, verification = list(passes.values())[:4]
+        verification = passes[f"full, {verify} tokens (verification)"]
         figures["self_spec_ceiling"] = self_spec_ceiling(step, proposal, verification, acceptance)
     return figures
 
