@@ -100,10 +100,11 @@ class PipelineConfig(Strict):
     """On CPU, compiled runs one-token passes (decode steps, proposals) through torch.compile'd
     kernels, about 1.5-2x faster; a process's first pass compiles them (seconds, cached on disk;
     needs a C++ compiler, else it falls back to eager and says so). eager runs plain PyTorch ops."""
-    attention: Literal["auto", "cpu", "sdpa", "flash"] = "auto"
+    attention: Literal["auto", "cpu", "sdpa", "cuda", "flash"] = "auto"
     """Attention kernels: cpu (tuned for CPU passes), sdpa (PyTorch's scaled_dot_product_attention),
-    flash (flash-attn; CUDA and bf16/fp16 only). auto: flash on CUDA when flash-attn is installed,
-    else sdpa on CUDA, cpu on CPU."""
+    cuda (few-query passes as matrix products spread over the whole GPU, the rest SDPA), flash
+    (flash-attn; CUDA and bf16/fp16 only). auto: flash on CUDA when flash-attn is installed, else
+    cuda on CUDA, cpu on CPU."""
     cuda_graphs: bool = True
     """On CUDA, replay decode, proposal and verification passes (up to 16 tokens) as CUDA graphs,
     captured per pass shape on first use; ignored on CPU."""

@@ -133,6 +133,7 @@ def run_cascade(args, impl: str, target: Path, draft: Path | None, prompt: torch
         warmup, warmup_tokens = prompt, args.new_tokens
     for _ in range(args.warmups):
         runtime.generate(warmup.tolist(), warmup_tokens, stop_at_eos=False)
+    graphs_before = captured_graphs(runtime)
     # no EOS: exactly N tokens, like min_new_tokens; seeded from the config (seed 0)
     result = runtime.generate(prompt.tolist(), 2 if args.store_only else args.new_tokens, stop_at_eos=False)
     stats = result.stats.to_dict()
@@ -141,7 +142,13 @@ def run_cascade(args, impl: str, target: Path, draft: Path | None, prompt: torch
     return {"prefill_s": None if loaded else stats["prefill_s"], "decode_s": stats["decode_s"],
             "prefill_tokens_per_s": None if loaded else prompt.numel() / stats["prefill_s"],
             "decode_tokens_per_s": stats["tokens_per_s"], "stats": stats,
+            "graphs_captured_while_measured": captured_graphs(runtime) - graphs_before,
             "prompt_file": str(stored) if stored else None}, result.token_ids
+
+
+def captured_graphs(runtime) -> int:
+    """How many pass shapes the runtime's stages hold as captured graphs."""
+    return sum(len(stage.graphs.graphs) for stage in runtime.stages if stage.graphs is not None)
 
 
 class FirstTokenClock:
@@ -384,19 +391,28 @@ def store_prompts(args: argparse.Namespace, cases: list[Case]) -> dict[int, str]
 def drive(args: argparse.Namespace) -> None:
     cases = [(impl, context, mode) for mode in args.sampling for context in args.contexts for impl in args.impls]
     args.prompt_files = store_prompts(args, cases) if args.prompt_cache else {}
+    rounds = []
     with tqdm(total=len(cases) * args.repeats, desc="bench", unit="case", file=sys.stderr) as bar:
-        rounds = [run_round(args, cases, index, bar) for index in range(args.repeats)]
+        for index in range(args.repeats):  # the report is rewritten after each round: a cut-off run keeps its rounds
+            rounds.append(run_round(args, cases, index, bar))
+            runs, ratio_rows = write_report(args, cases, rounds)
+    print(table(runs, ratio_rows))
+    log(f"wrote {args.out}")
+
+
+def write_report(args: argparse.Namespace, cases: list[Case], rounds: list[dict]) -> tuple[list[dict], list[dict]]:
+    """The JSON report over the rounds done so far -> (its runs, its ratio rows)."""
     runs = [summarize(args, case, [measured[case] for measured in rounds]) for case in cases]
     ratio_rows = ratios(runs, args.impls[0])
     settings = {key: getattr(args, key) for key in
                 ("impls", "document", "contexts", "new_tokens", "repeats", "warmups", "sampling", "dtype", "set",
                  "prompt_cache")}
     settings["order"] = "each round runs every case once, in its own process; odd rounds in reverse"
-    report = {"machine": machine(), "settings": settings, "runs": runs, "ratios": ratio_rows}
+    report = {"machine": machine(), "settings": settings, "rounds_done": len(rounds), "runs": runs,
+              "ratios": ratio_rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(table(runs, ratio_rows))
-    log(f"wrote {args.out}")
+    return runs, ratio_rows
 
 
 def log(message: str) -> None:

@@ -64,7 +64,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--kernels", choices=["compiled", "eager"], default="compiled",
                         help="one-token passes through the compiled kernels (as the runtime runs them) or eagerly")
-    parser.add_argument("--attention", choices=["auto", "cpu", "sdpa", "flash"], default="auto")
+    parser.add_argument("--attention", choices=["auto", "cpu", "sdpa", "cuda", "flash"], default="auto")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-graphs", action="store_true", help="on CUDA, run every pass eagerly")
     parser.add_argument("--shape", choices=list(SHAPES), help="a random-weight model of this shape, not SmolLM2")

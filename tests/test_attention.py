@@ -52,7 +52,7 @@ def reference(query: torch.Tensor, view: AttentionView, scale: float) -> torch.T
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("family", ["cpu", "sdpa"])
+@pytest.mark.parametrize("family", ["cpu", "sdpa", "cuda"])  # cuda's products run on any device
 def test_kernel_families_match_the_reference(family, shape):
     query, view = make_view(*SHAPES[shape], torch.float32, "cpu")
     out = KERNELS[family](query, view, HEAD_DIM**-0.5)
@@ -64,6 +64,8 @@ def test_auto_picks_the_cpu_family_on_cpu_and_flash_explains_what_it_needs(tiny_
     assert resolve_kernels("sdpa", torch.device("cpu")) == "sdpa"
     with pytest.raises(CascadeError, match="flash needs a CUDA device"):
         resolve_kernels("flash", torch.device("cpu"))
+    with pytest.raises(CascadeError, match="cuda needs a CUDA device; this run is on cpu"):
+        resolve_kernels("cuda", torch.device("cpu"))
     with pytest.raises(CascadeError, match="unknown kernels 'xformers'"):
         resolve_kernels("xformers", torch.device("cpu"))
     if not CUDA:
@@ -78,3 +80,14 @@ def test_flash_family_matches_the_reference_on_cuda(shape):
     query, view = make_view(*SHAPES[shape], torch.bfloat16, "cuda")
     out = KERNELS["flash"](query, view, HEAD_DIM**-0.5)
     torch.testing.assert_close(out.double(), reference(query, view, HEAD_DIM**-0.5), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_cuda_family_matches_the_reference_on_cuda(shape, dtype, tolerance):
+    assert resolve_kernels("auto", torch.device("cuda")) == ("flash" if FLASH_ATTN_INSTALLED else "cuda")
+    query, view = make_view(*SHAPES[shape], dtype, "cuda")
+    out = KERNELS["cuda"](query, view, HEAD_DIM**-0.5)
+    torch.testing.assert_close(out.double(), reference(query, view, HEAD_DIM**-0.5), rtol=tolerance, atol=tolerance)

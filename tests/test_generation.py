@@ -19,7 +19,9 @@ def runtime_for(path, **settings):
 def generate(runtime, prompt_ids: list[int], max_new_tokens: int, eos=None, seed: int = 0):
     pipeline = runtime.pipeline_for(len(prompt_ids), max_new_tokens)
     stop = runtime.stop_rule(max_new_tokens) if eos is None else StopRule(frozenset(eos), max_new_tokens)
-    return pipeline.generate(torch.tensor(prompt_ids), stop, torch.Generator().manual_seed(seed))
+    device = runtime.target.model.device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    return pipeline.generate(torch.tensor(prompt_ids, device=device), stop, generator)
 
 
 def transformers_greedy(path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:

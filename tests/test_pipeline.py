@@ -30,7 +30,9 @@ def generate(runtime, prompt_ids, max_new_tokens=40, eos=(), seed=0, pipeline=No
     """``pipeline``: one already built from ``runtime`` (to inspect its stages afterwards)."""
     pipeline = pipeline or runtime.pipeline_for(len(prompt_ids), max_new_tokens)
     stop = StopRule(frozenset(eos), max_new_tokens)
-    return pipeline.generate(torch.tensor(prompt_ids), stop, torch.Generator().manual_seed(seed))
+    device = runtime.target.model.device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    return pipeline.generate(torch.tensor(prompt_ids, device=device), stop, generator)
 
 
 @pytest.fixture(scope="module")

@@ -51,7 +51,8 @@ def smollm2_generate(smollm2_dir, preset: str, overrides: list[str], prompt: lis
     _, config = load_config(preset, None, overrides, settings)
     runtime = build_runtime(config, log=lambda message: None)
     stop = StopRule(frozenset(), 48)
-    return runtime.pipeline_for(len(prompt), 48).generate(torch.tensor(prompt), stop).token_ids
+    prompt_ids = torch.tensor(prompt, device=runtime.target.model.device)
+    return runtime.pipeline_for(len(prompt), 48).generate(prompt_ids, stop).token_ids
 
 
 @pytest.mark.parametrize("preset,overrides", [
