@@ -33,6 +33,12 @@ CPU_FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attentio
 MATMUL_MAX_QUERIES = 8
 """Up to this many queries per pass (decode steps, verification of up to 7 proposals) attention
 runs as plain matrix products per KV head."""
+SPLIT_KEYS = 1024
+"""On CUDA, a multi-token pass's weights-values product (few rows, thousands of keys, 64 columns)
+runs as partial products over blocks of this many keys: as one product cuBLAS ran it on a few
+blocks of threads, 0.2-0.5 ms per layer over 16K keys on an H100, most of a verification pass."""
+SPLIT_MAX_HEADS = 16
+"""Beyond this many KV heads (times the batch) the plain product already fills the GPU."""
 FOLD_MAX_QUERIES = 64
 """Up to this many queries per pass the grouped SDPA layout is used; beyond it (prefill chunks)
 repeating the mask per group costs more than it saves."""
@@ -71,14 +77,32 @@ def attend_cuda(query: torch.Tensor, view: AttentionView, scale: float) -> torch
     pass over a long cache runs on a few of the GPU's multiprocessors (and one with a mask and
     grouped KV heads falls back to expanding K/V per query head): a 7-token pass over 120K keys
     took 18x a one-token step on an H100. cuBLAS spreads the [G*T, S] score product over all of
-    them, reading K and V once.
+    them; the weights-values product of a multi-token pass runs blockwise (``SPLIT_KEYS``).
     """
-    if query.shape[2] > MATMUL_MAX_QUERIES:
+    num_kv_heads, num_queries = view.keys.shape[1], query.shape[2]
+    if num_queries > MATMUL_MAX_QUERIES:
         return attend_sdpa(query, view, scale)
-    num_kv_heads = view.keys.shape[1]
     groups = rearrange(query * scale, "b (k g) t d -> b k (g t) d", k=num_kv_heads)  # [B, H_kv, G*T, D]
-    out = _matmul_attention(groups, view.keys, view.values, view, query.shape[2])  # [B, H_kv, G*T, D]
-    return rearrange(out, "b k (g t) d -> b (k g) t d", t=query.shape[2])  # [B, H, T, D]
+    weights = _attention_weights(groups, view.keys, view, num_queries)  # [B, H_kv, G*T, S]
+    if num_queries == 1 or weights.shape[-1] < 2 * SPLIT_KEYS or num_kv_heads * len(query) > SPLIT_MAX_HEADS:
+        out = weights @ view.values
+    else:
+        out = torch.stack([torch.stack([_blockwise_product(weights[b, head], view.values[b, head])
+                                        for head in range(num_kv_heads)]) for b in range(len(query))])
+    return rearrange(out, "b k (g t) d -> b (k g) t d", t=num_queries)  # [B, H, T, D]
+
+
+def _blockwise_product(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """weights [R, S] @ values [S, D] -> [R, D] as one batched product over blocks of ``SPLIT_KEYS``
+    keys (and the rest), the partial results summed in float32."""
+    blocks, rest = divmod(weights.shape[1], SPLIT_KEYS)
+    whole = blocks * SPLIT_KEYS
+    partial = torch.bmm(weights[:, :whole].unflatten(1, (blocks, SPLIT_KEYS)).transpose(0, 1),  # [n, R, K]
+                        values[:whole].unflatten(0, (blocks, SPLIT_KEYS)))  # [n, K, D] -> [n, R, D]
+    out = partial.float().sum(0)  # [R, D]
+    if rest:
+        out += (weights[:, whole:] @ values[whole:]).float()
+    return out.to(values.dtype)
 
 
 def attend_flash(query: torch.Tensor, view: AttentionView, scale: float) -> torch.Tensor:
@@ -157,22 +181,22 @@ def _per_head_matmul(query: torch.Tensor, view: AttentionView, scale: float) -> 
     out = torch.empty_like(groups)
     for b in range(batch):
         for head in range(num_kv_heads):
-            out[b, head] = _matmul_attention(groups[b, head], view.keys[b, head], view.values[b, head], view,
-                                             num_queries)  # [G*T, D]
+            weights = _attention_weights(groups[b, head], view.keys[b, head], view, num_queries)  # [G*T, S]
+            out[b, head] = weights @ view.values[b, head]  # [G*T, D]
     return rearrange(out, "b k (g t) d -> b (k g) t d", t=num_queries)  # [B, H, T, D]
 
 
-def _matmul_attention(groups: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, view: AttentionView,
-                      num_queries: int) -> torch.Tensor:
-    """Scaled query groups [..., G*T, D] (G query heads' T tokens each) against keys and values
-    [..., S, D] -> [..., G*T, D]: scores in the KV dtype, the view's mask added to each group's rows
+def _attention_weights(groups: torch.Tensor, keys: torch.Tensor, view: AttentionView,
+                       num_queries: int) -> torch.Tensor:
+    """Softmax weights [..., G*T, S] of scaled query groups [..., G*T, D] (G query heads' T tokens
+    each) over keys [..., S, D]: scores in the KV dtype, the view's mask added to each group's rows
     (of a causal view only the pass's own T columns), a softmax computed in float32 inside its kernel."""
     scores = groups @ keys.transpose(-1, -2)  # [..., G*T, S]
     if view.mask is not None:
         columns = slice(-num_queries, None) if view.causal else slice(None)
         per_group = scores.unflatten(-2, (-1, num_queries))  # [..., G, T, S], a view of scores
         per_group[..., columns] += view.mask[:, columns]
-    return torch.softmax(scores, dim=-1) @ values
+    return torch.softmax(scores, dim=-1)
 
 
 def _grouped_sdpa(query: torch.Tensor, view: AttentionView, scale: float) -> torch.Tensor:

@@ -182,10 +182,11 @@ class Pipeline:
         if proposer:
             proposer.stats.gamma_choices[gamma] = proposer.stats.gamma_choices.get(gamma, 0) + 1
         clean = len(context) - stage.length == 1  # the pass feeds no skipped tokens: time it
+        captured = self._captured_graphs(level)
         if gamma == 0:
             stepping = self.clock.mark()
             drawn = self._draw_from_logits(stage.extend(context, 1))
-            if proposer and clean:  # timing the step waits for it (on CUDA)
+            if proposer and clean and self._captured_graphs(level) == captured:  # timing it waits for it (CUDA)
                 proposer.stats.plain_steps += 1
                 proposer.stats.plain_s += self.clock.seconds(stepping, self.clock.mark())
             return drawn
@@ -197,8 +198,9 @@ class Pipeline:
         finished = self.clock.mark()
         for lower in self.stages[: level + 1]:
             lower.truncate(len(context) + verdict.accepted)
+        timed = self._captured_graphs(level) == captured
         self._record(proposer, gamma, verdict, self.clock.seconds(proposing, verifying),
-                     self.clock.seconds(verifying, finished), clean)
+                     self.clock.seconds(verifying, finished), clean, timed)
         tokens = proposal.tokens[: verdict.accepted] + [verdict.next_token]
         return Draw.of(tokens, None if target_probs is None else target_probs[: verdict.accepted + 1], logits.device)
 
@@ -216,19 +218,27 @@ class Pipeline:
         return Draw(*draw(logits, self.sampling, self.generator))  # [1], probs [1, V] or None
 
     def _record(self, proposer: Stage, gamma: int, verdict: Verdict, propose_s: float, verify_s: float,
-                clean: bool) -> None:
+                clean: bool, timed: bool) -> None:
+        """Count a verified round; its times only if ``timed`` (no pass of it was captured)."""
         stats = proposer.stats
         stats.rounds += 1
         stats.proposed += gamma
         stats.accepted += verdict.accepted
         stats.rejections += verdict.accepted < gamma
-        stats.propose_s += propose_s
-        stats.verify_s += verify_s
-        if clean:
+        if timed:
+            stats.timed_rounds += 1
+            stats.timed_proposed += gamma
+            stats.propose_s += propose_s
+            stats.verify_s += verify_s
+        if clean and timed:
             stats.clean_verifications[gamma] = stats.clean_verifications.get(gamma, 0) + 1
             stats.clean_verification_s[gamma] = stats.clean_verification_s.get(gamma, 0.0) + verify_s
         proposer.schedule.observe(stats, gamma, verdict.accepted)
         proposer.cache.observe_acceptance(gamma, verdict.accepted)
+
+    def _captured_graphs(self, level: int) -> int:
+        """Pass shapes captured so far by stages 0..``level`` (those a round at ``level`` runs)."""
+        return sum(stage.captured_passes for stage in self.stages[: level + 1])
 
     def _predicted_speedup(self) -> float:
         """The cost model's expectation for the last stage, from what this run measured."""

@@ -77,7 +77,7 @@ class PromptCache:
         length = prompt_ids.numel()
         try:
             with safe_open(path, framework="pt", device=str(cache.layout.device)) as stored:
-                if not torch.equal(stored.get_tensor("prompt"), prompt_ids.cpu().to(torch.int64)):
+                if not torch.equal(stored.get_tensor("prompt").cpu(), prompt_ids.cpu().to(torch.int64)):
                     raise ValueError("it holds a different prompt")
                 cache.allocate(length)
                 for layer in range(cache.layout.num_layers):

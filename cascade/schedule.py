@@ -68,7 +68,7 @@ class CostModelSchedule(Schedule):
         return super().next_gamma(stats, room)
 
     def observe(self, stats: StageStats, proposed: int, accepted: int) -> None:
-        if stats.rounds >= WARMUP_ROUNDS:
+        if stats.timed_rounds >= WARMUP_ROUNDS:
             self.current = best_gamma(stats, self.gamma)
 
 

@@ -60,6 +60,11 @@ class Stage:
         """Times this stage's passes; its spans are settled by the pipeline between rounds."""
 
     @property
+    def captured_passes(self) -> int:
+        """Pass shapes this stage holds as captured graphs."""
+        return len(self.graphs.graphs) if self.graphs is not None else 0
+
+    @property
     def length(self) -> int:
         """Sequence tokens whose K/V this stage holds (or has dropped by policy)."""
         return self.cache.length

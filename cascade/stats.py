@@ -28,8 +28,13 @@ class StageStats:
     accepted: int = 0
     rejections: int = 0
     """Rounds that ended in a rejection (the others accepted every proposal)."""
+    timed_rounds: int = 0
+    """Rounds whose time is counted: those during which no stage captured a pass as a graph (a
+    capture's eager run and recording would be charged to the passes the cost model weighs)."""
+    timed_proposed: int = 0
+    """Proposals of those rounds."""
     propose_s: float = 0.0
-    """Time drawing this stage's proposals, the stages below it included."""
+    """Time drawing the timed rounds' proposals, the stages below it included."""
     verify_s: float = 0.0
     """Time the stage above spent verifying them."""
     clean_verifications: dict[int, int] = field(default_factory=dict)
@@ -65,16 +70,16 @@ class StageStats:
     @property
     def cost_ratio(self) -> float:
         """Time of one proposed token over one verification pass."""
-        if not self.proposed or not self.verify_s:
+        if not self.timed_proposed or not self.verify_s:
             return 0.0
-        return (self.propose_s / self.proposed) / (self.verify_s / self.rounds)
+        return (self.propose_s / self.timed_proposed) / (self.verify_s / self.timed_rounds)
 
     @property
     def verify_over_step(self) -> float:
         """Time of one verification pass over one plain step of the verifier (0 if not measured)."""
-        if not self.rounds or not self.plain_steps:
+        if not self.timed_rounds or not self.plain_steps:
             return 0.0
-        return (self.verify_s / self.rounds) / (self.plain_s / self.plain_steps)
+        return (self.verify_s / self.timed_rounds) / (self.plain_s / self.plain_steps)
 
     def verification_s(self, gamma: float) -> float:
         """Expected time of a verification pass of ``gamma`` proposals: a line through the mean pass
@@ -87,17 +92,17 @@ class StageStats:
         if self.plain_steps:
             points.append((0, self.plain_s / self.plain_steps, self.plain_steps))
         if not points:
-            return self.verify_s / self.rounds if self.rounds else 0.0
+            return self.verify_s / self.timed_rounds if self.timed_rounds else 0.0
         intercept, slope = rising_line(points)
         return intercept + slope * gamma
 
     def expected_speedup(self, gamma: float) -> float:
         """The cost model's speed-up at ``gamma`` from these measurements; until a plain step has
         been timed, the mean verification pass stands in for one."""
-        if not self.rounds or not self.proposed:
+        if not self.timed_rounds or not self.timed_proposed:
             return 1.0
-        step_s = self.plain_s / self.plain_steps if self.plain_steps else self.verify_s / self.rounds
-        return expected_speedup(self.acceptance_mle, self.propose_s / self.proposed, self.verification_s(gamma),
+        step_s = self.plain_s / self.plain_steps if self.plain_steps else self.verify_s / self.timed_rounds
+        return expected_speedup(self.acceptance_mle, self.propose_s / self.timed_proposed, self.verification_s(gamma),
                                 step_s, gamma)
 
     @property

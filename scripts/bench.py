@@ -148,7 +148,7 @@ def run_cascade(args, impl: str, target: Path, draft: Path | None, prompt: torch
 
 def captured_graphs(runtime) -> int:
     """How many pass shapes the runtime's stages hold as captured graphs."""
-    return sum(len(stage.graphs.graphs) for stage in runtime.stages if stage.graphs is not None)
+    return sum(stage.captured_passes for stage in runtime.stages)
 
 
 class FirstTokenClock:

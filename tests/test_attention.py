@@ -8,6 +8,7 @@ import torch
 
 from cache.base import AttentionView
 from cache.slots import causal_mask
+from cascade import attention
 from cascade.attention import FLASH_ATTN_INSTALLED, KERNELS, resolve_kernels
 from cascade.errors import CascadeError
 from tests.test_pipeline import runtime_for
@@ -56,6 +57,17 @@ def reference(query: torch.Tensor, view: AttentionView, scale: float) -> torch.T
 def test_kernel_families_match_the_reference(family, shape):
     query, view = make_view(*SHAPES[shape], torch.float32, "cpu")
     out = KERNELS[family](query, view, HEAD_DIM**-0.5)
+    torch.testing.assert_close(out.double(), reference(query, view, HEAD_DIM**-0.5), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", ["verify", "static-verify"])
+def test_cuda_family_sums_blockwise_products_to_the_reference(shape, monkeypatch):
+    """Over more than two blocks of keys a multi-token pass takes the blockwise weights-values
+    product (here 24-key blocks and a remainder, on CPU tensors)."""
+    monkeypatch.setattr(attention, "SPLIT_KEYS", 24)
+    query, view = make_view(*SHAPES[shape], torch.float32, "cpu")
+    assert view.keys.shape[2] >= 2 * 24 and view.keys.shape[2] % 24
+    out = KERNELS["cuda"](query, view, HEAD_DIM**-0.5)
     torch.testing.assert_close(out.double(), reference(query, view, HEAD_DIM**-0.5), rtol=1e-4, atol=1e-5)
 
 

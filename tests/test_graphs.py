@@ -5,6 +5,8 @@ what a CUDA graph replay relies on; graphed presets stay exactly autoregressive.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
@@ -140,3 +142,19 @@ def test_graphed_presets_greedy_equal_autoregressive_and_keep_their_graphs(prese
     assert used[0] == used[1]
     shapes = [len(stage.graphs.graphs) for stage in pipeline.stages]
     assert all(shapes) and counter.frame_count == sum(shapes)
+
+
+def test_rounds_that_capture_a_graph_are_not_timed(tiny_dir, tiny_draft_dir):
+    """A capture's eager run and recording must not reach the cost model's pass times: every
+    capture here takes a second, and the timed rounds together take far less."""
+    def slow_capture(run):
+        time.sleep(1.0)
+        return run
+
+    runtime = runtime_for("self-spec", tiny_dir, tiny_draft_dir, SMALL_CACHES["self-spec"], kernels="eager")
+    runtime.capture = slow_capture
+    pipeline = runtime.pipeline_for(len(PROMPT), 40)
+    stats = generate(runtime, PROMPT, pipeline=pipeline).stats.stages[0]
+    assert pipeline.stages[1].captured_passes >= 2  # the verifier captured passes of several widths
+    assert 0 < stats.timed_rounds < stats.rounds and stats.timed_proposed < stats.proposed
+    assert stats.propose_s + stats.verify_s + stats.plain_s < 1.0

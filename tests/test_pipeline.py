@@ -62,7 +62,7 @@ def test_adaptive_schedules_stay_exact(schedule, tiny_dir, tiny_draft_dir, autor
     for stage in result.stats.stages[:-1]:  # what the cost model fits its verification line to
         assert set(stage.clean_verifications) <= {gamma for gamma in stage.gamma_choices if gamma}
         assert sum(stage.clean_verifications.values()) <= stage.rounds
-        assert sum(stage.clean_verification_s.values()) <= stage.verify_s
+        assert sum(stage.clean_verification_s.values()) <= stage.verify_s * (1 + 1e-12)  # summed in other orders
     assert sum(result.stats.stages[0].clean_verifications.values()) > 0
 
 

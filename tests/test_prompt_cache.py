@@ -23,7 +23,8 @@ def runtime_for(tiny_dir, tiny_draft_dir, cache_dir, logs=None, **settings):
 def prefilled(runtime, prompt=PROMPT):
     """The target stage after its prefill, and the logits it returned."""
     pipeline = runtime.pipeline_for(len(prompt), 8)
-    logits = pipeline.target.prefill(torch.tensor(prompt), runtime.config.prefill_chunk)
+    prompt_ids = torch.tensor(prompt, device=runtime.target.model.device)
+    logits = pipeline.target.prefill(prompt_ids, runtime.config.prefill_chunk)
     return pipeline.target, logits
 
 

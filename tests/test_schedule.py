@@ -14,7 +14,9 @@ def measured(acceptance_runs: list[tuple[int, int]], propose_s: float, verify_s:
     stats = StageStats("proposer", plain_steps=1, plain_s=step_s)
     for proposed, accepted in acceptance_runs:
         stats.rounds += 1
+        stats.timed_rounds += 1
         stats.proposed += proposed
+        stats.timed_proposed += proposed
         stats.accepted += accepted
         stats.rejections += accepted < proposed
         stats.propose_s += propose_s * proposed
