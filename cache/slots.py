@@ -17,6 +17,11 @@ import torch
 
 from cache.base import AttentionView, CacheFullError, CacheLayout, CachePolicy
 
+SLOT_ALIGNMENT = 64
+"""Buffers hold a multiple of this many slots (the extra ones never used), so a static pass's
+[T, slots] attention rows are 128-byte aligned: with a misaligned row stride cuBLAS ran the
+weights-values product of a verification pass on a slow kernel without tensor cores."""
+
 
 class SlotCache(CachePolicy):
     static_passes = True
@@ -24,8 +29,10 @@ class SlotCache(CachePolicy):
     def __init__(self, layout: CacheLayout, slots: int, source: CachePolicy | None = None) -> None:
         super().__init__(layout, source)
         self.slots = slots
-        shape = (layout.num_layers, 1, layout.num_kv_heads, slots, layout.head_dim)
-        self.keys = torch.zeros(shape, dtype=layout.dtype, device=layout.device)  # [L, B, H_kv, slots, D]
+        """Slots this policy may use; its buffer holds that many rounded up to ``SLOT_ALIGNMENT``."""
+        buffer = -(-slots // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
+        shape = (layout.num_layers, 1, layout.num_kv_heads, buffer, layout.head_dim)
+        self.keys = torch.zeros(shape, dtype=layout.dtype, device=layout.device)  # [L, B, H_kv, buffer, D]
         self.values = torch.zeros_like(self.keys)
         self.dropped = 0
         """Tokens of the sequence not held: sequence index i past the kept front is in slot i - dropped."""
@@ -87,10 +94,10 @@ class SlotCache(CachePolicy):
 
     def _static_update(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> AttentionView:
         """``update`` for a static pass: keys/values [B, H_kv, T, D] go to the slots of the device
-        index; the view is the whole buffer [B, H_kv, slots, D] under a [T, slots] mask."""
+        index; the view is the whole buffer [B, H_kv, buffer, D] under a [T, buffer] mask."""
         slots = self._pass_slots  # [T]
         if layer == 0:
-            self._mask = causal_mask(slots, self.slots, self.layout.dtype)
+            self._mask = causal_mask(slots, self.keys.shape[3], self.layout.dtype)
         self.keys[layer].index_copy_(2, slots, keys)
         self.values[layer].index_copy_(2, slots, values)
         return AttentionView(self.keys[layer], self.values[layer], self._mask, valid_lengths=self._valid_slots)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from cache.base import AttentionView
+from cache.slots import SLOT_ALIGNMENT
 from cascade.errors import CascadeError
 
 FLASH_ATTN_INSTALLED = importlib.util.find_spec("flash_attn") is not None
@@ -35,10 +36,8 @@ MATMUL_MAX_QUERIES = 8
 runs as plain matrix products per KV head."""
 SPLIT_KEYS = 1024
 """On CUDA, a multi-token pass's weights-values product (few rows, thousands of keys, 64 columns)
-runs as partial products over blocks of this many keys: as one product cuBLAS ran it on a few
-blocks of threads, 0.2-0.5 ms per layer over 16K keys on an H100, most of a verification pass."""
-SPLIT_MAX_HEADS = 16
-"""Beyond this many KV heads (times the batch) the plain product already fills the GPU."""
+over a static view runs as partial products over blocks of at most this many keys: as one product
+cuBLAS gave it a few blocks of threads, 0.2-0.5 ms per layer over 16K keys on an H100."""
 FOLD_MAX_QUERIES = 64
 """Up to this many queries per pass the grouped SDPA layout is used; beyond it (prefill chunks)
 repeating the mask per group costs more than it saves."""
@@ -71,38 +70,42 @@ def attend_sdpa(query: torch.Tensor, view: AttentionView, scale: float) -> torch
 
 
 def attend_cuda(query: torch.Tensor, view: AttentionView, scale: float) -> torch.Tensor:
-    """The ``cuda`` family: few-query passes as grouped matrix products, the rest SDPA.
+    """The ``cuda`` family: one-token passes and long ones through SDPA, verification passes as
+    grouped matrix products.
 
-    With a handful of query rows, SDPA's CUDA kernels give each head one block of threads, so a
-    pass over a long cache runs on a few of the GPU's multiprocessors (and one with a mask and
-    grouped KV heads falls back to expanding K/V per query head): a 7-token pass over 120K keys
-    took 18x a one-token step on an H100. cuBLAS spreads the [G*T, S] score product over all of
-    them; the weights-values product of a multi-token pass runs blockwise (``SPLIT_KEYS``).
+    With a handful of query rows and a mask, SDPA's CUDA kernels ran a pass over a long cache on a
+    few of the GPU's multiprocessors: a 7-token pass over 120K keys took 18x a one-token step on an
+    H100 (SmolLM2, grouped KV heads). As matrix products the score product spreads over the whole
+    GPU, and the weights-values product (few rows, a long reduction) runs as partial products over
+    blocks of keys (``SPLIT_KEYS``). One-token steps stay with SDPA: 2.8 ms against 7.8 ms as
+    matrix products at 120K keys.
     """
     num_kv_heads, num_queries = view.keys.shape[1], query.shape[2]
-    if num_queries > MATMUL_MAX_QUERIES:
+    if num_queries == 1 or num_queries > MATMUL_MAX_QUERIES:
         return attend_sdpa(query, view, scale)
     groups = rearrange(query * scale, "b (k g) t d -> b k (g t) d", k=num_kv_heads)  # [B, H_kv, G*T, D]
     weights = _attention_weights(groups, view.keys, view, num_queries)  # [B, H_kv, G*T, S]
-    if num_queries == 1 or weights.shape[-1] < 2 * SPLIT_KEYS or num_kv_heads * len(query) > SPLIT_MAX_HEADS:
+    num_keys = weights.shape[-1]
+    if num_keys < 2 * SPLIT_KEYS or num_keys % SLOT_ALIGNMENT:
         out = weights @ view.values
     else:
-        out = torch.stack([torch.stack([_blockwise_product(weights[b, head], view.values[b, head])
-                                        for head in range(num_kv_heads)]) for b in range(len(query))])
+        out = _blockwise_product(weights, view.values, block_size(num_keys))
     return rearrange(out, "b k (g t) d -> b (k g) t d", t=num_queries)  # [B, H, T, D]
 
 
-def _blockwise_product(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """weights [R, S] @ values [S, D] -> [R, D] as one batched product over blocks of ``SPLIT_KEYS``
-    keys (and the rest), the partial results summed in float32."""
-    blocks, rest = divmod(weights.shape[1], SPLIT_KEYS)
-    whole = blocks * SPLIT_KEYS
-    partial = torch.bmm(weights[:, :whole].unflatten(1, (blocks, SPLIT_KEYS)).transpose(0, 1),  # [n, R, K]
-                        values[:whole].unflatten(0, (blocks, SPLIT_KEYS)))  # [n, K, D] -> [n, R, D]
-    out = partial.float().sum(0)  # [R, D]
-    if rest:
-        out += (weights[:, whole:] @ values[whole:]).float()
-    return out.to(values.dtype)
+def block_size(num_keys: int) -> int:
+    """The largest multiple of ``SLOT_ALIGNMENT`` up to ``SPLIT_KEYS`` that divides ``num_keys``
+    (itself such a multiple)."""
+    return next(size for size in range(SPLIT_KEYS, 0, -SLOT_ALIGNMENT) if num_keys % size == 0)
+
+
+def _blockwise_product(weights: torch.Tensor, values: torch.Tensor, size: int) -> torch.Tensor:
+    """weights [B, H_kv, R, S] @ values [B, H_kv, S, D] -> [B, H_kv, R, D] as one batched product
+    over blocks of ``size`` keys, the partial results summed in float32."""
+    blocks = weights.shape[-1] // size
+    weight_blocks = weights.unflatten(-1, (blocks, size)).transpose(-3, -2)  # [B, H_kv, n, R, size]
+    partial = weight_blocks @ values.unflatten(-2, (blocks, size))  # [B, H_kv, n, R, D]
+    return partial.float().sum(-3).to(values.dtype)
 
 
 def attend_flash(query: torch.Tensor, view: AttentionView, scale: float) -> torch.Tensor:

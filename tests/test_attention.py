@@ -62,13 +62,20 @@ def test_kernel_families_match_the_reference(family, shape):
 
 @pytest.mark.parametrize("shape", ["verify", "static-verify"])
 def test_cuda_family_sums_blockwise_products_to_the_reference(shape, monkeypatch):
-    """Over more than two blocks of keys a multi-token pass takes the blockwise weights-values
-    product (here 24-key blocks and a remainder, on CPU tensors)."""
-    monkeypatch.setattr(attention, "SPLIT_KEYS", 24)
+    """Over at least two blocks of aligned keys a verification pass takes the blockwise
+    weights-values product (here 4-slot alignment and blocks of up to 16 keys, on CPU tensors)."""
+    monkeypatch.setattr(attention, "SPLIT_KEYS", 16)
+    monkeypatch.setattr(attention, "SLOT_ALIGNMENT", 4)
     query, view = make_view(*SHAPES[shape], torch.float32, "cpu")
-    assert view.keys.shape[2] >= 2 * 24 and view.keys.shape[2] % 24
+    assert attention.block_size(view.keys.shape[2]) < view.keys.shape[2] // 2
     out = KERNELS["cuda"](query, view, HEAD_DIM**-0.5)
     torch.testing.assert_close(out.double(), reference(query, view, HEAD_DIM**-0.5), rtol=1e-4, atol=1e-5)
+
+
+def test_blocks_are_the_largest_aligned_divisor_up_to_the_split():
+    assert attention.block_size(4096) == 1024
+    assert attention.block_size(120064) == 896  # 64 * 1876, 1876 = 4 * 7 * 67
+    assert attention.block_size(64 * 17) == 64
 
 
 def test_auto_picks_the_cpu_family_on_cpu_and_flash_explains_what_it_needs(tiny_dir, tiny_draft_dir):

@@ -7,6 +7,7 @@ import torch
 
 from cache import POLICIES, CacheFullError, CacheLayout, build_policy
 from cache.full import FullCache
+from cache.slots import SLOT_ALIGNMENT, SlotCache
 from cascade.checkpoint import load_model
 from tests.conftest import make_checkpoint
 
@@ -111,6 +112,8 @@ def test_capacity_is_enforced(kind, tiny_model):
     cache = after_prompt(kind, tiny_model, random_tokens(tiny_model, 30, 0), capacity=37)
     with pytest.raises(CacheFullError, match="cannot add 7 more"):
         tiny_model(random_tokens(tiny_model, 7, 1), cache)
+    if isinstance(cache, SlotCache):  # its buffer is padded to aligned rows; the capacity is not
+        assert cache.keys.shape[3] % SLOT_ALIGNMENT == 0 and cache.keys.shape[3] > cache.slots
 
 
 def test_full_cache_masks_are_bottom_right_causal():
