@@ -12,7 +12,9 @@ attention products. The KV is random: only the timing matters.
 With ``--acceptance`` (the retrieval stage's per-token acceptance at each context, e.g. the
 ``acceptance_mle`` a bench run reports), it also prints the ceiling of ``self-spec``: the best
 speed-up over autoregressive decoding the cost model predicts at any gamma, from the measured pass
-times and from the rooflines, i.e. what faster kernels alone could reach at that acceptance.
+times and from the rooflines, i.e. what faster kernels alone could reach at that acceptance. With
+``--draft-shape`` and ``--draft-acceptance`` (the draft's per-token acceptance by the retrieval
+stage) it also prints the ceiling of ``triforce``'s three tiers.
 
 The model is the provisioned SmolLM2 (YaRN-stretched to the context), or with ``--shape`` a
 random-weight model of a published shape, for cost-only figures that feed the cost model (e.g.
@@ -20,7 +22,8 @@ Llama-2-7B at 120K tokens on a GPU; ``--draft-shape llama-68m`` adds TriForce's 
 CUDA, passes of up to 16 tokens replay as CUDA graphs unless ``--no-graphs``.
 
     python scripts/roofline.py [--contexts 8000 16000 32000] [--gamma 6] [--budget 4096]
-    python scripts/roofline.py --shape llama-2-7b --draft-shape llama-68m --contexts 120000
+    python scripts/roofline.py --shape llama-2-7b --draft-shape llama-68m --contexts 120000 \
+        [--acceptance 0.9 --draft-acceptance 0.7]
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -41,7 +45,7 @@ from cache.retrieval import RetrievalCacheConfig
 from cache.streaming import StreamingCacheConfig
 from cascade.attention import resolve_kernels
 from cascade.checkpoint import load_checkpoint, model_spec, yarn_scaling
-from cascade.costs import expected_speedup
+from cascade.costs import expected_speedup, expected_tokens
 from cascade.graphs import PassGraphs, cuda_graph
 from cascade.model import CausalLM
 from cascade.models import default_model
@@ -74,17 +78,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--acceptance", type=float, nargs="+", metavar="A",
                         help="the retrieval stage's per-token acceptance at each context (one value, or one "
                              "per context): also print self-spec's speed-up ceiling there")
+    parser.add_argument("--draft-acceptance", type=float, nargs="+", metavar="A",
+                        help="with --draft-shape and --acceptance: the draft's per-token acceptance by the "
+                             "retrieval stage at each context; also print triforce's speed-up ceiling there")
     parser.add_argument("--out", type=Path, default=Path("results/roofline.json"))
     args = parser.parse_args(argv)
-    if args.acceptance is not None:
-        if len(args.acceptance) not in (1, len(args.contexts)):
-            parser.error(f"--acceptance takes one value or one per context ({len(args.contexts)}), "
-                         f"not {len(args.acceptance)}")
-        if not all(0.0 <= a < 1.0 for a in args.acceptance):
-            parser.error(f"--acceptance values are probabilities in [0, 1); got {args.acceptance}")
-        if len(args.acceptance) == 1:
-            args.acceptance = args.acceptance * len(args.contexts)
+    if args.draft_acceptance is not None and not (args.draft_shape and args.acceptance):
+        parser.error("--draft-acceptance needs --draft-shape (the draft's step) and --acceptance (the retrieval "
+                     "stage's own)")
+    for option in ("acceptance", "draft_acceptance"):
+        setattr(args, option, per_context(parser, option, getattr(args, option), len(args.contexts)))
     return args
+
+
+def per_context(parser: argparse.ArgumentParser, option: str, values: list[float] | None,
+                contexts: int) -> list[float | None]:
+    """An acceptance option's values, one per context (a single value stands for every context)."""
+    flag = "--" + option.replace("_", "-")
+    if values is None:
+        return [None] * contexts
+    if len(values) not in (1, contexts):
+        parser.error(f"{flag} takes one value or one per context ({contexts}), not {len(values)}")
+    if not all(0.0 <= a < 1.0 for a in values):
+        parser.error(f"{flag} values are probabilities in [0, 1); got {values}")
+    return values * contexts if len(values) == 1 else values
 
 
 def median_seconds(run, repeats: int, device: torch.device) -> float:
@@ -153,31 +170,55 @@ def pass_figures(model, cache, tokens: int, args, bandwidth: float, peak: float)
             "measured_over_roofline": seconds / roofline}
 
 
+def verification_cost(one: dict, wide: dict) -> tuple[Callable[[int], float], Callable[[int], float]]:
+    """(measured, roofline) ms of a pass of g + 1 tokens over the cache that ``one`` (a one-token
+    pass) and ``wide`` (a timed wider pass) read: measured interpolated linearly between the two (the
+    cost model's line in the pass width), the roofline exact (the bytes do not change with the
+    width, the FLOPs grow with it)."""
+    widest = wide["tokens"] - 1
+    return (lambda gamma: one["ms"] + (wide["ms"] - one["ms"]) * gamma / widest,
+            lambda gamma: max(one["memory_ms"], one["compute_ms"] * (gamma + 1)))
+
+
+def best_gamma(acceptance: float, propose_ms: float, verify_ms: Callable[[int], float], step_ms: float,
+               widest: int) -> dict:
+    """The gamma in 1..``widest`` the cost model expects the most of, and that speed-up."""
+    speedups = {g: expected_speedup(acceptance, propose_ms, verify_ms(g), step_ms, g) for g in range(1, widest + 1)}
+    gamma = max(speedups, key=speedups.get)
+    return {"gamma": gamma, "speedup": speedups[gamma]}
+
+
 def self_spec_ceiling(step: dict, proposal: dict, verification: dict, acceptance: float) -> dict:
     """The best (gamma, speed-up) of ``self-spec`` at ``acceptance``, from measured pass times and from
-    rooflines, for gammas up to the verification pass's width - 1.
+    rooflines, for gammas up to the verification pass's width - 1."""
+    widest = verification["tokens"] - 1
+    measured_verify, roofline_verify = verification_cost(step, verification)
+    return {"acceptance": acceptance,
+            "measured": best_gamma(acceptance, proposal["ms"], measured_verify, step["ms"], widest),
+            "roofline": best_gamma(acceptance, proposal["roofline_ms"], roofline_verify, step["roofline_ms"], widest)}
 
-    A measured verification pass of g + 1 tokens is interpolated linearly between the one-token step
-    and the timed verification pass (the cost model's line in the pass width); its roofline is exact:
-    the bytes do not change with the width and the FLOPs grow with it.
+
+def triforce_ceiling(draft: dict, proposal: dict, retrieval_verification: dict, step: dict, verification: dict,
+                     draft_acceptance: float, acceptance: float) -> dict:
+    """The best speed-up of TriForce's three tiers (a draft proposing to the retrieval stage, which
+    proposes to the full cache) at per-token acceptances ``draft_acceptance`` and ``acceptance``,
+    from measured pass times and from rooflines.
+
+    The retrieval stage's cost per token it hands up is the cheapest of its own one-token proposal
+    (the draft bypassed: draft gamma 0) and, per draft gamma g, g draft steps and its pass of g + 1
+    tokens over the tokens such a round yields; the top tier is ``self-spec``'s model at that cost.
     """
     widest = verification["tokens"] - 1
-
-    def measured_verify(gamma: int) -> float:
-        return step["ms"] + (verification["ms"] - step["ms"]) * gamma / widest
-
-    def roofline_verify(gamma: int) -> float:
-        return max(step["memory_ms"], step["compute_ms"] * (gamma + 1))
-
-    ceiling = {}
-    for name, propose_ms, verify_ms, step_ms in (
-        ("measured", proposal["ms"], measured_verify, step["ms"]),
-        ("roofline", proposal["roofline_ms"], roofline_verify, step["roofline_ms"]),
-    ):
-        speedups = {g: expected_speedup(acceptance, propose_ms, verify_ms(g), step_ms, g) for g in range(1, widest + 1)}
-        gamma = max(speedups, key=speedups.get)
-        ceiling[name] = {"gamma": gamma, "speedup": speedups[gamma]}
-    return {"acceptance": acceptance, **ceiling}
+    middle_costs, top_costs = verification_cost(proposal, retrieval_verification), verification_cost(step, verification)
+    ceiling = {"draft_acceptance": draft_acceptance, "acceptance": acceptance}
+    for index, (name, key) in enumerate((("measured", "ms"), ("roofline", "roofline_ms"))):
+        per_token = {g: (g * draft[key] + middle_costs[index](g)) / expected_tokens(draft_acceptance, g)
+                     for g in range(1, widest + 1)}
+        per_token[0] = proposal[key]
+        draft_gamma = min(per_token, key=per_token.get)
+        top = best_gamma(acceptance, per_token[draft_gamma], top_costs[index], step[key], widest)
+        ceiling[name] = {"draft_gamma": draft_gamma, **top}
+    return ceiling
 
 
 def load_target(args, path: Path | None, context: int) -> tuple[CausalLM, dict | None]:
@@ -203,7 +244,8 @@ def filled_cache(cache, tokens: int):
 
 
 def context_figures(
-    args, path: Path | None, context: int, bandwidth: float, peak: float, acceptance: float | None
+    args, path: Path | None, context: int, bandwidth: float, peak: float, acceptance: float | None,
+    draft_acceptance: float | None,
 ) -> dict:
     model, scaling = load_target(args, path, context)
     layout = model.cache_layout(context + 64, args.gamma + 2)
@@ -212,12 +254,13 @@ def context_figures(
     verify = args.gamma + 1
     step = pass_figures(model, full, 1, args, bandwidth, peak)
     proposal = pass_figures(model, retrieval, 1, args, bandwidth, peak)
+    retrieval_verification = pass_figures(model, retrieval, verify, args, bandwidth, peak)
+    verification = pass_figures(model, full, verify, args, bandwidth, peak)
     passes = {
         "full, 1 token (autoregressive step)": step,
         f"retrieval {args.budget}, 1 token (proposal)": proposal,
-        f"retrieval {args.budget}, {verify} tokens (verifying the draft)": pass_figures(
-            model, retrieval, verify, args, bandwidth, peak),
-        f"full, {verify} tokens (verification)": pass_figures(model, full, verify, args, bandwidth, peak),
+        f"retrieval {args.budget}, {verify} tokens (verifying the draft)": retrieval_verification,
+        f"full, {verify} tokens (verification)": verification,
     }
     if args.draft_shape:
         draft = random_model(SHAPES[args.draft_shape], model.dtype, model.device)
@@ -226,14 +269,16 @@ def context_figures(
         streaming = build_policy(window, draft.cache_layout(context + 64, args.gamma + 2))
         for start in range(0, 4 + args.draft_window, args.gamma + 2):  # fill its window within its pending room
             filled_cache(streaming, min(args.gamma + 2, 4 + args.draft_window - start))
-        passes[f"draft {args.draft_shape}, streaming {4 + args.draft_window}, 1 token"] = pass_figures(
-            draft, streaming, 1, args, bandwidth, peak)
+        draft_step = pass_figures(draft, streaming, 1, args, bandwidth, peak)
+        passes[f"draft {args.draft_shape}, streaming {4 + args.draft_window}, 1 token"] = draft_step
     del model, full, retrieval
     torch.cuda.empty_cache() if args.device == "cuda" else None
     figures = {"context": context, "rope_scaling": scaling, "passes": passes}
     if acceptance is not None:
-        verification = passes[f"full, {verify} tokens (verification)"]
         figures["self_spec_ceiling"] = self_spec_ceiling(step, proposal, verification, acceptance)
+    if draft_acceptance is not None:
+        figures["triforce_ceiling"] = triforce_ceiling(draft_step, proposal, retrieval_verification, step,
+                                                       verification, draft_acceptance, acceptance)
     return figures
 
 
@@ -248,8 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     print("| context | pass | measured ms | memory-bound ms | compute-bound ms | measured / roofline |")
     print("|---:|---|---:|---:|---:|---:|")
-    for context, acceptance in zip(args.contexts, args.acceptance or [None] * len(args.contexts)):
-        figures = context_figures(args, path, context, bandwidth, peak, acceptance)
+    for context, acceptance, draft_acceptance in zip(args.contexts, args.acceptance, args.draft_acceptance):
+        figures = context_figures(args, path, context, bandwidth, peak, acceptance, draft_acceptance)
         rows.append(figures)
         for name, row in figures["passes"].items():
             print(f"| {context} | {name} | {row['ms']:.1f} | {row['memory_ms']:.1f} | {row['compute_ms']:.1f} | "
@@ -261,6 +306,13 @@ def main(argv: list[str] | None = None) -> int:
                   f"{ceiling['measured']['speedup']:.2f}x at gamma {ceiling['measured']['gamma']} from measured "
                   f"passes, {ceiling['roofline']['speedup']:.2f}x at gamma {ceiling['roofline']['gamma']} "
                   "at the rooflines")
+        if "triforce_ceiling" in figures:
+            ceiling = figures["triforce_ceiling"]
+            print(f"triforce ceiling at {figures['context']} (acceptance {ceiling['draft_acceptance']:.2f} / "
+                  f"{ceiling['acceptance']:.2f}): " + ", ".join(
+                      f"{ceiling[name]['speedup']:.2f}x at gammas {ceiling[name]['draft_gamma']} / "
+                      f"{ceiling[name]['gamma']} {where}"
+                      for name, where in (("measured", "from measured passes"), ("roofline", "at the rooflines"))))
     report = {"hardware": hardware, "model": args.shape or "SmolLM2", "dtype": args.dtype, "kernels": args.kernels,
               "attention": args.attention, "graphs": device.type == "cuda" and not args.no_graphs,
               "bandwidth_bytes_per_s": bandwidth,

@@ -21,7 +21,8 @@ def test_roofline_times_every_pass_of_a_random_shape(tmp_path):
     out = tmp_path / "roofline.json"
     command = [sys.executable, "scripts/roofline.py", "--shape", "llama-68m", "--draft-shape", "llama-68m",
                "--contexts", "300", "--budget", "64", "--gamma", "3", "--draft-window", "28", "--repeats", "1",
-               "--device", "cpu", "--kernels", "eager", "--acceptance", "0.8", "--out", str(out)]
+               "--device", "cpu", "--kernels", "eager", "--acceptance", "0.8", "--draft-acceptance", "0.6",
+               "--out", str(out)]
     printed = subprocess.run(command, capture_output=True, text=True, check=True).stdout
     report = json.loads(out.read_text())
     assert report["model"] == "llama-68m" and not report["graphs"]
@@ -36,6 +37,9 @@ def test_roofline_times_every_pass_of_a_random_shape(tmp_path):
     ceiling = report["contexts"][0]["self_spec_ceiling"]
     assert ceiling["acceptance"] == 0.8 and 1 <= ceiling["roofline"]["gamma"] <= 3
     assert "self-spec ceiling at 300 (acceptance 0.80)" in printed
+    triforce = report["contexts"][0]["triforce_ceiling"]
+    assert triforce["draft_acceptance"] == 0.6 and 0 <= triforce["measured"]["draft_gamma"] <= 3
+    assert "triforce ceiling at 300 (acceptance 0.60 / 0.80)" in printed
 
 
 def test_the_self_spec_ceiling_is_the_best_gamma_of_the_cost_model():
@@ -50,9 +54,42 @@ def test_the_self_spec_ceiling_is_the_best_gamma_of_the_cost_model():
     assert ceiling["roofline"]["speedup"] == pytest.approx(2.952 * 30 / 60)
 
 
+def test_the_triforce_ceiling_chains_the_cost_model_through_both_tiers():
+    draft = {"ms": 1.0, "roofline_ms": 0.1}
+    proposal = {"ms": 30.0, "memory_ms": 10.0, "compute_ms": 1.0, "roofline_ms": 10.0}
+    retrieval_verification = {"tokens": 4, "ms": 36.0}  # measured g + 1 tokens: 30 + 2 g ms
+    step = {"ms": 100.0, "memory_ms": 30.0, "compute_ms": 5.0, "roofline_ms": 30.0}
+    verification = {"tokens": 4, "ms": 130.0}  # 100 + 10 g ms
+    ceiling = load_roofline_script().triforce_ceiling(draft, proposal, retrieval_verification, step,
+                                                      verification, 0.5, 0.8)
+    # draft acceptance 0.5: 1.5, 1.75, 1.875 middle tokens per round at gamma 1-3; (30 + 3 g) ms a round
+    middle_ms = 36 / 1.75
+    assert ceiling["measured"]["draft_gamma"] == 2 and ceiling["measured"]["gamma"] == 3
+    assert ceiling["measured"]["speedup"] == pytest.approx(2.952 * 100 / (3 * middle_ms + 130))
+    # rooflines: (0.1 g + 10) ms a middle round (still memory-bound), the top tier's pass 30 ms at any width
+    assert ceiling["roofline"]["draft_gamma"] == 3 and ceiling["roofline"]["gamma"] == 3
+    assert ceiling["roofline"]["speedup"] == pytest.approx(2.952 * 30 / (3 * 10.3 / 1.875 + 30))
+
+
+def test_a_useless_draft_is_bypassed_in_the_triforce_ceiling():
+    draft = {"ms": 50.0, "roofline_ms": 50.0}
+    proposal = {"ms": 30.0, "memory_ms": 10.0, "compute_ms": 1.0, "roofline_ms": 10.0}
+    step = {"ms": 100.0, "memory_ms": 30.0, "compute_ms": 5.0, "roofline_ms": 30.0}
+    ceiling = load_roofline_script().triforce_ceiling(draft, proposal, {"tokens": 4, "ms": 36.0}, step,
+                                                      {"tokens": 4, "ms": 130.0}, 0.1, 0.8)
+    selfspec = load_roofline_script().self_spec_ceiling(step, proposal, {"tokens": 4, "ms": 130.0}, 0.8)
+    assert ceiling["measured"]["draft_gamma"] == 0
+    assert ceiling["measured"]["speedup"] == pytest.approx(selfspec["measured"]["speedup"])
+
+
 def test_acceptance_must_match_the_contexts():
     command = [sys.executable, "scripts/roofline.py", "--contexts", "100", "200", "--acceptance", "0.5", "0.6",
                "0.7"]
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 2
     assert "--acceptance takes one value or one per context (2), not 3" in result.stderr
+    command = [sys.executable, "scripts/roofline.py", "--contexts", "100", "--acceptance", "0.8",
+               "--draft-acceptance", "0.5"]
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "--draft-acceptance needs --draft-shape" in result.stderr
