@@ -86,10 +86,11 @@ def attend_cuda(query: torch.Tensor, view: AttentionView, scale: float) -> torch
     groups = rearrange(query * scale, "b (k g) t d -> b k (g t) d", k=num_kv_heads)  # [B, H_kv, G*T, D]
     weights = _attention_weights(groups, view.keys, view, num_queries)  # [B, H_kv, G*T, S]
     num_keys = weights.shape[-1]
-    if num_keys < 2 * SPLIT_KEYS or num_keys % SLOT_ALIGNMENT:
-        out = weights @ view.values
-    else:
+    static = view.valid_lengths is not None  # a whole buffer: its heads' blocks are one strided batch
+    if static and num_keys >= 2 * SPLIT_KEYS and num_keys % SLOT_ALIGNMENT == 0:
         out = _blockwise_product(weights, view.values, block_size(num_keys))
+    else:
+        out = weights @ view.values
     return rearrange(out, "b k (g t) d -> b (k g) t d", t=num_queries)  # [B, H, T, D]
 
 
