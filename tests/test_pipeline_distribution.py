@@ -39,6 +39,7 @@ class ToyStage:
         self.source = None
         self.seen: list[int] = []
         self.committed = 0
+        self.captured_passes = 0  # runs nothing as graphs
 
     @property
     def length(self) -> int:
