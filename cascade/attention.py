@@ -3,8 +3,8 @@
 - ``cpu``: tuned for this project's CPU runs: per-KV-head matrix products for decode and
   verification passes, grouped SDPA for short passes, log-sum-exp-merged halves for prefill chunks;
 - ``sdpa``: PyTorch's scaled_dot_product_attention for every pass (any device);
-- ``cuda``: for PyTorch on CUDA without flash-attn: decode and verification passes as batched
-  matrix products over each KV head's query group, longer passes through SDPA;
+- ``cuda``: for PyTorch on CUDA without flash-attn: verification passes (2-8 tokens) as batched
+  matrix products over each KV head's query group, one-token steps and longer passes through SDPA;
 - ``flash``: flash-attn on CUDA in bf16/fp16, reading a static pass's cache in place through its
   kvcache kernel; passes it cannot run (float32, arbitrary masks) go to SDPA.
 
