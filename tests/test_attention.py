@@ -27,10 +27,11 @@ SHAPES = {  # name: (queries, keys, how the view is built)
 BUFFER_SLOTS = 64
 
 
-def make_view(num_queries: int, num_keys: int, how: str, dtype: torch.dtype, device: str):
+def make_view(num_queries: int, num_keys: int, how: str, dtype: torch.dtype, device: str,
+              buffer_slots: int = BUFFER_SLOTS):
     """Random query [1, H, T, D] and a view whose pass tokens are keys num_keys - T .. num_keys - 1."""
     generator = torch.Generator().manual_seed(num_queries * 1000 + num_keys)
-    size = num_keys if how == "dynamic" else BUFFER_SLOTS
+    size = num_keys if how == "dynamic" else buffer_slots
     query = torch.randn(1, HEADS, num_queries, HEAD_DIM, generator=generator)
     keys, values = torch.randn(2, 1, KV_HEADS, size, HEAD_DIM, generator=generator)
     query, keys, values = (x.to(device=device, dtype=dtype) for x in (query, keys, values))
@@ -115,5 +116,15 @@ def test_flash_family_matches_the_reference_on_cuda(shape):
 def test_cuda_family_matches_the_reference_on_cuda(shape, dtype, tolerance):
     assert resolve_kernels("auto", torch.device("cuda")) == ("flash" if FLASH_ATTN_INSTALLED else "cuda")
     query, view = make_view(*SHAPES[shape], dtype, "cuda")
+    out = KERNELS["cuda"](query, view, HEAD_DIM**-0.5)
+    torch.testing.assert_close(out.double(), reference(query, view, HEAD_DIM**-0.5), rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_cuda_family_blockwise_verification_over_a_long_static_buffer(dtype, tolerance):
+    """The production sizes: a 7-token static pass over a 4096-slot buffer (four 1024-key blocks)."""
+    query, view = make_view(7, 3000, "static", dtype, "cuda", buffer_slots=4096)
     out = KERNELS["cuda"](query, view, HEAD_DIM**-0.5)
     torch.testing.assert_close(out.double(), reference(query, view, HEAD_DIM**-0.5), rtol=tolerance, atol=tolerance)
