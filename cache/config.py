@@ -12,7 +12,8 @@ class CachePolicyConfig(BaseModel):
     def at_budget(cls, budget: int) -> CachePolicyConfig:
         """This policy holding ``budget`` tokens of KV: ablations compare policies at equal cost."""
         if "budget" not in cls.model_fields:
-            raise ValueError(f"{cls.model_fields['kind'].default} caches have no token budget")
+            raise ValueError(f"{cls.model_fields['kind'].default} caches have no token budget; these kinds have "
+                             f"one: {', '.join(budgeted_kinds())}")
         return cls(budget=budget)
 
     def as_settings(self) -> dict:
@@ -32,3 +33,11 @@ class CachePolicyConfig(BaseModel):
                 f"{self.kind} budget ({budget}) is not smaller than the prompt ({prompt_tokens} tokens): "
                 "it would keep everything and degenerate to the full cache; use kind: full or a smaller budget"
             )
+
+
+def budgeted_kinds() -> list[str]:
+    """The registered kinds that can hold a given number of tokens (``at_budget``)."""
+    from cache.registry import POLICIES  # the registry imports this module
+
+    return sorted(kind for kind, entry in POLICIES.items()
+                  if "budget" in entry.config.model_fields or "at_budget" in vars(entry.config))

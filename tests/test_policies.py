@@ -351,7 +351,8 @@ def test_at_budget_gives_each_budgeted_policy_that_many_tokens():
     assert POLICIES["streaming"].config.at_budget(64).model_dump() == {"kind": "streaming", "sinks": 4, "window": 60}
     assert POLICIES["h2o"].config.at_budget(64).recent == 32
     assert POLICIES["retrieval"].config.at_budget(64).budget == 64
-    with pytest.raises(ValueError, match="full caches have no token budget"):
+    with pytest.raises(ValueError, match="full caches have no token budget; these kinds have one: h2o, retrieval, "
+                                         "streaming, topk_oracle"):
         POLICIES["full"].config.at_budget(64)
 
 
