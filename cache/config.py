@@ -41,3 +41,9 @@ def budgeted_kinds() -> list[str]:
 
     return sorted(kind for kind, entry in POLICIES.items()
                   if "budget" in entry.config.model_fields or "at_budget" in vars(entry.config))
+
+
+def budget_for(share: float, prompt_tokens: int, granule: int = 16) -> int:
+    """``share`` of a prompt's tokens as a token budget: a multiple of ``granule`` (whole chunks of
+    every chunk size a retrieval cache is run with; the default, of its default 8), at least one."""
+    return max(granule, round(share * prompt_tokens / granule) * granule)

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from cache import POLICIES
+from cache.config import budget_for
 from cascade.checkpoint import yarn_scaling
 from cascade.data import DOCUMENT_NAMES, document_ids
 from cascade.home import prompt_cache_dir, prompt_cache_option
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     for context in args.contexts:
         prompt = document_ids(target, args.document, context)
         for fraction in args.budgets:
-            budget = max(16, round(fraction * context / 8) * 8)
+            budget = budget_for(fraction, context)
             for policy in args.policies:
                 if (context, fraction, policy) in done:
                     continue

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from cache import POLICIES, build_policy
+from cache.config import budget_for
 from cache.full import FullCache
 from cascade.checkpoint import load_checkpoint, yarn_scaling
 from cascade.data import document_text
@@ -77,7 +78,7 @@ def main() -> None:
         full, tokens = reference_run(target.model, prompt, args.new_tokens)
         print(f"context {context}: reference in {time.perf_counter() - started:.0f} s", flush=True)
         for fraction in args.budgets:
-            budget = max(16, round(fraction * context / 8) * 8)
+            budget = budget_for(fraction, context)
             for kind in args.policies:
                 started = time.perf_counter()
                 score = agreement(target.model, kind, budget, prompt, full, tokens)

@@ -356,6 +356,14 @@ def test_at_budget_gives_each_budgeted_policy_that_many_tokens():
         POLICIES["full"].config.at_budget(64)
 
 
+def test_budgets_from_a_share_of_the_prompt_are_whole_granules():
+    from cache.config import budget_for
+
+    assert [budget_for(share, 8000) for share in (0.01, 0.03, 0.05, 0.1)] == [80, 240, 400, 800]
+    assert budget_for(0.001, 8000) == 16  # never below one granule
+    assert budget_for(0.05, 3000, granule=64) == 128  # 150 tokens, to the nearest 64
+
+
 def test_as_settings_keeps_kind_and_what_differs_from_the_defaults():
     from configs import load_config
 

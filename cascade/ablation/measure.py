@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from cache import POLICIES
+from cache.config import budget_for
 from cascade.ablation.grid import RUN_KEYS, Run
 from cascade.checkpoint import yarn_scaling
 from cascade.data import document_ids
@@ -45,7 +46,7 @@ def config_settings(run: Run, target: Path, dtype: str) -> dict[str, Any]:
         _, preset = load_config(run.get("preset"))
         kind = run.get("policy") or preset.stages[index].cache.kind
         share = run.get("budget_share")
-        budget = max(BUDGET_GRANULE, round(share * context / BUDGET_GRANULE) * BUDGET_GRANULE) if share else None
+        budget = budget_for(share, context, BUDGET_GRANULE) if share else None
         policy = POLICIES[kind].config
         settings[f"stages.{index}.cache"] = (policy.at_budget(budget) if budget else policy()).as_settings()
         settings[f"stages.{index}.optional"] = False  # an ablation of this stage must run it
