@@ -180,7 +180,7 @@ def verification_cost(one: dict, wide: dict) -> tuple[Callable[[int], float], Ca
             lambda gamma: max(one["memory_ms"], one["compute_ms"] * (gamma + 1)))
 
 
-def best_gamma(acceptance: float, propose_ms: float, verify_ms: Callable[[int], float], step_ms: float,
+def best_speedup(acceptance: float, propose_ms: float, verify_ms: Callable[[int], float], step_ms: float,
                widest: int) -> dict:
     """The gamma in 1..``widest`` the cost model expects the most of, and that speed-up."""
     speedups = {g: expected_speedup(acceptance, propose_ms, verify_ms(g), step_ms, g) for g in range(1, widest + 1)}
@@ -194,8 +194,8 @@ def self_spec_ceiling(step: dict, proposal: dict, verification: dict, acceptance
     widest = verification["tokens"] - 1
     measured_verify, roofline_verify = verification_cost(step, verification)
     return {"acceptance": acceptance,
-            "measured": best_gamma(acceptance, proposal["ms"], measured_verify, step["ms"], widest),
-            "roofline": best_gamma(acceptance, proposal["roofline_ms"], roofline_verify, step["roofline_ms"], widest)}
+            "measured": best_speedup(acceptance, proposal["ms"], measured_verify, step["ms"], widest),
+            "roofline": best_speedup(acceptance, proposal["roofline_ms"], roofline_verify, step["roofline_ms"], widest)}
 
 
 def triforce_ceiling(draft: dict, proposal: dict, retrieval_verification: dict, step: dict, verification: dict,
@@ -216,7 +216,7 @@ def triforce_ceiling(draft: dict, proposal: dict, retrieval_verification: dict, 
                      for g in range(1, widest + 1)}
         per_token[0] = proposal[key]
         draft_gamma = min(per_token, key=per_token.get)
-        top = best_gamma(acceptance, per_token[draft_gamma], top_costs[index], step[key], widest)
+        top = best_speedup(acceptance, per_token[draft_gamma], top_costs[index], step[key], widest)
         ceiling[name] = {"draft_gamma": draft_gamma, **top}
     return ceiling
 
