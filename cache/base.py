@@ -55,9 +55,12 @@ class AttentionView:
     values: torch.Tensor  # [B, H_kv, S, D]
     mask: torch.Tensor | None
     """[T, S] additive, in the KV dtype: 0 where query t may read key s, -inf where it may not.
-    None when every query reads every key."""
+    None for a causal view and when every query reads every key."""
     causal: bool = False
-    """True when ``mask`` is plain bottom-right causality, so a kernel may use its causal mode."""
+    """True when the pass's T tokens are the view's last T keys and read one another causally
+    (bottom-right aligned), every earlier key visible to all. Such a view carries no mask: each
+    kernel applies the causality its own way (a causal mode, or a mask over just the last T keys),
+    so a long prefill chunk never builds a [T, S] mask."""
     valid_lengths: torch.Tensor | None = None
     """[B] int32, set for a static pass's view (see ``SlotCache.set_static``): keys and values are
     the whole slot buffer, of which the first ``valid_lengths`` slots hold this pass's tokens and

@@ -38,7 +38,7 @@ class SlotCache(CachePolicy):
         """Tokens of the sequence not held: sequence index i past the kept front is in slot i - dropped."""
         self._start = 0
         self._mask: torch.Tensor | None = None
-        """[T, S] causal mask of the current pass, built by its first layer (None for one dynamic token)."""
+        """[T, buffer] causal mask of the current static pass, built by its first layer."""
         self._static = False
         self._slot_indices: dict[int, torch.Tensor] = {}
         """Per pass length T, the device tensor [T] int64 of the slots a static pass of T writes."""
@@ -83,14 +83,9 @@ class SlotCache(CachePolicy):
         if self._static:
             return self._static_update(layer, keys, values)
         end = self.used_slots
-        if layer == 0:  # built per pass, on use: a restored prompt needs none
-            slots = range(self._start, end)
-            self._mask = None if len(slots) == 1 else causal_mask(self._as_tensor(slots), end, self.layout.dtype)
         self.keys[layer, :, :, self._start : end] = keys
         self.values[layer, :, :, self._start : end] = values
-        return AttentionView(
-            self.keys[layer, :, :, :end], self.values[layer, :, :, :end], self._mask, self._mask is not None
-        )
+        return AttentionView(self.keys[layer, :, :, :end], self.values[layer, :, :, :end], None, end - self._start > 1)
 
     def _static_update(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> AttentionView:
         """``update`` for a static pass: keys/values [B, H_kv, T, D] go to the slots of the device

@@ -20,7 +20,6 @@ from cache.config import CachePolicyConfig
 from cache.full import FullCache
 from cache.received_attention import received_attention
 from cache.registry import register_policy
-from cache.slots import causal_mask
 
 
 class TopKOracleCacheConfig(CachePolicyConfig):
@@ -51,10 +50,7 @@ class TopKOracleCache(FullCache):
         index = chosen[None, :, :, None].expand(*view.keys.shape[:2], -1, view.keys.shape[-1])
         picked_keys = torch.cat([view.keys.gather(2, index), view.keys[:, :, earlier:]], dim=2)
         picked_values = torch.cat([view.values.gather(2, index), view.values[:, :, earlier:]], dim=2)
-        num_new = keys.shape[2]
-        slots = torch.arange(self.budget, self.budget + num_new, device=keys.device)
-        mask = None if num_new == 1 else causal_mask(slots, self.budget + num_new, keys.dtype)
-        return AttentionView(picked_keys, picked_values, mask, mask is not None)
+        return AttentionView(picked_keys, picked_values, None, keys.shape[2] > 1)
 
     def read_bytes(self) -> int:
         return min(self.length, self.budget + 1) * self.layout.bytes_per_token

@@ -39,8 +39,7 @@ def make_view(num_queries: int, num_keys: int, how: str, dtype: torch.dtype, dev
     if how == "static":  # the whole buffer: slots past the pass hold stale values, hidden by the mask
         valid = torch.tensor([num_keys], dtype=torch.int32, device=device)
         return query, AttentionView(keys, values, causal_mask(slots, size, dtype), valid_lengths=valid)
-    mask = None if num_queries == 1 else causal_mask(slots, num_keys, dtype)
-    return query, AttentionView(keys, values, mask, mask is not None)
+    return query, AttentionView(keys, values, None, causal=num_queries > 1)
 
 
 def reference(query: torch.Tensor, view: AttentionView, scale: float) -> torch.Tensor:
@@ -48,7 +47,11 @@ def reference(query: torch.Tensor, view: AttentionView, scale: float) -> torch.T
     keys = view.keys.double().repeat_interleave(group, 1)  # [1, H, S, D]
     values = view.values.double().repeat_interleave(group, 1)
     scores = query.double() @ keys.transpose(-1, -2) * scale  # [1, H, T, S]
-    if view.mask is not None:
+    num_queries, num_keys = scores.shape[-2:]
+    if view.causal:
+        slots = torch.arange(num_keys - num_queries, num_keys, device=scores.device)
+        scores = scores + causal_mask(slots, num_keys, torch.float64)
+    elif view.mask is not None:
         scores = scores + view.mask.double()
     return scores.softmax(-1) @ values  # [1, H, T, D]
 

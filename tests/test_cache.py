@@ -116,17 +116,17 @@ def test_capacity_is_enforced(kind, tiny_model):
         assert cache.keys.shape[3] % SLOT_ALIGNMENT == 0 and cache.keys.shape[3] > cache.slots
 
 
-def test_full_cache_masks_are_bottom_right_causal():
+def test_full_cache_views_are_bottom_right_causal_without_a_mask():
     cache = FullCache(LAYOUT)
     cache.allocate(3)
     positions = cache.allocate(2)
     view = cache.update(0, torch.zeros(1, 2, 2, 8), torch.zeros(1, 2, 2, 8), torch.zeros(1, 4, 2, 8))
     assert positions.tolist() == [3, 4]
     assert view.keys.shape == (1, 2, 5, 8)
-    assert (view.mask == 0).tolist() == [[True] * 4 + [False], [True] * 5]
-    assert view.causal and view.mask[0, 4] == float("-inf")
+    assert view.causal and view.mask is None  # the pass's 2 tokens are the last 2 of 5 keys
     cache.allocate(1)
-    assert cache.update(0, torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1, 8), torch.zeros(1, 4, 1, 8)).mask is None
+    one = cache.update(0, torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1, 8), torch.zeros(1, 4, 1, 8))
+    assert one.mask is None and not one.causal
 
 
 def test_full_cache_reports_bytes():
