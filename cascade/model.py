@@ -97,7 +97,7 @@ class Block(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, attend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def one_token(self, x, cos, sin, cache: CachePolicy) -> torch.Tensor:
+    def one_token(self, x, cos, sin, cache: CachePolicy, attend: AttentionKernel) -> torch.Tensor:
         """The same block for x [1, 1, C] through the compiled kernels of ``cascade.one_token``."""
         attn, spec = self.self_attn, self.self_attn.spec
         query, key, value = one_token.pre_attention(
@@ -105,7 +105,7 @@ class Block(nn.Module):
             self.input_layernorm.eps, spec.num_heads, spec.num_kv_heads,
         )
         view = cache.update(attn.layer, key, value, query)
-        attended = one_token.attend(query, view, attn.scale)  # [1, H, 1, D]
+        attended = one_token.attend(query, view, attn.scale, attend)  # [1, H, 1, D]
         mlp = self.mlp
         return one_token.post_attention(
             x, attended, attn.o_proj.weight, self.post_attention_layernorm.weight,
@@ -117,7 +117,7 @@ class CausalLM(nn.Module):
     """Token ids in, logits out; all state lives in the cache policy passed to ``forward``.
 
     With ``one_token_kernels`` set, passes of a single token (decode steps, proposals) run through
-    the compiled CPU kernels of ``cascade.one_token``; longer passes always run eagerly.
+    the compiled kernels of ``cascade.one_token``; longer passes always run eagerly.
     """
 
     one_token_kernels: bool = False
@@ -163,11 +163,11 @@ class CausalLM(nn.Module):
         pass (see ``SlotCache.set_static``) runs here with the same shapes and addresses every time."""
         cos, sin = self.rotary.cos_sin(positions, self.dtype)  # [T, D] each
         x = self.embed_tokens(token_ids)  # [B, T, C]
+        attend = KERNELS[resolve_kernels(self.attention, self.device)]
         if self.one_token_kernels and token_ids.shape == (1, 1):
             for block in self.layers:
-                x = block.one_token(x, cos, sin, cache)
+                x = block.one_token(x, cos, sin, cache, attend)
             return one_token.logits(x, self.norm.weight, self.lm_head.weight, self.norm.eps)  # [1, 1, V]
-        attend = KERNELS[resolve_kernels(self.attention, self.device)]
         for block in self.layers:
             x = block(x, cos, sin, cache, attend)
         if num_logits is not None:

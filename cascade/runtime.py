@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -211,7 +212,12 @@ def prompt_cache(config: PipelineConfig, loaded: LoadedModel, model_config: Mode
 
 
 def one_token_kernels_available(device: torch.device, log: Callable[[str], None]) -> bool:
-    """The compiled one-token kernels are CPU kernels, built by Inductor with the C++ compiler."""
+    """Inductor builds the compiled one-token kernels with the C++ compiler on CPU, with Triton on CUDA."""
+    if device.type == "cuda":
+        if importlib.util.find_spec("triton") is None:
+            log("Triton is not installed: one-token passes run eagerly (kernels: eager)")
+            return False
+        return True
     if device.type != "cpu":
         return False
     if not has_cxx_compiler():

@@ -31,7 +31,8 @@ SMALL_POLICIES = {  # every registered policy, small enough to evict from a 40-t
 
 
 def tokens(model, count: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, model.spec.vocab_size, (1, count), generator=torch.Generator().manual_seed(seed))
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, model.spec.vocab_size, (1, count), generator=generator).to(model.device)
 
 
 def decode(model, kind: str, compiled: bool) -> torch.Tensor:
@@ -79,6 +80,16 @@ def tiny_model(tmp_path_factory):
 @pytest.mark.parametrize("kind", sorted(POLICIES))
 def test_compiled_decode_equals_eager_under_every_policy(tiny_model, kind):
     torch.testing.assert_close(decode(tiny_model, kind, True), decode(tiny_model, kind, False), atol=5e-5, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (and Triton)")
+@pytest.mark.parametrize("kind", sorted(POLICIES))
+def test_compiled_decode_equals_eager_on_cuda(tmp_path, kind):
+    """On CUDA the kernels are Triton's and attention is the model's family (cuda)."""
+    checkpoint = make_checkpoint(tmp_path / "m", "llama-gqa-tied")
+    model = load_model(checkpoint, torch.float32, torch.device("cuda"))
+    torch.testing.assert_close(decode(model, kind, True), decode(model, kind, False), atol=5e-5, rtol=0)
 
 
 @needs_compiler
