@@ -50,6 +50,7 @@ from cascade.graphs import PassGraphs, cuda_graph
 from cascade.model import CausalLM
 from cascade.models import default_model
 from cascade.rope import Rotary, rope_frequencies
+from cascade.runtime import one_token_kernels_available
 
 SHAPES = {  # random-weight models in published shapes (Llama-2-7B and TriForce's 68M draft)
     "llama-2-7b": LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
@@ -102,6 +103,10 @@ def per_context(parser: argparse.ArgumentParser, option: str, values: list[float
     if not all(0.0 <= a < 1.0 for a in values):
         parser.error(f"{flag} values are probabilities in [0, 1); got {values}")
     return values * contexts if len(values) == 1 else values
+
+
+def print_to_stderr(message: str) -> None:
+    print(message, file=sys.stderr)
 
 
 def median_seconds(run, repeats: int, device: torch.device) -> float:
@@ -229,7 +234,7 @@ def load_target(args, path: Path | None, context: int) -> tuple[CausalLM, dict |
     else:
         scaling = yarn_scaling(path, context + 64)
         model = load_checkpoint(path, dtype, device, scaling).model
-    model.one_token_kernels = args.kernels == "compiled" and device.type == "cpu"
+    model.one_token_kernels = args.kernels == "compiled" and one_token_kernels_available(device, print_to_stderr)
     model.attention = resolve_kernels(args.attention, device)
     return model, scaling
 
@@ -264,7 +269,7 @@ def context_figures(
     }
     if args.draft_shape:
         draft = random_model(SHAPES[args.draft_shape], model.dtype, model.device)
-        draft.attention = model.attention
+        draft.attention, draft.one_token_kernels = model.attention, model.one_token_kernels
         window = StreamingCacheConfig(sinks=4, window=args.draft_window)
         streaming = build_policy(window, draft.cache_layout(context + 64, args.gamma + 2))
         for start in range(0, 4 + args.draft_window, args.gamma + 2):  # fill its window within its pending room
@@ -289,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     hardware = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"{hardware}: memory bandwidth {bandwidth / 1e9:.1f} GB/s, {args.dtype} matmul peak "
           f"{peak / 1e9:.0f} GFLOP/s")
-    path = None if args.shape else default_model("target", log=lambda message: print(message, file=sys.stderr))
+    path = None if args.shape else default_model("target", log=print_to_stderr)
     rows = []
     print("| context | pass | measured ms | memory-bound ms | compute-bound ms | measured / roofline |")
     print("|---:|---|---:|---:|---:|---:|")
