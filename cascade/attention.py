@@ -64,16 +64,21 @@ def attend_cpu(query: torch.Tensor, view: AttentionView, scale: float) -> torch.
 def attend_sdpa(query: torch.Tensor, view: AttentionView, scale: float) -> torch.Tensor:
     """The ``sdpa`` family: one scaled_dot_product_attention call (K/V shared per query group).
 
-    A causal pass over earlier keys (a later prefill chunk) goes as PyTorch's lower-right causal
-    bias, which its flash and memory-efficient CUDA kernels apply without a [T, S] mask (a 4096-token
-    chunk over 120K keys would otherwise build a 1 GB bf16 mask and run the masked kernels).
+    A causal pass over earlier keys (a later prefill chunk) in half precision on CUDA goes as
+    PyTorch's lower-right causal bias, which its flash kernel applies without a [T, S] mask and with
+    grouped KV heads (a 4096-token chunk over 120K keys would otherwise build a 1 GB bf16 mask and
+    run the masked kernels). Elsewhere the mask is built, per layer.
     """
     num_queries, num_keys = query.shape[2], view.keys.shape[2]
     if view.causal and num_queries == num_keys:  # a first prefill chunk: skip the upper half
         return F.scaled_dot_product_attention(
             query, view.keys, view.values, is_causal=True, scale=scale, enable_gqa=True
         )
-    mask = causal_lower_right(num_queries, num_keys) if view.causal else view.mask
+    mask = view.mask
+    if view.causal and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
+        mask = causal_lower_right(num_queries, num_keys)
+    elif view.causal:
+        mask = _causal_rows(num_queries, num_keys, 1, query)  # [T, S]
     return F.scaled_dot_product_attention(
         query, view.keys, view.values, attn_mask=mask, scale=scale, enable_gqa=True
     )
@@ -221,6 +226,13 @@ def causal_block(num_queries: int, dtype: torch.dtype, device: torch.device) -> 
     return causal_mask(torch.arange(num_queries, device=device), num_queries, dtype)
 
 
+def _causal_rows(num_queries: int, num_keys: int, repeats: int, query: torch.Tensor) -> torch.Tensor:
+    """[R*T, S] additive mask, in the query's dtype, of a causal view's T queries (the last T keys)
+    over its S keys, repeated R times: row r*T + t is query t."""
+    query_slots = torch.arange(num_keys - num_queries, num_keys, device=query.device).repeat(repeats)
+    return causal_mask(query_slots, num_keys, query.dtype)
+
+
 def _grouped_sdpa(query: torch.Tensor, view: AttentionView, scale: float) -> torch.Tensor:
     """SDPA with each KV head's query group folded into the query-length axis.
 
@@ -231,9 +243,8 @@ def _grouped_sdpa(query: torch.Tensor, view: AttentionView, scale: float) -> tor
     num_kv_heads, num_queries, num_keys = view.keys.shape[1], query.shape[2], view.keys.shape[2]
     folded = rearrange(query, "b (k g) t d -> b k (g t) d", k=num_kv_heads)  # [B, H_kv, G*T, D]
     group = folded.shape[2] // num_queries
-    if view.causal:  # row g*T + t is query t, in key slot S - T + t
-        query_slots = torch.arange(num_keys - num_queries, num_keys, device=query.device).repeat(group)
-        mask = causal_mask(query_slots, num_keys, query.dtype)  # [G*T, S]
+    if view.causal:
+        mask = _causal_rows(num_queries, num_keys, group, query)  # [G*T, S]
     else:
         mask = None if view.mask is None else view.mask.repeat(group, 1)
     out = F.scaled_dot_product_attention(folded, view.keys, view.values, attn_mask=mask, scale=scale)
