@@ -15,7 +15,7 @@ from einops import rearrange
 from torch import nn
 
 from cache.base import CacheLayout, CachePolicy
-from cascade import one_token
+from cascade import fused
 from cascade.attention import KERNELS, AttentionKernel, resolve_kernels
 from cascade.rope import Rotary, apply_rotary
 
@@ -97,17 +97,17 @@ class Block(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, attend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def one_token(self, x, cos, sin, cache: CachePolicy, attend: AttentionKernel) -> torch.Tensor:
-        """The same block for x [1, 1, C] through the compiled kernels of ``cascade.one_token``."""
+    def forward_fused(self, x, cos, sin, cache: CachePolicy, attend: AttentionKernel) -> torch.Tensor:
+        """The same block for x [1, T, C] through the compiled kernels of ``cascade.fused``."""
         attn, spec = self.self_attn, self.self_attn.spec
-        query, key, value = one_token.pre_attention(
+        query, key, value = fused.pre_attention(
             x, self.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, cos, sin,
             self.input_layernorm.eps, spec.num_heads, spec.num_kv_heads,
         )
         view = cache.update(attn.layer, key, value, query)
-        attended = one_token.attend(query, view, attn.scale, attend)  # [1, H, 1, D]
+        attended = fused.attend(query, view, attn.scale, attend)  # [1, H, T, D]
         mlp = self.mlp
-        return one_token.post_attention(
+        return fused.post_attention(
             x, attended, attn.o_proj.weight, self.post_attention_layernorm.weight,
             mlp.gate_up_proj.weight, mlp.down_proj.weight, self.post_attention_layernorm.eps,
         )
@@ -116,11 +116,13 @@ class Block(nn.Module):
 class CausalLM(nn.Module):
     """Token ids in, logits out; all state lives in the cache policy passed to ``forward``.
 
-    With ``one_token_kernels`` set, passes of a single token (decode steps, proposals) run through
-    the compiled kernels of ``cascade.one_token``; longer passes always run eagerly.
+    Passes of one sequence of up to ``fused_tokens`` tokens (decode steps, proposals and, on CUDA,
+    verification passes) run through the compiled kernels of ``cascade.fused``; longer passes
+    always run eagerly.
     """
 
-    one_token_kernels: bool = False
+    fused_tokens: int = 0
+    """Longest pass that runs fused (0: none); the runtime sets it per device."""
     attention: str = "auto"
     """Attention kernel family (``cascade.attention``); auto picks by device."""
 
@@ -164,12 +166,11 @@ class CausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, self.dtype)  # [T, D] each
         x = self.embed_tokens(token_ids)  # [B, T, C]
         attend = KERNELS[resolve_kernels(self.attention, self.device)]
-        if self.one_token_kernels and token_ids.shape == (1, 1):
-            for block in self.layers:
-                x = block.one_token(x, cos, sin, cache, attend)
-            return one_token.logits(x, self.norm.weight, self.lm_head.weight, self.norm.eps)  # [1, 1, V]
+        run_fused = token_ids.shape[0] == 1 and token_ids.shape[1] <= self.fused_tokens
         for block in self.layers:
-            x = block(x, cos, sin, cache, attend)
+            x = block.forward_fused(x, cos, sin, cache, attend) if run_fused else block(x, cos, sin, cache, attend)
         if num_logits is not None:
             x = x[:, -num_logits:]
+        if run_fused:
+            return fused.logits(x, self.norm.weight, self.lm_head.weight, self.norm.eps)  # [1, N, V]
         return self.lm_head(self.norm(x))  # [B, N, V]

@@ -25,9 +25,9 @@ from safetensors.torch import save_file
 
 from cache import full, slots
 from cache.full import FullCache
-from cascade import attention, checkpoint, model, one_token, rope
+from cascade import attention, checkpoint, fused, model, rope
 
-MODEL_CODE = (model, attention, rope, one_token, checkpoint, full, slots)
+MODEL_CODE = (model, attention, rope, fused, checkpoint, full, slots)
 """Modules whose source decides a prefill's numbers: editing them invalidates stored prompts."""
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from cache.full import FullCache
+from cascade import fused
 from cascade.attention import resolve_kernels
 from cascade.checkpoint import LoadedModel, load_checkpoint
 from cascade.errors import CascadeError
@@ -174,13 +175,13 @@ def build_runtime(config: PipelineConfig, log: Callable[[str], None]) -> Runtime
     if uses_draft or config.draft.path is not None:
         draft = load_model(config.draft, "draft", dtype, device, log)
         check_same_vocabulary(target, draft)
-    compiled = config.kernels == "compiled" and one_token_kernels_available(device, log)
+    fused_tokens = fused_tokens_for(device, log) if config.kernels == "compiled" else 0
     attention = resolve_kernels(config.attention, device)
     for loaded in (target, draft):
         if loaded is not None:
-            loaded.model.one_token_kernels = compiled
+            loaded.model.fused_tokens = fused_tokens
             loaded.model.attention = attention
-            if compiled:
+            if fused_tokens:
                 warm_up(loaded.model)
     models = {"target": (target, config.target), "draft": (draft, config.draft)}
     prompt_caches = {role: prompt_cache(config, loaded, model_config, log)
@@ -190,40 +191,44 @@ def build_runtime(config: PipelineConfig, log: Callable[[str], None]) -> Runtime
 
 
 def warm_up(model: CausalLM) -> None:
-    """Decode a few tokens on a throwaway cache, so that compiling the one-token kernels (seconds,
+    """Run a few fused passes on a throwaway cache, so that compiling the fused kernels (seconds,
     once per process) happens at load and is never timed as a step of a generation (the cost
-    model would take it for the verifier's step cost). The cache is larger than what it holds,
-    as real ones are, or the kernels would be specialised to a fully used buffer's strides."""
-    cache = FullCache(model.cache_layout(capacity=8))
-    for _ in range(3):
-        model(torch.zeros(1, 1, dtype=torch.long, device=model.device), cache, num_logits=1)
-        cache.commit(cache.length)
+    model would take it for the verifier's step cost): one-token passes and, where wider passes
+    run fused, two-token ones (one compiled graph serves every width above one). The cache is
+    larger than what it holds, as real ones are, or the kernels would be specialised to a fully
+    used buffer's strides."""
+    cache = FullCache(model.cache_layout(capacity=16))
+    for width in (1, 2) if model.fused_tokens > 1 else (1,):
+        for _ in range(3):
+            model(torch.zeros(1, width, dtype=torch.long, device=model.device), cache, num_logits=width)
+            cache.commit(cache.length)
 
 
 def prompt_cache(config: PipelineConfig, loaded: LoadedModel, model_config: ModelConfig,
                  log: Callable[[str], None]) -> PromptCache:
     """The store of ``loaded``'s prefilled prompts, keyed by everything that decides them."""
     model = loaded.model
-    settings = {"dtype": str(model.dtype), "device": model.device.type, "one_token_kernels": model.one_token_kernels,
+    settings = {"dtype": str(model.dtype), "device": model.device.type, "fused_tokens": model.fused_tokens,
                 "attention": model.attention,
                 "rope_scaling": model_config.rope_scaling.model_dump() if model_config.rope_scaling else None}
     return PromptCache(Path(config.prompt_cache.dir).expanduser(), model_key(loaded.path, settings),
                        int(config.prompt_cache.max_gb * 2**30), log)
 
 
-def one_token_kernels_available(device: torch.device, log: Callable[[str], None]) -> bool:
-    """Inductor builds the compiled one-token kernels with the C++ compiler on CPU, with Triton on CUDA."""
+def fused_tokens_for(device: torch.device, log: Callable[[str], None]) -> int:
+    """The longest pass the compiled kernels of ``cascade.fused`` take on ``device`` (0 where
+    Inductor cannot build them): one token on CPU (C++), ``CUDA_MAX_TOKENS`` on CUDA (Triton)."""
     if device.type == "cuda":
         if importlib.util.find_spec("triton") is None:
-            log("Triton is not installed: one-token passes run eagerly (kernels: eager)")
-            return False
-        return True
+            log("Triton is not installed: short passes run eagerly (kernels: eager)")
+            return 0
+        return fused.CUDA_MAX_TOKENS
     if device.type != "cpu":
-        return False
+        return 0
     if not has_cxx_compiler():
         log("no C++ compiler found: one-token passes run eagerly (kernels: eager), about half as fast")
-        return False
-    return True
+        return 0
+    return 1
 
 
 def load_model(

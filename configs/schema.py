@@ -97,10 +97,11 @@ class PipelineConfig(Strict):
     seed: int = Field(0, ge=0)
     """Seed of the sampling random generator."""
     kernels: Literal["compiled", "eager"] = "compiled"
-    """compiled runs one-token passes (decode steps, proposals) through torch.compile'd kernels:
-    on CPU about 1.5-2x faster (needs a C++ compiler), on CUDA a few fused Triton kernels per
-    layer instead of some twenty (needs Triton); without them it falls back to eager and says so.
-    A process's first pass compiles them (seconds, cached on disk). eager runs plain PyTorch ops."""
+    """compiled runs short passes through torch.compile'd kernels: on CPU one-token passes (decode
+    steps, proposals), about 1.5-2x faster (needs a C++ compiler); on CUDA passes of up to 16
+    tokens, verification included, as a few fused Triton kernels per layer instead of some twenty
+    (needs Triton). Without a compiler it falls back to eager and says so. Models compile them as
+    they load (seconds, cached on disk). eager runs plain PyTorch ops."""
     attention: Literal["auto", "cpu", "sdpa", "cuda", "flash"] = "auto"
     """Attention kernels: cpu (tuned for CPU passes), sdpa (PyTorch's scaled_dot_product_attention),
     cuda (few-query passes as matrix products spread over the whole GPU, the rest SDPA), flash

@@ -50,7 +50,7 @@ from cascade.graphs import PassGraphs, cuda_graph
 from cascade.model import CausalLM
 from cascade.models import default_model
 from cascade.rope import Rotary, rope_frequencies
-from cascade.runtime import one_token_kernels_available
+from cascade.runtime import fused_tokens_for
 
 SHAPES = {  # random-weight models in published shapes (Llama-2-7B and TriForce's 68M draft)
     "llama-2-7b": LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
@@ -68,7 +68,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=7, help="timed passes per figure (median)")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--kernels", choices=["compiled", "eager"], default="compiled",
-                        help="one-token passes through the compiled kernels (as the runtime runs them) or eagerly")
+                        help="short passes through the compiled kernels (as the runtime runs them) or eagerly")
     parser.add_argument("--attention", choices=["auto", "cpu", "sdpa", "cuda", "flash"], default="auto")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-graphs", action="store_true", help="on CUDA, run every pass eagerly")
@@ -234,7 +234,7 @@ def load_target(args, path: Path | None, context: int) -> tuple[CausalLM, dict |
     else:
         scaling = yarn_scaling(path, context + 64)
         model = load_checkpoint(path, dtype, device, scaling).model
-    model.one_token_kernels = args.kernels == "compiled" and one_token_kernels_available(device, print_to_stderr)
+    model.fused_tokens = fused_tokens_for(device, print_to_stderr) if args.kernels == "compiled" else 0
     model.attention = resolve_kernels(args.attention, device)
     return model, scaling
 
@@ -269,7 +269,7 @@ def context_figures(
     }
     if args.draft_shape:
         draft = random_model(SHAPES[args.draft_shape], model.dtype, model.device)
-        draft.attention, draft.one_token_kernels = model.attention, model.one_token_kernels
+        draft.attention, draft.fused_tokens = model.attention, model.fused_tokens
         window = StreamingCacheConfig(sinks=4, window=args.draft_window)
         streaming = build_policy(window, draft.cache_layout(context + 64, args.gamma + 2))
         for start in range(0, 4 + args.draft_window, args.gamma + 2):  # fill its window within its pending room

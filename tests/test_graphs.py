@@ -103,13 +103,13 @@ def test_a_static_pass_compiles_once_per_shape_whatever_the_length(kind, tiny_mo
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled-one-token"])
+@pytest.mark.parametrize("fused_tokens", [0, MAX_GRAPH_TOKENS], ids=["eager", "fused"])
 @pytest.mark.parametrize("kind", list(CONFIGS))
-def test_cuda_graph_replays_compute_what_dynamic_passes_do(kind, compiled, tiny_checkpoint):
-    """Replays against eager dynamic passes, with one-token passes eager or as Triton kernels."""
+def test_cuda_graph_replays_compute_what_dynamic_passes_do(kind, fused_tokens, tiny_checkpoint):
+    """Replays against eager dynamic passes, with the graphed passes eager or as Triton kernels."""
     model = load_model(tiny_checkpoint, torch.float32, torch.device("cuda"))
     dynamic = run_passes(model, kind)
-    model.one_token_kernels = compiled
+    model.fused_tokens = fused_tokens
     replayed = run_passes(model, kind, cuda_graph)
     for expected, got in zip(dynamic, replayed, strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)

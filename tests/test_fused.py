@@ -1,4 +1,5 @@
-"""The compiled one-token kernels compute what the eager forward pass computes.
+"""The compiled kernels of short passes compute what the eager forward pass computes: one-token
+passes (as on CPU) and passes of several tokens (as on CUDA, checked here on CPU too).
 
 Tolerance: float32 logits within 5e-5 absolute on tiny models (logit scale ~1): the kernels
 differ from the eager ones only in summation order.
@@ -11,7 +12,7 @@ import torch
 
 from cache.full import FullCache
 from cache.registry import POLICIES, build_policy
-from cascade import one_token
+from cascade import fused
 from cascade.checkpoint import load_model
 from cascade.runtime import build_runtime, has_cxx_compiler
 from configs.schema import PipelineConfig
@@ -20,6 +21,9 @@ from tests.conftest import FAMILIES, make_checkpoint
 CPU = torch.device("cpu")
 needs_compiler = pytest.mark.skipif(not has_cxx_compiler(), reason="Inductor's CPU kernels need a C++ compiler")
 PROMPT, GENERATED = 40, 12
+ONE_TOKEN = (1,) * GENERATED
+SHORT_PASSES = (1, 3, 1, 4, 2, 1)
+"""Widths of the passes after the prompt, like proposals and verifications (GENERATED tokens)."""
 
 SMALL_POLICIES = {  # every registered policy, small enough to evict from a 40-token prompt
     "full": {},
@@ -35,8 +39,9 @@ def tokens(model, count: int, seed: int) -> torch.Tensor:
     return torch.randint(0, model.spec.vocab_size, (1, count), generator=generator).to(model.device)
 
 
-def decode(model, kind: str, compiled: bool) -> torch.Tensor:
-    """Logits [GENERATED, V] of one-token passes after a 40-token prompt, under policy ``kind``."""
+def decode(model, kind: str, fused_tokens: int, widths: tuple[int, ...] = ONE_TOKEN) -> torch.Tensor:
+    """Logits [GENERATED, V] of passes of ``widths`` tokens after a 40-token prompt, under policy
+    ``kind``, with passes of up to ``fused_tokens`` fused."""
     layout = model.cache_layout(PROMPT + GENERATED)
     entry = POLICIES[kind]
     source = None
@@ -48,13 +53,14 @@ def decode(model, kind: str, compiled: bool) -> torch.Tensor:
     if source is None:
         model(tokens(model, PROMPT, 0), cache)
         cache.commit(PROMPT)
-    model.one_token_kernels = compiled
+    model.fused_tokens = fused_tokens
+    generated = tokens(model, GENERATED, 1)
     logits = []
-    for token in tokens(model, GENERATED, 1)[0]:
-        logits.append(model(token.reshape(1, 1), cache)[0, 0])
+    for width in widths:
+        logits.append(model(generated[:, cache.length - PROMPT : cache.length - PROMPT + width], cache)[0])
         cache.commit(cache.length)
-    model.one_token_kernels = False
-    return torch.stack(logits)
+    model.fused_tokens = 0
+    return torch.cat(logits)  # [GENERATED, V]
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -63,12 +69,17 @@ def family_model(request, tmp_path_factory):
 
 
 @needs_compiler
-@pytest.mark.parametrize("attention_limit", [one_token.MAX_COMPILED_ATTENTION_KEYS, PROMPT + 4])
+@pytest.mark.parametrize("attention_limit", [fused.MAX_COMPILED_ATTENTION_KEYS, PROMPT + 4])
 def test_compiled_decode_equals_eager_for_every_family(family_model, attention_limit, monkeypatch):
     """Both attention kernels: the compiled one, and past the limit the per-KV-head products."""
-    monkeypatch.setattr(one_token, "MAX_COMPILED_ATTENTION_KEYS", attention_limit)
-    torch.testing.assert_close(decode(family_model, "full", True), decode(family_model, "full", False),
-                               atol=5e-5, rtol=0)
+    monkeypatch.setattr(fused, "MAX_COMPILED_ATTENTION_KEYS", attention_limit)
+    torch.testing.assert_close(decode(family_model, "full", 1), decode(family_model, "full", 0), atol=5e-5, rtol=0)
+
+
+@needs_compiler
+def test_fused_short_passes_equal_eager_for_every_family(family_model):
+    torch.testing.assert_close(decode(family_model, "full", fused.CUDA_MAX_TOKENS, SHORT_PASSES),
+                               decode(family_model, "full", 0, SHORT_PASSES), atol=5e-5, rtol=0)
 
 
 @pytest.fixture(scope="module")
@@ -78,46 +89,53 @@ def tiny_model(tmp_path_factory):
 
 @needs_compiler
 @pytest.mark.parametrize("kind", sorted(POLICIES))
-def test_compiled_decode_equals_eager_under_every_policy(tiny_model, kind):
-    torch.testing.assert_close(decode(tiny_model, kind, True), decode(tiny_model, kind, False), atol=5e-5, rtol=0)
+@pytest.mark.parametrize("widths", [ONE_TOKEN, SHORT_PASSES], ids=["one-token", "short-passes"])
+def test_compiled_passes_equal_eager_under_every_policy(tiny_model, kind, widths, monkeypatch):
+    compiled, fused_widths = fused.pre_attention, []
+    monkeypatch.setattr(fused, "pre_attention", lambda x, *args: fused_widths.append(x.shape[1]) or compiled(x, *args))
+    torch.testing.assert_close(decode(tiny_model, kind, fused.CUDA_MAX_TOKENS, widths),
+                               decode(tiny_model, kind, 0, widths), atol=5e-5, rtol=0)
+    layers = tiny_model.spec.num_layers  # every layer of every pass of the first run, none of the eager one
+    assert fused_widths == [width for width in widths for _ in range(layers)]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (and Triton)")
 @pytest.mark.parametrize("kind", sorted(POLICIES))
-def test_compiled_decode_equals_eager_on_cuda(tmp_path, kind):
+def test_fused_passes_equal_eager_on_cuda(tmp_path, kind):
     """On CUDA the kernels are Triton's and attention is the model's family (cuda)."""
     checkpoint = make_checkpoint(tmp_path / "m", "llama-gqa-tied")
     model = load_model(checkpoint, torch.float32, torch.device("cuda"))
-    torch.testing.assert_close(decode(model, kind, True), decode(model, kind, False), atol=5e-5, rtol=0)
+    torch.testing.assert_close(decode(model, kind, fused.CUDA_MAX_TOKENS, SHORT_PASSES),
+                               decode(model, kind, 0, SHORT_PASSES), atol=5e-5, rtol=0)
 
 
 @needs_compiler
 def test_compiled_bfloat16_decode_is_as_close_to_float32_as_eager(tmp_path):
     """In bf16 both paths round; the compiled one must not stray further from float32 logits."""
     checkpoint = make_checkpoint(tmp_path / "m", "qwen2-bias")
-    reference = decode(load_model(checkpoint, torch.float32, CPU), "full", False)
+    reference = decode(load_model(checkpoint, torch.float32, CPU), "full", 0)
     model = load_model(checkpoint, torch.bfloat16, CPU)
-    compiled_error = (decode(model, "full", True).float() - reference).abs().mean()
-    eager_error = (decode(model, "full", False).float() - reference).abs().mean()
+    compiled_error = (decode(model, "full", 1).float() - reference).abs().mean()
+    eager_error = (decode(model, "full", 0).float() - reference).abs().mean()
     assert compiled_error <= 1.25 * eager_error, (compiled_error, eager_error)
 
 
-def runtime_flags(checkpoint, messages: list[str], **settings) -> list[bool]:
+def runtime_fused_tokens(checkpoint, messages: list[str], **settings) -> list[int]:
     config = PipelineConfig.model_validate({
         "stages": [{"model": "draft", "cache": {"kind": "full"}}, {"model": "target", "cache": {"kind": "full"}}],
         "target": {"path": str(checkpoint)}, "draft": {"path": str(checkpoint)}, "dtype": "float32", **settings,
     })
     runtime = build_runtime(config, log=messages.append)
-    return [runtime.target.model.one_token_kernels, runtime.draft.model.one_token_kernels]
+    return [runtime.target.model.fused_tokens, runtime.draft.model.fused_tokens]
 
 
 def test_runtime_sets_the_kernels_the_config_names(tiny_dir, monkeypatch):
     messages: list[str] = []
     monkeypatch.setattr("shutil.which", lambda name: f"/usr/bin/{name}")
-    assert runtime_flags(tiny_dir, messages) == [True, True]
-    assert runtime_flags(tiny_dir, messages, kernels="eager") == [False, False]
+    assert runtime_fused_tokens(tiny_dir, messages) == [1, 1]  # one-token passes, on CPU
+    assert runtime_fused_tokens(tiny_dir, messages, kernels="eager") == [0, 0]
     assert messages == []
     monkeypatch.setattr("shutil.which", lambda name: None)
-    assert runtime_flags(tiny_dir, messages) == [False, False]
+    assert runtime_fused_tokens(tiny_dir, messages) == [0, 0]
     assert any("no C++ compiler" in message for message in messages)

@@ -1,0 +1,108 @@
+"""Compiled kernels for short passes: decode steps, every speculative proposal and, on CUDA,
+verification passes.
+
+A one-token pass multiplies a single row by every weight matrix. PyTorch's bf16 matrix-vector
+product reads the weights at about a third of this CPU's memory bandwidth, and each layer also
+pays for a dozen small eager ops. Here each one-row projection is written as a fused
+multiply-and-sum that torch.compile (Inductor) turns into one vectorised C++ loop streaming the
+weight once, and the ops around it (RMSNorm, rotary, residuals, SiLU) fuse into the same kernels:
+per layer one kernel before attention, one after, and one for attention over short caches. Shapes
+are dynamic, so one compiled graph serves every layer, every model and every cache length. A
+process's first pass traces and loads them: about 5 s once Inductor's on-disk cache holds the
+compiled code, 8-16 s on a machine that has never compiled them.
+
+On CUDA the same functions become Triton kernels, and passes of up to ``CUDA_MAX_TOKENS`` tokens
+take them (several rows are projected by cuBLAS, the ops around the products fused). There a
+graphed pass of a small model is bound by its kernel count, not by bytes: a SmolLM2 step over
+4K-16K keys took 1.8-1.9 ms on an H100 as some twenty eager kernels per layer of 2-4 us each,
+against 0.13-0.22 ms of memory traffic. Verification passes must shed their kernels too, or
+fusing the steps alone would make every verification dearer next to a step.
+
+Products accumulate in float32 (as the eager bf16 kernels do) and round to the model's dtype
+where the eager path rounds; the result differs from the eager path only in summation order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from cache.base import AttentionView
+from cascade.attention import AttentionKernel
+from cascade.rope import apply_rotary
+
+MAX_COMPILED_ATTENTION_KEYS = 6144
+"""Up to this many cached keys the compiled attention kernel wins; beyond it the per-KV-head
+matrix products of ``cascade.attention`` are faster on this CPU (4K keys: 18 vs 23 ms over 30
+layers; 8K: 40 vs 35 ms)."""
+CUDA_MAX_TOKENS = 16
+"""On CUDA, passes of up to this many tokens (those ``cascade.graphs`` captures) run fused."""
+
+
+def _project(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """rows [T, I] times weight [O, I] -> [T, O] in float32: one row as a multiply-and-sum (one
+    pass over the weight), several as a matrix product."""
+    if rows.shape[0] == 1:
+        return (weight * rows[:, None]).sum(-1, dtype=torch.float32)  # [1, O, I] summed
+    return F.linear(rows, weight).float()
+
+
+def _pre_attention(
+    x: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: torch.Tensor | None,
+    cos: torch.Tensor, sin: torch.Tensor, eps: float, num_heads: int, num_kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [1, T, C] -> rotated query [1, H, T, D], rotated key and value [1, H_kv, T, D]."""
+    normed = F.rms_norm(x, norm_weight.shape, norm_weight, eps)[0]  # [T, C]
+    qkv = _project(normed, qkv_weight)  # [T, (H + 2 H_kv) D]
+    if qkv_bias is not None:
+        qkv = qkv + qkv_bias
+    qkv = qkv.to(x.dtype).unflatten(-1, (num_heads + 2 * num_kv_heads, -1)).transpose(0, 1)  # [H + 2 H_kv, T, D]
+    rotated = apply_rotary(qkv[: num_heads + num_kv_heads], cos, sin)  # cos/sin [T, D]
+    query, key, value = rotated[:num_heads], rotated[num_heads:], qkv[num_heads + num_kv_heads :]
+    return query[None], key[None], value[None]
+
+
+def _post_attention(
+    x: torch.Tensor, attended: torch.Tensor, o_weight: torch.Tensor, norm_weight: torch.Tensor,
+    gate_up_weight: torch.Tensor, down_weight: torch.Tensor, eps: float,
+) -> torch.Tensor:
+    """Residual stream x [1, T, C] and attention output [1, H, T, D] -> the block's output [1, T, C]."""
+    rows = attended[0].transpose(0, 1).flatten(1)  # [T, H D]
+    x = x + _project(rows, o_weight).to(x.dtype)
+    normed = F.rms_norm(x, norm_weight.shape, norm_weight, eps)[0]  # [T, C]
+    gate, up = _project(normed, gate_up_weight).to(x.dtype).chunk(2, dim=-1)  # [T, F] each
+    return x + _project(F.silu(gate) * up, down_weight).to(x.dtype)
+
+
+def _logits(x: torch.Tensor, norm_weight: torch.Tensor, head_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Final hidden states x [1, N, C] -> logits [1, N, V]."""
+    normed = F.rms_norm(x, norm_weight.shape, norm_weight, eps)[0]  # [N, C]
+    return _project(normed, head_weight).to(x.dtype)[None]
+
+
+def _attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per head [1, H, 1, D] over keys/values [1, H_kv, S, D] -> [1, H, 1, D].
+
+    Each KV head's query group [G, D] meets its keys directly (no expansion); softmax in float32.
+    """
+    num_kv_heads, head_dim = keys.shape[1], keys.shape[3]
+    groups = query.reshape(num_kv_heads, -1, head_dim)  # [H_kv, G, D]
+    scores = (groups[:, :, None, :] * keys[0][:, None]).sum(-1, dtype=torch.float32) * scale  # [H_kv, G, S]
+    weights = torch.softmax(scores, dim=-1)
+    out = (weights[:, :, None, :] * values[0].transpose(1, 2)[:, None]).sum(-1)  # [H_kv, G, D]
+    return out.to(query.dtype).reshape(1, -1, 1, head_dim)
+
+
+pre_attention = torch.compile(_pre_attention, dynamic=True)
+post_attention = torch.compile(_post_attention, dynamic=True)
+logits = torch.compile(_logits, dynamic=True)
+_compiled_attention = torch.compile(_attention, dynamic=True)
+
+
+def attend(query: torch.Tensor, view: AttentionView, scale: float, family: AttentionKernel) -> torch.Tensor:
+    """Queries [1, H, T, D] over the view -> [1, H, T, D]: on CPU one query per head over a short
+    unmasked cache through the compiled kernel, everything else through the model's attention ``family``."""
+    short = view.mask is None and not view.causal and view.keys.shape[2] <= MAX_COMPILED_ATTENTION_KEYS
+    if short and query.shape[2] == 1 and query.device.type == "cpu":
+        return _compiled_attention(query, view.keys, view.values, scale)
+    return family(query, view, scale)
