@@ -102,7 +102,7 @@ _compiled_attention = torch.compile(_attention, dynamic=True)
 def attend(query: torch.Tensor, view: AttentionView, scale: float, family: AttentionKernel) -> torch.Tensor:
     """Queries [1, H, T, D] over the view -> [1, H, T, D]: on CPU one query per head over a short
     unmasked cache through the compiled kernel, everything else through the model's attention ``family``."""
-    short = view.mask is None and not view.causal and view.keys.shape[2] <= MAX_COMPILED_ATTENTION_KEYS
-    if short and query.shape[2] == 1 and query.device.type == "cpu":
+    one_query = query.shape[2] == 1 and query.device.type == "cpu"
+    if one_query and view.mask is None and view.keys.shape[2] <= MAX_COMPILED_ATTENTION_KEYS:
         return _compiled_attention(query, view.keys, view.values, scale)
     return family(query, view, scale)
