@@ -78,7 +78,7 @@ def attend_sdpa(query: torch.Tensor, view: AttentionView, scale: float) -> torch
     if view.causal and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
         mask = causal_lower_right(num_queries, num_keys)
     elif view.causal:
-        mask = _causal_rows(num_queries, num_keys, 1, query)  # [T, S]
+        mask = _causal_rows(num_queries, num_keys, 1, query.device)  # [T, S]
     return F.scaled_dot_product_attention(
         query, view.keys, view.values, attn_mask=mask, scale=scale, enable_gqa=True
     )
@@ -226,11 +226,13 @@ def causal_block(num_queries: int, dtype: torch.dtype, device: torch.device) -> 
     return causal_mask(torch.arange(num_queries, device=device), num_queries, dtype)
 
 
-def _causal_rows(num_queries: int, num_keys: int, repeats: int, query: torch.Tensor) -> torch.Tensor:
-    """[R*T, S] additive mask, in the query's dtype, of a causal view's T queries (the last T keys)
-    over its S keys, repeated R times: row r*T + t is query t."""
-    query_slots = torch.arange(num_keys - num_queries, num_keys, device=query.device).repeat(repeats)
-    return causal_mask(query_slots, num_keys, query.dtype)
+def _causal_rows(num_queries: int, num_keys: int, repeats: int, device: torch.device) -> torch.Tensor:
+    """[R*T, S] boolean SDPA mask, True where a query reads a key, of a causal view's T queries
+    (its last T keys) over its S keys, repeated R times: row r*T + t is query t. Boolean because
+    it is built per layer: a quarter of an additive mask's cost (65 against 265 ms for 4096 x 32K
+    on this CPU), with the same SDPA time."""
+    query_slots = torch.arange(num_keys - num_queries, num_keys, device=device).repeat(repeats)  # [R*T]
+    return torch.arange(num_keys, device=device)[None, :] <= query_slots[:, None]
 
 
 def _grouped_sdpa(query: torch.Tensor, view: AttentionView, scale: float) -> torch.Tensor:
@@ -244,7 +246,7 @@ def _grouped_sdpa(query: torch.Tensor, view: AttentionView, scale: float) -> tor
     folded = rearrange(query, "b (k g) t d -> b k (g t) d", k=num_kv_heads)  # [B, H_kv, G*T, D]
     group = folded.shape[2] // num_queries
     if view.causal:
-        mask = _causal_rows(num_queries, num_keys, group, query)  # [G*T, S]
+        mask = _causal_rows(num_queries, num_keys, group, query.device)  # [G*T, S]
     else:
         mask = None if view.mask is None else view.mask.repeat(group, 1)
     out = F.scaled_dot_product_attention(folded, view.keys, view.values, attn_mask=mask, scale=scale)
