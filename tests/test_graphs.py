@@ -91,10 +91,13 @@ def test_static_passes_compute_what_dynamic_passes_do(kind, tiny_model):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("fused_tokens", [0, MAX_GRAPH_TOKENS], ids=["eager", "fused"])
 @pytest.mark.parametrize("kind", list(CONFIGS))
-def test_a_static_pass_compiles_once_per_shape_whatever_the_length(kind, tiny_model):
+def test_a_static_pass_compiles_once_per_shape_whatever_the_length(kind, fused_tokens, tiny_model, monkeypatch):
+    """Also with every pass through the fused kernels, as on CUDA: no graph break or host sync there."""
     counter = CompileCounter()
     dynamic = run_passes(tiny_model, kind)
+    monkeypatch.setattr(tiny_model, "fused_tokens", fused_tokens)
     compiled = run_passes(tiny_model, kind, compiled_capture(counter))
     for expected, got in zip(dynamic, compiled, strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
