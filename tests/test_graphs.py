@@ -132,12 +132,15 @@ def test_long_passes_and_selecting_passes_run_eagerly(tiny_model):
     assert retrieval.graph_ready
 
 
+@pytest.mark.parametrize("fused_tokens", [0, MAX_GRAPH_TOKENS], ids=["eager", "fused"])
 @pytest.mark.parametrize("preset", ["self-spec", "triforce"])
-def test_graphed_presets_greedy_equal_autoregressive_and_keep_their_graphs(preset, tiny_dir, tiny_draft_dir):
+def test_graphed_presets_greedy_equal_autoregressive_and_keep_their_graphs(preset, fused_tokens, tiny_dir,
+                                                                            tiny_draft_dir):
     """A runtime's next request (here a shorter prompt) restarts the last one's stages: same
-    caches, and not one pass shape compiled twice."""
+    caches, and not one pass shape compiled twice; with every graphed pass fused, as on CUDA, too."""
     autoregressive = runtime_for("autoregressive", tiny_dir, tiny_draft_dir, kernels="eager")
     runtime = runtime_for(preset, tiny_dir, tiny_draft_dir, SMALL_CACHES[preset], kernels="eager")
+    runtime.target.model.fused_tokens = runtime.draft.model.fused_tokens = fused_tokens
     counter = CompileCounter()
     runtime.capture = compiled_capture(counter)
     used = []  # per request: its stages and their caches
