@@ -276,9 +276,9 @@ def context_figures(
             filled_cache(streaming, min(args.gamma + 2, 4 + args.draft_window - start))
         draft_step = pass_figures(draft, streaming, 1, args, bandwidth, peak)
         passes[f"draft {args.draft_shape}, streaming {4 + args.draft_window}, 1 token"] = draft_step
+    figures = {"context": context, "rope_scaling": scaling, "fused_tokens": model.fused_tokens, "passes": passes}
     del model, full, retrieval
     torch.cuda.empty_cache() if args.device == "cuda" else None
-    figures = {"context": context, "rope_scaling": scaling, "passes": passes}
     if acceptance is not None:
         figures["self_spec_ceiling"] = self_spec_ceiling(step, proposal, verification, acceptance)
     if draft_acceptance is not None:
