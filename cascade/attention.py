@@ -222,7 +222,8 @@ def _attention_weights(groups: torch.Tensor, keys: torch.Tensor, view: Attention
 @cache
 def causal_block(num_queries: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """[T, T] additive causal mask of a pass's tokens over themselves (kept per shape: a few
-    are ever used)."""
+    are ever used). Only causal views use it, and those are never captured in a CUDA graph
+    (static views carry their mask), so a kept tensor is never one a capture allocated."""
     return causal_mask(torch.arange(num_queries, device=device), num_queries, dtype)
 
 

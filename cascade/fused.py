@@ -7,7 +7,8 @@ pays for a dozen small eager ops. Here each one-row projection is written as a f
 multiply-and-sum that torch.compile (Inductor) turns into one vectorised C++ loop streaming the
 weight once, and the ops around it (RMSNorm, rotary, residuals, SiLU) fuse into the same kernels:
 per layer one kernel before attention, one after, and one for attention over short caches. Shapes
-are dynamic, so one compiled graph serves every layer, every model and every cache length. A
+are dynamic but weights' are not: per model shape, a graph for one-token passes and one for wider
+passes serves every layer and every cache length. A
 process's first pass traces and loads them: about 5 s once Inductor's on-disk cache holds the
 compiled code, 8-16 s on a machine that has never compiled them.
 
@@ -51,8 +52,8 @@ def _pre_attention(
     x: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: torch.Tensor | None,
     cos: torch.Tensor, sin: torch.Tensor, eps: float, num_heads: int, num_kv_heads: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [1, T, C] -> rotated query [1, H, T, D], rotated key and value [1, H_kv, T, D]."""
-    normed = F.rms_norm(x, norm_weight.shape, norm_weight, eps)[0]  # [T, C]
+    """Residual stream x [T, C] -> rotated query [1, H, T, D], rotated key and value [1, H_kv, T, D]."""
+    normed = F.rms_norm(x, norm_weight.shape, norm_weight, eps)  # [T, C]
     qkv = _project(normed, qkv_weight)  # [T, (H + 2 H_kv) D]
     if qkv_bias is not None:
         qkv = qkv + qkv_bias
@@ -66,18 +67,17 @@ def _post_attention(
     x: torch.Tensor, attended: torch.Tensor, o_weight: torch.Tensor, norm_weight: torch.Tensor,
     gate_up_weight: torch.Tensor, down_weight: torch.Tensor, eps: float,
 ) -> torch.Tensor:
-    """Residual stream x [1, T, C] and attention output [1, H, T, D] -> the block's output [1, T, C]."""
-    rows = attended[0].transpose(0, 1).flatten(1)  # [T, H D]
-    x = x + _project(rows, o_weight).to(x.dtype)
-    normed = F.rms_norm(x, norm_weight.shape, norm_weight, eps)[0]  # [T, C]
+    """Residual stream x [T, C] and attention output rows [T, H D] -> the block's output [T, C]."""
+    x = x + _project(attended, o_weight).to(x.dtype)
+    normed = F.rms_norm(x, norm_weight.shape, norm_weight, eps)  # [T, C]
     gate, up = _project(normed, gate_up_weight).to(x.dtype).chunk(2, dim=-1)  # [T, F] each
     return x + _project(F.silu(gate) * up, down_weight).to(x.dtype)
 
 
 def _logits(x: torch.Tensor, norm_weight: torch.Tensor, head_weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Final hidden states x [1, N, C] -> logits [1, N, V]."""
-    normed = F.rms_norm(x, norm_weight.shape, norm_weight, eps)[0]  # [N, C]
-    return _project(normed, head_weight).to(x.dtype)[None]
+    """Final hidden states x [N, C] -> logits [N, V]."""
+    normed = F.rms_norm(x, norm_weight.shape, norm_weight, eps)  # [N, C]
+    return _project(normed, head_weight).to(x.dtype)
 
 
 def _attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
@@ -97,6 +97,14 @@ pre_attention = torch.compile(_pre_attention, dynamic=True)
 post_attention = torch.compile(_post_attention, dynamic=True)
 logits = torch.compile(_logits, dynamic=True)
 _compiled_attention = torch.compile(_attention, dynamic=True)
+
+
+def attention_rows(attended: torch.Tensor) -> torch.Tensor:
+    """Attention output [1, H, T, D] -> rows [T, H D] with the strides of a fresh tensor (a view
+    where the layout allows, else a copy). The compiled kernels guard on their inputs' strides,
+    a size-1 dimension's included, and each attention kernel lays its output out its own way:
+    without this each layout would compile (and count toward Dynamo's recompile limit) anew."""
+    return attended[0].transpose(0, 1).reshape(-1).view(attended.shape[2], -1)
 
 
 def attend(query: torch.Tensor, view: AttentionView, scale: float, family: AttentionKernel) -> torch.Tensor:

@@ -98,7 +98,8 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_fused(self, x, cos, sin, cache: CachePolicy, attend: AttentionKernel) -> torch.Tensor:
-        """The same block for x [1, T, C] through the compiled kernels of ``cascade.fused``."""
+        """The same block for the residual stream x [T, C] of one sequence through the compiled
+        kernels of ``cascade.fused``."""
         attn, spec = self.self_attn, self.self_attn.spec
         query, key, value = fused.pre_attention(
             x, self.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, cos, sin,
@@ -108,7 +109,7 @@ class Block(nn.Module):
         attended = fused.attend(query, view, attn.scale, attend)  # [1, H, T, D]
         mlp = self.mlp
         return fused.post_attention(
-            x, attended, attn.o_proj.weight, self.post_attention_layernorm.weight,
+            x, fused.attention_rows(attended), attn.o_proj.weight, self.post_attention_layernorm.weight,
             mlp.gate_up_proj.weight, mlp.down_proj.weight, self.post_attention_layernorm.eps,
         )
 
@@ -166,11 +167,20 @@ class CausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, self.dtype)  # [T, D] each
         x = self.embed_tokens(token_ids)  # [B, T, C]
         attend = KERNELS[resolve_kernels(self.attention, self.device)]
-        run_fused = token_ids.shape[0] == 1 and token_ids.shape[1] <= self.fused_tokens
+        if token_ids.shape[0] == 1 and token_ids.shape[1] <= self.fused_tokens:
+            return self._forward_fused(x[0], cos, sin, cache, attend, num_logits)
         for block in self.layers:
-            x = block.forward_fused(x, cos, sin, cache, attend) if run_fused else block(x, cos, sin, cache, attend)
+            x = block(x, cos, sin, cache, attend)
         if num_logits is not None:
             x = x[:, -num_logits:]
-        if run_fused:
-            return fused.logits(x, self.norm.weight, self.lm_head.weight, self.norm.eps)  # [1, N, V]
         return self.lm_head(self.norm(x))  # [B, N, V]
+
+    def _forward_fused(self, x, cos, sin, cache: CachePolicy, attend: AttentionKernel,
+                       num_logits: int | None) -> torch.Tensor:
+        """``forward_at``'s blocks and head for one sequence's residual stream x [T, C] through the
+        compiled kernels -> logits [1, N, V]."""
+        for block in self.layers:
+            x = block.forward_fused(x, cos, sin, cache, attend)
+        if num_logits is not None:
+            x = x[-num_logits:]
+        return fused.logits(x, self.norm.weight, self.lm_head.weight, self.norm.eps)[None]

@@ -182,7 +182,7 @@ def build_runtime(config: PipelineConfig, log: Callable[[str], None]) -> Runtime
             loaded.model.fused_tokens = fused_tokens
             loaded.model.attention = attention
             if fused_tokens:
-                warm_up(loaded.model)
+                warm_up(loaded.model, log)
     models = {"target": (target, config.target), "draft": (draft, config.draft)}
     prompt_caches = {role: prompt_cache(config, loaded, model_config, log)
                      for role, (loaded, model_config) in models.items() if loaded and config.prompt_cache.dir}
@@ -190,18 +190,25 @@ def build_runtime(config: PipelineConfig, log: Callable[[str], None]) -> Runtime
     return Runtime(config, target, draft, log, prompt_caches, capture)
 
 
-def warm_up(model: CausalLM) -> None:
+def warm_up(model: CausalLM, log: Callable[[str], None]) -> None:
     """Run a few fused passes on a throwaway cache, so that compiling the fused kernels (seconds,
     once per process) happens at load and is never timed as a step of a generation (the cost
     model would take it for the verifier's step cost): one-token passes and, where wider passes
     run fused, two-token ones (one compiled graph serves every width above one). The cache is
     larger than what it holds, as real ones are, or the kernels would be specialised to a fully
-    used buffer's strides."""
+    used buffer's strides. Where Inductor cannot build them (no compiler or headers for Triton's
+    launcher, say), the model runs its passes eagerly and the log says why."""
     cache = FullCache(model.cache_layout(capacity=16))
-    for width in (1, 2) if model.fused_tokens > 1 else (1,):
-        for _ in range(3):
-            model(torch.zeros(1, width, dtype=torch.long, device=model.device), cache, num_logits=width)
-            cache.commit(cache.length)
+    try:
+        for width in (1, 2) if model.fused_tokens > 1 else (1,):
+            for _ in range(3):
+                model(torch.zeros(1, width, dtype=torch.long, device=model.device), cache, num_logits=width)
+                cache.commit(cache.length)
+    except Exception as error:  # Inductor's and Triton's build failures come in many exception types
+        model.fused_tokens = 0
+        first_line = next(iter(str(error).splitlines()), "")
+        log(f"compiling the fused kernels failed ({type(error).__name__}: {first_line}); "
+            "short passes run eagerly (kernels: eager)")
 
 
 def prompt_cache(config: PipelineConfig, loaded: LoadedModel, model_config: ModelConfig,

@@ -92,7 +92,7 @@ def tiny_model(tmp_path_factory):
 @pytest.mark.parametrize("widths", [ONE_TOKEN, SHORT_PASSES], ids=["one-token", "short-passes"])
 def test_compiled_passes_equal_eager_under_every_policy(tiny_model, kind, widths, monkeypatch):
     compiled, fused_widths = fused.pre_attention, []
-    monkeypatch.setattr(fused, "pre_attention", lambda x, *args: fused_widths.append(x.shape[1]) or compiled(x, *args))
+    monkeypatch.setattr(fused, "pre_attention", lambda x, *args: fused_widths.append(x.shape[0]) or compiled(x, *args))
     torch.testing.assert_close(decode(tiny_model, kind, fused.CUDA_MAX_TOKENS, widths),
                                decode(tiny_model, kind, 0, widths), atol=5e-5, rtol=0)
     layers = tiny_model.spec.num_layers  # every layer of every pass of the first run, none of the eager one
@@ -139,3 +139,14 @@ def test_runtime_sets_the_kernels_the_config_names(tiny_dir, monkeypatch):
     monkeypatch.setattr("shutil.which", lambda name: None)
     assert runtime_fused_tokens(tiny_dir, messages) == [0, 0]
     assert any("no C++ compiler" in message for message in messages)
+
+
+def test_a_failed_build_of_the_fused_kernels_falls_back_to_eager_and_says_why(tiny_dir, monkeypatch):
+    def failing_build(*args):
+        raise RuntimeError("Python.h: No such file or directory\ncompilation terminated.")
+
+    monkeypatch.setattr(fused, "pre_attention", failing_build)
+    messages: list[str] = []
+    assert runtime_fused_tokens(tiny_dir, messages) == [0, 0]
+    assert messages == ["compiling the fused kernels failed (RuntimeError: Python.h: No such file or directory); "
+                        "short passes run eagerly (kernels: eager)"] * 2
