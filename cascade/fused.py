@@ -12,8 +12,8 @@ passes serves every layer and every cache length. A
 process's first pass traces and loads them: about 5 s once Inductor's on-disk cache holds the
 compiled code, 8-16 s on a machine that has never compiled them.
 
-On CUDA the same functions become Triton kernels, and passes of up to ``CUDA_MAX_TOKENS`` tokens
-take them (several rows are projected by cuBLAS, the ops around the products fused). There a
+On CUDA the same functions become Triton kernels, and every pass ``cascade.graphs`` captures takes
+them (several rows are projected by cuBLAS, the ops around the products fused). There a
 graphed pass of a small model is bound by its kernel count, not by bytes: a SmolLM2 step over
 4K-16K keys took 1.8-1.9 ms on an H100 as some twenty eager kernels per layer of 2-4 us each,
 against 0.13-0.22 ms of memory traffic. Verification passes must shed their kernels too, or
@@ -36,8 +36,6 @@ MAX_COMPILED_ATTENTION_KEYS = 6144
 """Up to this many cached keys the compiled attention kernel wins; beyond it the per-KV-head
 matrix products of ``cascade.attention`` are faster on this CPU (4K keys: 18 vs 23 ms over 30
 layers; 8K: 40 vs 35 ms)."""
-CUDA_MAX_TOKENS = 16
-"""On CUDA, passes of up to this many tokens (those ``cascade.graphs`` captures) run fused."""
 
 
 def _project(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

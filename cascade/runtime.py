@@ -11,11 +11,10 @@ from pathlib import Path
 import torch
 
 from cache.full import FullCache
-from cascade import fused
 from cascade.attention import resolve_kernels
 from cascade.checkpoint import LoadedModel, load_checkpoint
 from cascade.errors import CascadeError
-from cascade.graphs import Capture, cuda_graph
+from cascade.graphs import MAX_GRAPH_TOKENS, Capture, cuda_graph
 from cascade.model import CausalLM
 from cascade.models import default_model
 from cascade.pipeline import GenerationResult, Pipeline, StopRule, TokenCallback
@@ -224,12 +223,13 @@ def prompt_cache(config: PipelineConfig, loaded: LoadedModel, model_config: Mode
 
 def fused_tokens_for(device: torch.device, log: Callable[[str], None]) -> int:
     """The longest pass the compiled kernels of ``cascade.fused`` take on ``device`` (0 where
-    Inductor cannot build them): one token on CPU (C++), ``CUDA_MAX_TOKENS`` on CUDA (Triton)."""
+    Inductor cannot build them): one token on CPU (C++); on CUDA (Triton) every pass the graphs
+    capture, ``MAX_GRAPH_TOKENS``."""
     if device.type == "cuda":
         if importlib.util.find_spec("triton") is None:
             log("Triton is not installed: short passes run eagerly (kernels: eager)")
             return 0
-        return fused.CUDA_MAX_TOKENS
+        return MAX_GRAPH_TOKENS
     if device.type != "cpu":
         return 0
     if not has_cxx_compiler():

@@ -14,6 +14,7 @@ from cache.full import FullCache
 from cache.registry import POLICIES, build_policy
 from cascade import fused
 from cascade.checkpoint import load_model
+from cascade.graphs import MAX_GRAPH_TOKENS
 from cascade.runtime import build_runtime, has_cxx_compiler
 from configs.schema import PipelineConfig
 from tests.conftest import FAMILIES, make_checkpoint
@@ -78,7 +79,7 @@ def test_compiled_decode_equals_eager_for_every_family(family_model, attention_l
 
 @needs_compiler
 def test_fused_short_passes_equal_eager_for_every_family(family_model):
-    torch.testing.assert_close(decode(family_model, "full", fused.CUDA_MAX_TOKENS, SHORT_PASSES),
+    torch.testing.assert_close(decode(family_model, "full", MAX_GRAPH_TOKENS, SHORT_PASSES),
                                decode(family_model, "full", 0, SHORT_PASSES), atol=5e-5, rtol=0)
 
 
@@ -93,7 +94,7 @@ def tiny_model(tmp_path_factory):
 def test_compiled_passes_equal_eager_under_every_policy(tiny_model, kind, widths, monkeypatch):
     compiled, fused_widths = fused.pre_attention, []
     monkeypatch.setattr(fused, "pre_attention", lambda x, *args: fused_widths.append(x.shape[0]) or compiled(x, *args))
-    torch.testing.assert_close(decode(tiny_model, kind, fused.CUDA_MAX_TOKENS, widths),
+    torch.testing.assert_close(decode(tiny_model, kind, MAX_GRAPH_TOKENS, widths),
                                decode(tiny_model, kind, 0, widths), atol=5e-5, rtol=0)
     layers = tiny_model.spec.num_layers  # every layer of every pass of the first run, none of the eager one
     assert fused_widths == [width for width in widths for _ in range(layers)]
@@ -106,7 +107,7 @@ def test_fused_passes_equal_eager_on_cuda(tmp_path, kind):
     """On CUDA the kernels are Triton's and attention is the model's family (cuda)."""
     checkpoint = make_checkpoint(tmp_path / "m", "llama-gqa-tied")
     model = load_model(checkpoint, torch.float32, torch.device("cuda"))
-    torch.testing.assert_close(decode(model, kind, fused.CUDA_MAX_TOKENS, SHORT_PASSES),
+    torch.testing.assert_close(decode(model, kind, MAX_GRAPH_TOKENS, SHORT_PASSES),
                                decode(model, kind, 0, SHORT_PASSES), atol=5e-5, rtol=0)
 
 
