@@ -4,7 +4,7 @@ same model and settings, loads the prompt's K/V and last logits instead of recom
 One safetensors file per (model, settings, prompt): each layer's keys and values [1, H_kv, T, D],
 the last position's logits [V] and the prompt's token ids (checked on load). The file's name
 hashes everything that decides those numbers: the checkpoint's files, dtype, rope scaling,
-device type, prefill chunk, the one-token kernel setting, the attention kernel family and the
+device type, prefill chunk, the fused-pass setting, the attention kernel family and the
 model code itself, so a loaded prompt is what prefilling it would compute. Files are written to a
 temporary name and renamed (an interrupted write leaves nothing behind); after each write the least
 recently used files beyond ``max_gb`` are deleted; a file that cannot be read is reported, deleted
