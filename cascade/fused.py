@@ -8,12 +8,12 @@ multiply-and-sum that torch.compile (Inductor) turns into one vectorised C++ loo
 weight once, and the ops around it (RMSNorm, rotary, residuals, SiLU) fuse into the same kernels:
 per layer one kernel before attention, one after, and one for attention over short caches. Shapes
 are dynamic but weights' are not: per model shape, a graph for one-token passes and one for wider
-passes serves every layer and every cache length. A
-process's first pass traces and loads them: about 5 s once Inductor's on-disk cache holds the
-compiled code, 8-16 s on a machine that has never compiled them.
+passes serves every layer and every cache length. A process's first pass traces and loads them:
+about 5 s once Inductor's on-disk cache holds the compiled code, 8-16 s on a machine that has
+never compiled them.
 
-On CUDA the same functions become Triton kernels, and every pass ``cascade.graphs`` captures takes
-them (several rows are projected by cuBLAS, the ops around the products fused). There a
+On CUDA the same functions become Triton kernels, and every pass ``cascade.graphs`` captures
+takes them (several rows are projected by cuBLAS, the ops around the products fused). There a
 graphed pass of a small model is bound by its kernel count, not by bytes: a SmolLM2 step over
 4K-16K keys took 1.8-1.9 ms on an H100 as some twenty eager kernels per layer of 2-4 us each,
 against 0.13-0.22 ms of memory traffic. Verification passes must shed their kernels too, or
