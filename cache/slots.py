@@ -109,8 +109,13 @@ def pending_room(layout: CacheLayout) -> int:
     return layout.max_pending or layout.capacity
 
 
-def causal_mask(query_slots: torch.Tensor, num_keys: int, dtype: torch.dtype) -> torch.Tensor:
-    """[T, S] additive: query in slot p reads keys in slots 0..p (bottom-right aligned causality)."""
+def visible_keys(query_slots: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """[T, S] boolean, True where the query in slot p reads a key: slots 0..p (bottom-right causality)."""
     key_slots = torch.arange(num_keys, device=query_slots.device)  # [S]
-    hidden = key_slots[None, :] > query_slots[:, None]  # [T, S]
-    return torch.zeros(hidden.shape, dtype=dtype, device=hidden.device).masked_fill(hidden, float("-inf"))
+    return key_slots[None, :] <= query_slots[:, None]
+
+
+def causal_mask(query_slots: torch.Tensor, num_keys: int, dtype: torch.dtype) -> torch.Tensor:
+    """[T, S] additive form of ``visible_keys``: 0 where the query reads the key, -inf elsewhere."""
+    visible = visible_keys(query_slots, num_keys)
+    return torch.full(visible.shape, float("-inf"), dtype=dtype, device=visible.device).masked_fill(visible, 0)

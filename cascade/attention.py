@@ -26,7 +26,7 @@ from einops import rearrange
 from torch.nn.attention.bias import causal_lower_right
 
 from cache.base import AttentionView
-from cache.slots import SLOT_ALIGNMENT, causal_mask
+from cache.slots import SLOT_ALIGNMENT, causal_mask, visible_keys
 from cascade.errors import CascadeError
 
 FLASH_ATTN_INSTALLED = importlib.util.find_spec("flash_attn") is not None
@@ -233,7 +233,7 @@ def _causal_rows(num_queries: int, num_keys: int, repeats: int, device: torch.de
     it is built per layer: a quarter of an additive mask's cost (65 against 265 ms for 4096 x 32K
     on this CPU), with the same SDPA time."""
     query_slots = torch.arange(num_keys - num_queries, num_keys, device=device).repeat(repeats)  # [R*T]
-    return torch.arange(num_keys, device=device)[None, :] <= query_slots[:, None]
+    return visible_keys(query_slots, num_keys)
 
 
 def _grouped_sdpa(query: torch.Tensor, view: AttentionView, scale: float) -> torch.Tensor:
