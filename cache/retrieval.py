@@ -1,15 +1,16 @@
 """``retrieval`` (TriForce): the prompt's KV in chunks, the chunks the current query needs, kept
 within a token budget, plus every token generated after the prompt.
 
-The prompt is split into chunks of ``chunk_size`` tokens, each represented by its mean key. Per
-layer and per KV head the chunks are scored against the query and the best ``budget / chunk_size``
-are gathered into this policy's own small buffer: the first chunk always (attention sinks), the
-prompt's last partial chunk always (it is the most recent context), the rest by score. The keys
-are read from the ``source`` full cache of the same model, so the prompt is never held twice.
+The prompt is split into chunks of ``chunk_size`` tokens. Per layer and per KV head the chunks
+are scored against the query and the best ``budget / chunk_size`` are gathered into this
+policy's own small buffer: the first chunk always (attention sinks), the prompt's last partial
+chunk always (it is the most recent context), the rest by score. The keys are read from the
+``source`` full cache of the same model, so the prompt is never held twice.
 
-Grouped-query attention: the score of a chunk for a KV head is the sum over the query heads
-sharing it of query . mean key, i.e. the group's summed query against the chunk's mean key; all
-heads of a group then read the same chunks.
+Scores (``scoring``), for grouped-query attention per KV head, all heads of a group then reading
+the same chunks: ``mean_key`` (TriForce) is the group's summed query . the chunk's mean key;
+``attention`` is the attention probability the chunk's tokens receive from the group's queries,
+exact for the selecting query at the price of a product per prompt token.
 
 Tokens generated after the prompt are appended. Each stage writes the K/V it computes itself,
 with attention over its sparse cache; once the full-cache stage above has verified a token and
@@ -35,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from cache.base import AttentionView, CacheLayout, CachePolicy
 from cache.config import CachePolicyConfig
 from cache.full import FullCache
+from cache.received_attention import received_attention
 from cache.registry import register_policy
 from cache.slots import SlotCache
 
@@ -71,6 +73,11 @@ class RetrievalCacheConfig(CachePolicyConfig):
     exact_generated: bool = True
     """Committed generated tokens take the full cache's K/V (TriForce); false keeps this stage's
     own, computed with attention over the retrieved chunks only."""
+    scoring: Literal["mean_key", "attention"] = "mean_key"
+    """How a chunk is ranked against the selecting query: ``mean_key``, the group's summed query
+    against its mean key (TriForce: one product per chunk); ``attention``, the attention
+    probability its tokens receive from the group's queries (one product per prompt token, paid
+    once per selection, as much as a full-cache step's attention)."""
 
     @model_validator(mode="after")
     def _budget_in_whole_chunks(self) -> RetrievalCacheConfig:
@@ -169,10 +176,8 @@ class RetrievalCache(SlotCache):
         whole_chunks, tail = divmod(prompt, size)
         chosen = (self.kept - tail) // size
         source_keys = self.source.keys[layer, 0, :, : whole_chunks * size]  # [H_kv, C*size, D]
-        chunk_means = source_keys.unflatten(1, (whole_chunks, size)).float().mean(2)  # [H_kv, C, D]
-        first_query = query[0, :, 0].float()  # [H, D]: the pass's first token (see module docstring)
-        group_query = first_query.unflatten(0, (source_keys.shape[0], -1)).sum(1)  # [H_kv, D]
-        scores = torch.einsum("hcd,hd->hc", chunk_means, group_query)  # [H_kv, C]
+        first_query = query[0, :, :1]  # [H, 1, D]: the pass's first token (see module docstring)
+        scores = chunk_scores(first_query, source_keys, size, self.config.scoring)  # [H_kv, C]
         scores[:, 0] = float("inf")  # the sink chunk is always kept
         scores[:, whole_chunks - math.ceil(self.config.recent / size) :] = float("inf")  # and the recent ones
         best = scores.topk(chosen, dim=1).indices.sort(dim=1).values  # [H_kv, chosen]
@@ -187,6 +192,16 @@ class RetrievalCache(SlotCache):
             self._committed_at_selection = self.committed
             self._proposed_since_selection = self._accepted_since_selection = 0
             self.selections += 1
+
+
+def chunk_scores(query: torch.Tensor, keys: torch.Tensor, size: int, scoring: str) -> torch.Tensor:
+    """Scores [H_kv, C] float32 of the chunks of ``size`` tokens of keys [H_kv, C*size, D] for
+    query [H, 1, D], the query heads of a KV head's group scoring its chunks together."""
+    if scoring == "attention":
+        return received_attention(query, keys).unflatten(1, (-1, size)).sum(2)
+    chunk_means = keys.unflatten(1, (-1, size)).float().mean(2)  # [H_kv, C, D]
+    group_query = query[:, 0].float().unflatten(0, (keys.shape[0], -1)).sum(1)  # [H_kv, D]
+    return torch.einsum("hcd,hd->hc", chunk_means, group_query)
 
 
 def kept_prompt_tokens(prompt: int, budget: int, chunk_size: int) -> int:

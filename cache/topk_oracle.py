@@ -6,6 +6,11 @@ probability summed over the query heads sharing that KV head, from the pass's fi
 later tokens of a pass may be proposals under verification, and a selection that looked at them
 would let a stage's distribution depend on tokens after the position (see ``retrieval``).
 Tokens of the current pass are always read (causally).
+
+The prompt's K/V are copied from the ``source`` full cache of the same model, computed with full
+attention like the prompt retrieval reads. Prefilled under its own selection, each later prompt
+chunk would read only the ``budget`` keys its first token chose, and the oracle would start from a
+prompt no other policy sees.
 """
 
 from __future__ import annotations
@@ -33,13 +38,31 @@ class TopKOracleCacheConfig(CachePolicyConfig):
 
 @register_policy(TopKOracleCacheConfig)
 class TopKOracleCache(FullCache):
+    reads_source = True
     static_passes = False  # picks its keys per pass, by value
 
     def __init__(
         self, layout: CacheLayout, config: TopKOracleCacheConfig, source: CachePolicy | None = None
     ) -> None:
+        if not isinstance(source, FullCache):
+            raise ValueError("the topk_oracle cache copies the prompt from a full cache of the same model")
         super().__init__(layout)
+        self.source = source
         self.budget = config.budget
+        self._take_prompt()
+
+    def restart(self) -> None:
+        """Start over on the prompt the source now holds (it was prefilled again)."""
+        super().restart()
+        self._take_prompt()
+
+    def _take_prompt(self) -> None:
+        """Copy the source's committed tokens (the prompt) and commit them."""
+        prompt = self.source.committed
+        self.allocate(prompt)
+        for mine, source in ((self.keys, self.source.keys), (self.values, self.source.values)):
+            mine[:, :, :, :prompt] = source[:, :, :, :prompt]  # [L, B, H_kv, prompt, D]
+        self.commit(prompt)
 
     def update(self, layer: int, keys, values, query) -> AttentionView:
         view = super().update(layer, keys, values, query)

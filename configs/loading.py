@@ -50,6 +50,18 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
     set_value(data, key, value)
 
 
+def policy_at_budget(policy: str, budget: int) -> dict[str, Any]:
+    """The cache config ``policy`` names (``kind`` or ``kind:key=value,...``, values as YAML),
+    holding ``budget`` tokens, as settings."""
+    kind, _, assignments = policy.partition(":")
+    if kind not in POLICIES:
+        raise CascadeError(f"unknown cache policy {kind!r}; registered: {', '.join(sorted(POLICIES))}")
+    data = POLICIES[kind].config.at_budget(budget).as_settings()
+    for assignment in filter(None, assignments.split(",")):
+        apply_override(data, assignment)
+    return data
+
+
 def set_value(data: dict[str, Any], key: str, value: Any) -> None:
     """Set ``data[a][b][c] = value`` for ``key = "a.b.c"``, creating missing groups."""
     *parents, leaf = key.split(".")

@@ -2,7 +2,9 @@
 
 For each prompt length and budget (a share of the prompt), the `self-spec` preset runs with its
 proposing stage's cache replaced by each policy, and the full-cache target verifies; the figure is
-the share of proposed tokens the target accepted (and the mean accepted run per round). The
+the share of proposed tokens the target accepted, the per-token acceptance estimated from the
+rounds (``acceptance_mle``) and the mean accepted run per round; gamma is fixed unless
+``--schedule`` says otherwise. The
 published ordering at equal budget is oracle top-k > retrieval > H2O > StreamingLLM.
 
     python scripts/acceptance.py [--contexts 8000 16000] [--budgets 0.01 0.03 0.05 0.1]
@@ -11,8 +13,8 @@ published ordering at equal budget is oracle top-k > retrieval > H2O > Streaming
 A policy may carry settings of its config after a colon, e.g. ``retrieval:refresh.every=16`` or
 ``retrieval:refresh.on_drop=0.6,chunk_size=16`` (values are YAML); the row's policy is that text.
 
-Rerunning with the same ``--out`` keeps the rows it already holds (same document, gamma, new
-tokens and dtype) and measures only the missing ones, so an interrupted sweep continues.
+Rerunning with the same ``--out`` keeps the rows it already holds (same document, gamma, schedule,
+new tokens and dtype) and measures only the missing ones, so an interrupted sweep continues.
 """
 
 from __future__ import annotations
@@ -23,31 +25,20 @@ import sys
 import time
 from pathlib import Path
 
-from cache import POLICIES
 from cache.config import budget_for
 from cascade.checkpoint import yarn_scaling
 from cascade.data import DOCUMENT_NAMES, document_ids
 from cascade.home import prompt_cache_dir, prompt_cache_option
 from cascade.models import default_model
 from cascade.runtime import build_runtime
+from cascade.schedule import SCHEDULES
 from configs import load_config
-from configs.loading import apply_override
-
-
-def policy_at_budget(policy: str, budget: int) -> dict:
-    """The cache config ``policy`` (``kind`` or ``kind:key=value,...``) names, holding ``budget`` tokens."""
-    kind, _, assignments = policy.partition(":")
-    if kind not in POLICIES:
-        raise SystemExit(f"unknown cache policy {kind!r}; registered: {', '.join(sorted(POLICIES))}")
-    data = POLICIES[kind].config.at_budget(budget).as_settings()
-    for assignment in filter(None, assignments.split(",")):
-        apply_override(data, assignment)
-    return data
+from configs.loading import policy_at_budget
 
 
 def measure(args, target: Path, prompt: list[int], policy: str, budget: int) -> dict:
     settings = {"dtype": args.dtype, "max_new_tokens": args.new_tokens, "stages.0.gamma": args.gamma,
-                "stages.0.cache": policy_at_budget(policy, budget),
+                "stages.0.schedule": args.schedule, "stages.0.cache": policy_at_budget(policy, budget),
                 "prompt_cache.dir": args.prompt_cache}
     if scaling := yarn_scaling(target, len(prompt) + args.new_tokens):
         settings["target.rope_scaling"] = scaling
@@ -55,18 +46,22 @@ def measure(args, target: Path, prompt: list[int], policy: str, budget: int) -> 
     runtime = build_runtime(config, log=lambda message: print(message, file=sys.stderr))
     result = runtime.generate(prompt, args.new_tokens, stop_at_eos=False)
     stage = result.stats.stages[0]
-    return {"acceptance": stage.acceptance_rate, "mean_accepted_run": stage.mean_accepted_run,
+    return {"acceptance": stage.acceptance_rate, "acceptance_mle": stage.acceptance_mle,
+            "mean_accepted_run": stage.mean_accepted_run,
             "proposed": stage.proposed, "accepted": stage.accepted, "rounds": stage.rounds}
 
 
 def finished_rows(out: Path, args: argparse.Namespace) -> list[dict]:
-    """Rows an earlier run with the same document, gamma, length and dtype already wrote to ``out``."""
+    """Rows an earlier run with the same document, gamma, schedule, length and dtype wrote to
+    ``out``; a file measured with other settings is not overwritten."""
     if not out.exists():
         return []
     earlier = json.loads(out.read_text())
-    same = ("document", "gamma", "new_tokens", "dtype")
-    if any(earlier["settings"].get(key) != getattr(args, key) for key in same):
-        return []
+    same = ("document", "gamma", "schedule", "new_tokens", "dtype")
+    differ = [f"{key}: {earlier['settings'].get(key)}" for key in same
+              if earlier["settings"].get(key) != getattr(args, key)]
+    if differ:
+        raise SystemExit(f"{out} holds rows measured with other settings ({', '.join(differ)}); give another --out")
     return earlier["rows"]
 
 
@@ -96,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.01, 0.03, 0.05, 0.10])
     parser.add_argument("--policies", nargs="+", default=["topk_oracle", "retrieval", "h2o", "streaming"])
     parser.add_argument("--gamma", type=int, default=6)
+    parser.add_argument("--schedule", choices=sorted(SCHEDULES), default="fixed",
+                        help="the proposing stage's schedule (default: %(default)s, gamma every round; the "
+                             "cost model may stop proposing after a few bad rounds, leaving a cell few proposals)")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--document", choices=DOCUMENT_NAMES, default="lcet10")
@@ -118,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
                        **measure(args, target, prompt, policy, budget)}
                 rows.append(row)
                 print(f"{context:6d} {policy:12} budget {fraction:4.0%} ({budget:5d}): acceptance "
-                      f"{row['acceptance']:.3f}, {row['mean_accepted_run']:.2f} per round of {args.gamma} "
+                      f"{row['acceptance']:.3f} (per token {row['acceptance_mle']:.3f}), "
+                      f"{row['mean_accepted_run']:.2f} per round of {args.gamma} "
                       f"({time.perf_counter() - started:.0f} s)", flush=True)
                 args.out.parent.mkdir(parents=True, exist_ok=True)
                 args.out.write_text(json.dumps({"settings": vars(args) | {"out": str(args.out)}, "rows": rows},

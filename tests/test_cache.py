@@ -21,7 +21,6 @@ SMALL_CONFIGS = {  # every registered policy, sized so it really drops tokens on
     "h2o": {"budget": 16, "recent": 4},
     "topk_oracle": {"budget": 16},
 }
-NEEDS_SOURCE = {"retrieval"}
 
 
 def test_every_policy_has_a_test_config():
@@ -34,7 +33,7 @@ def after_prompt(kind: str, model, prompt: torch.Tensor, capacity: int = 64, res
     the policy ``restarted`` (and its source) emptied for it."""
     layout = model.cache_layout(capacity, max_pending=8)
     config = POLICIES[kind].config(**SMALL_CONFIGS[kind])
-    if kind in NEEDS_SOURCE:
+    if POLICIES[kind].policy.reads_source:
         source = restarted.source if restarted else FullCache(layout)
         source.restart()
         model(prompt, source)

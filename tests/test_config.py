@@ -6,6 +6,7 @@ import pytest
 
 from cascade.errors import CascadeError
 from configs import PipelineConfig, load_config, preset_names
+from configs.loading import policy_at_budget
 
 
 @pytest.mark.parametrize("name", preset_names())
@@ -79,3 +80,12 @@ def test_config_file(tmp_path):
         load_config(file=path)
     with pytest.raises(CascadeError, match="cannot read config file"):
         load_config(file=tmp_path / "absent.yaml")
+
+
+def test_a_policy_named_with_settings_at_a_budget():
+    settings = policy_at_budget("retrieval:scoring=attention,refresh.every=4", 64)
+    assert {key: settings[key] for key in ("kind", "budget", "scoring", "refresh")} == {
+        "kind": "retrieval", "budget": 64, "scoring": "attention", "refresh": {"every": 4}}
+    assert policy_at_budget("topk_oracle", 32) == {"kind": "topk_oracle", "budget": 32}
+    with pytest.raises(CascadeError, match="unknown cache policy 'nope'; registered: .*retrieval"):
+        policy_at_budget("nope", 64)

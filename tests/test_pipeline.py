@@ -53,6 +53,17 @@ def test_preset_greedy_equals_autoregressive(preset, draft_is_target, tiny_dir, 
         assert proposers[0].acceptance_rate == (1.0 if draft_is_target else pytest.approx(0.0, abs=0.1))
 
 
+@pytest.mark.parametrize("cache", [
+    {"kind": "topk_oracle", "budget": 64},
+    {"kind": "retrieval", "budget": 64, "scoring": "attention", "refresh": {"every": 1}},
+], ids=["topk_oracle", "retrieval-attention-each-round"])
+def test_self_spec_selecting_keys_afresh_stays_exact(cache, tiny_dir, tiny_draft_dir, autoregressive_tokens):
+    overrides = [f"stages.0.cache={cache}", "stages.0.schedule=fixed"]
+    result = generate(runtime_for("self-spec", tiny_dir, tiny_draft_dir, overrides), PROMPT)
+    assert result.token_ids == autoregressive_tokens
+    assert result.stats.stages[0].name == f"0:target/{cache['kind']}" and result.stats.stages[0].rounds > 0
+
+
 @pytest.mark.parametrize("schedule", ["fixed", "heuristic", "cost_model"])
 def test_adaptive_schedules_stay_exact(schedule, tiny_dir, tiny_draft_dir, autoregressive_tokens):
     overrides = SMALL_CACHES["triforce"] + [f"stages.{i}.schedule={schedule}" for i in (0, 1)]

@@ -99,12 +99,19 @@ def hand_made_source(prompt: int = 14) -> tuple[FullCache, CacheLayout]:
     return source, layout
 
 
-def brute_force_chunks(source: FullCache, group_query: torch.Tensor, prompt: int, size: int, chosen: int):
-    """Per KV head: score every whole chunk by (summed group query) . (mean key), keep chunk 0 + best."""
+def brute_force_chunks(source: FullCache, query: torch.Tensor, prompt: int, size: int, chosen: int,
+                       scoring: str = "mean_key"):
+    """Per KV head (2 query heads each): score every whole chunk, keep chunk 0 + the best. mean_key:
+    (summed group query) . (mean key); attention: the probability its tokens receive, summed over
+    the group's heads."""
     picks = []
     for head in range(source.keys.shape[2]):
-        scores = [float(source.keys[0, 0, head, c * size : (c + 1) * size].mean(0) @ group_query[head])
-                  for c in range(prompt // size)]
+        keys, group = source.keys[0, 0, head, :prompt], query[0, 2 * head : 2 * head + 2, 0]  # [S, D], [2, D]
+        if scoring == "mean_key":
+            scores = [float(keys[c * size : (c + 1) * size].mean(0) @ group.sum(0)) for c in range(prompt // size)]
+        else:
+            received = sum(torch.softmax(keys @ one / keys.shape[-1] ** 0.5, 0) for one in group)  # [S]
+            scores = [float(received[c * size : (c + 1) * size].sum()) for c in range(prompt // size)]
         rest = sorted(range(1, len(scores)), key=lambda c: -scores[c])[: chosen - 1]
         picks.append(sorted([0, *rest]))
     return picks
@@ -120,13 +127,26 @@ def test_retrieval_picks_the_brute_force_chunks_with_gqa():
     query[0, 3, 0] = torch.tensor([0.0, 0.0, 1.0, 0.0])  # head 1's group: sum = (0, 0, 2, 0)
     retrieval.allocate(1)
     retrieval.update(0, torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4), query)
-    group_query = query[0, :, 0].reshape(2, 2, 4).sum(1)
-    expected = brute_force_chunks(source, group_query, 14, 2, chosen=3)
+    expected = brute_force_chunks(source, query, 14, 2, chosen=3)
     for head, chunks in enumerate(expected):
         wanted = torch.cat([source.keys[0, 0, head, c * 2 : c * 2 + 2] for c in chunks])
         torch.testing.assert_close(retrieval.keys[0, 0, head, :6], wanted)
     assert expected == [[0, 3, 5], [0, 4, 6]]  # the two KV heads really read different chunks
     assert all(chunks[0] == 0 for chunks in expected)  # the sink chunk, although it scores lowest
+
+
+def test_retrieval_scored_by_attention_picks_the_chunks_receiving_the_most_attention():
+    source, layout = hand_made_source(prompt=14)  # 7 whole chunks of 2, no tail
+    retrieval = RetrievalCache(layout, RetrievalCacheConfig(budget=6, chunk_size=2, scoring="attention"), source)
+    query = torch.randn(1, 4, 1, 4, generator=torch.Generator().manual_seed(0))
+    retrieval.allocate(1)
+    retrieval.update(0, torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4), query)
+    expected = brute_force_chunks(source, query, 14, 2, chosen=3, scoring="attention")
+    for head, chunks in enumerate(expected):
+        wanted = torch.cat([source.keys[0, 0, head, c * 2 : c * 2 + 2] for c in chunks])
+        torch.testing.assert_close(retrieval.keys[0, 0, head, :6], wanted)
+    assert expected == [[0, 1, 6], [0, 5, 6]]
+    assert brute_force_chunks(source, query, 14, 2, chosen=3) == [[0, 2, 4], [0, 4, 6]]  # mean keys differ
 
 
 def test_retrieval_keeps_the_recent_chunks_and_chooses_the_rest_by_score():
@@ -135,8 +155,7 @@ def test_retrieval_keeps_the_recent_chunks_and_chooses_the_rest_by_score():
     query = torch.randn(1, 4, 1, 4, generator=torch.Generator().manual_seed(0))
     retrieval.allocate(1)
     retrieval.update(0, torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4), query)
-    group_query = query[0, :, 0].reshape(2, 2, 4).sum(1)
-    best_older = brute_force_chunks(source, group_query, 10, 2, chosen=2)  # sink + best of chunks 1-4
+    best_older = brute_force_chunks(source, query, 10, 2, chosen=2)  # sink + best of chunks 1-4
     for head, (sink, chosen) in enumerate(best_older):
         chunks = [sink, chosen, 5, 6]  # 3 recent tokens round up to the last 2 chunks
         wanted = torch.cat([source.keys[0, 0, head, c * 2 : c * 2 + 2] for c in chunks])
@@ -273,15 +292,33 @@ def test_topk_oracle_and_h2o_with_room_for_everything_equal_full(tiny_model):
 
     prompt, generated = tokens(tiny_model, 40, 0), tokens(tiny_model, 8, 1)
     layout = tiny_model.cache_layout(64)
-    caches = [FullCache(layout), TopKOracleCache(layout, TopKOracleCacheConfig(budget=60)),
-              H2OCache(layout, H2OCacheConfig(budget=60, recent=8))]
-    results = []
-    for cache in caches:
+    full, h2o = FullCache(layout), H2OCache(layout, H2OCacheConfig(budget=60, recent=8))
+    for cache in (full, h2o):
         tiny_model(prompt, cache)
         cache.commit(40)
-        results.append(decode_logits(tiny_model, cache, generated))
-    torch.testing.assert_close(results[1], results[0], atol=1e-5, rtol=0)
-    torch.testing.assert_close(results[2], results[0], atol=1e-5, rtol=0)
+    oracle = TopKOracleCache(layout, TopKOracleCacheConfig(budget=60), full)  # copies the prompt
+    expected = decode_logits(tiny_model, full, generated)
+    torch.testing.assert_close(decode_logits(tiny_model, oracle, generated), expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(decode_logits(tiny_model, h2o, generated), expected, atol=1e-5, rtol=0)
+
+
+def test_topk_oracle_starts_from_the_full_attention_prompt(tiny_model):
+    """A prompt longer than the budget, prefilled in chunks: the oracle holds the source's K/V of
+    it (full attention), not K/V computed with each chunk reading only its top ``budget`` keys."""
+    from cache.topk_oracle import TopKOracleCache, TopKOracleCacheConfig
+
+    prompt = tokens(tiny_model, 40, 0)
+    layout = tiny_model.cache_layout(64)
+    full = FullCache(layout)
+    for chunk in prompt.split(16, dim=1):
+        tiny_model(chunk, full)
+        full.commit(full.length)
+    oracle = TopKOracleCache(layout, TopKOracleCacheConfig(budget=8), full)
+    assert (oracle.length, oracle.committed) == (40, 40)
+    assert torch.equal(oracle.keys[..., :40, :], full.keys[..., :40, :])
+    assert torch.equal(oracle.values[..., :40, :], full.values[..., :40, :])
+    with pytest.raises(ValueError, match="copies the prompt from a full cache"):
+        TopKOracleCache(layout, TopKOracleCacheConfig(budget=8))
 
 
 def test_h2o_keeps_the_heavy_hitter_and_the_recent_window():
