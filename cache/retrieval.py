@@ -184,9 +184,9 @@ class RetrievalCache(SlotCache):
         chunk_tokens = (best[:, :, None] * size + torch.arange(size, device=best.device)).flatten(1)
         tail_tokens = torch.arange(prompt - tail, prompt, device=best.device).expand(len(best), -1)
         tokens = torch.cat([chunk_tokens, tail_tokens], dim=1)  # [H_kv, kept]
-        index = tokens[:, :, None].expand(-1, -1, self.layout.head_dim)  # [H_kv, kept, D]
+        heads = torch.arange(len(tokens), device=tokens.device)[:, None]  # [H_kv, 1]
         for own, source in ((self.keys, self.source.keys), (self.values, self.source.values)):
-            own[layer, 0, :, : self.kept] = source[layer, 0, :, :prompt].gather(1, index)
+            own[layer, 0, :, : self.kept] = source[layer, 0][heads, tokens]  # [H_kv, kept, D]
         if layer == self.layout.num_layers - 1:
             self._select_pending = False
             self._committed_at_selection = self.committed
@@ -198,7 +198,7 @@ def chunk_scores(query: torch.Tensor, keys: torch.Tensor, size: int, scoring: st
     """Scores [H_kv, C] float32 of the chunks of ``size`` tokens of keys [H_kv, C*size, D] for
     query [H, 1, D], the query heads of a KV head's group scoring its chunks together."""
     if scoring == "attention":
-        return received_attention(query, keys).unflatten(1, (-1, size)).sum(2)
+        return received_attention(query, keys, products_in_kv_dtype=True).unflatten(1, (-1, size)).sum(2)
     chunk_means = keys.unflatten(1, (-1, size)).float().mean(2)  # [H_kv, C, D]
     group_query = query[:, 0].float().unflatten(0, (keys.shape[0], -1)).sum(1)  # [H_kv, D]
     return torch.einsum("hcd,hd->hc", chunk_means, group_query)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 from typing import Any, get_args
 
@@ -60,6 +61,15 @@ def policy_at_budget(policy: str, budget: int) -> dict[str, Any]:
     for assignment in filter(None, assignments.split(",")):
         apply_override(data, assignment)
     return data
+
+
+def policy_option(text: str) -> str:
+    """argparse type for a cache policy named as ``policy_at_budget`` reads it."""
+    try:
+        policy_at_budget(text, budget=16)
+    except CascadeError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def set_value(data: dict[str, Any], key: str, value: Any) -> None:

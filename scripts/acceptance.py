@@ -33,7 +33,7 @@ from cascade.models import default_model
 from cascade.runtime import build_runtime
 from cascade.schedule import SCHEDULES
 from configs import load_config
-from configs.loading import policy_at_budget
+from configs.loading import policy_at_budget, policy_option
 
 
 def measure(args, target: Path, prompt: list[int], policy: str, budget: int) -> dict:
@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python scripts/acceptance.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[8000, 16000])
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.01, 0.03, 0.05, 0.10])
-    parser.add_argument("--policies", nargs="+", default=["topk_oracle", "retrieval", "h2o", "streaming"])
+    parser.add_argument("--policies", nargs="+", type=policy_option,
+                        default=["topk_oracle", "retrieval", "h2o", "streaming"])
     parser.add_argument("--gamma", type=int, default=6)
     parser.add_argument("--schedule", choices=sorted(SCHEDULES), default="fixed",
                         help="the proposing stage's schedule (default: %(default)s, gamma every round; the "

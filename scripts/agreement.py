@@ -25,7 +25,7 @@ from cache.full import FullCache
 from cascade.checkpoint import load_checkpoint, yarn_scaling
 from cascade.data import document_text
 from cascade.models import default_model
-from configs.loading import policy_at_budget
+from configs.loading import policy_at_budget, policy_option
 
 
 def reference_run(model, prompt: torch.Tensor, new_tokens: int) -> tuple[FullCache, list[int], torch.Tensor]:
@@ -69,7 +69,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[7936, 16000])
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.01, 0.03, 0.05, 0.10])
-    parser.add_argument("--policies", nargs="+", default=["topk_oracle", "retrieval", "h2o", "streaming"],
+    parser.add_argument("--policies", nargs="+", type=policy_option,
+                        default=["topk_oracle", "retrieval", "h2o", "streaming"],
                         help="cache policies compared with the full cache (each at every budget): a kind, "
                              "or kind:key=value,... (e.g. retrieval:scoring=attention,refresh.every=1)")
     parser.add_argument("--new-tokens", type=int, default=256)

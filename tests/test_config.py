@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from cascade.errors import CascadeError
 from configs import PipelineConfig, load_config, preset_names
-from configs.loading import policy_at_budget
+from configs.loading import policy_at_budget, policy_option
 
 
 @pytest.mark.parametrize("name", preset_names())
@@ -89,3 +91,6 @@ def test_a_policy_named_with_settings_at_a_budget():
     assert policy_at_budget("topk_oracle", 32) == {"kind": "topk_oracle", "budget": 32}
     with pytest.raises(CascadeError, match="unknown cache policy 'nope'; registered: .*retrieval"):
         policy_at_budget("nope", 64)
+    assert policy_option("retrieval:scoring=attention") == "retrieval:scoring=attention"
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown cache policy 'nope'"):
+        policy_option("nope:budget=8")
