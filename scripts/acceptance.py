@@ -1,11 +1,11 @@
 """Greedy acceptance of each cache policy as the self-speculating stage of the target.
 
 For each prompt length and budget (a share of the prompt), the `self-spec` preset runs with its
-proposing stage's cache replaced by each policy, and the full-cache target verifies; the figure is
-the share of proposed tokens the target accepted, the per-token acceptance estimated from the
-rounds (``acceptance_mle``) and the mean accepted run per round; gamma is fixed unless
-``--schedule`` says otherwise. The
-published ordering at equal budget is oracle top-k > retrieval > H2O > StreamingLLM.
+proposing stage's cache replaced by each policy, and the full-cache target verifies; the figures
+are the share of proposed tokens the target accepted, the per-token acceptance estimated from the
+rounds (``acceptance_mle``) and the mean accepted run per round, with gamma fixed unless
+``--schedule`` says otherwise. The published ordering at equal budget is oracle top-k >
+retrieval > H2O > StreamingLLM.
 
     python scripts/acceptance.py [--contexts 8000 16000] [--budgets 0.01 0.03 0.05 0.1]
         [--policies topk_oracle retrieval h2o streaming] [--document lcet10] [--new-tokens 128]
