@@ -52,7 +52,8 @@ def describe_policies() -> str:
             if name == "kind":
                 continue
             kind_text = type_text(field.annotation)
-            lines.append(f"    {name}: {kind_text} = {field.default!r}  {field.description or ''}".rstrip())
+            description = " ".join((field.description or "").split())  # a docstring's lines, as one
+            lines.append(f"    {name}: {kind_text} = {field.default!r}  {description}".rstrip())
     return "\n".join(lines)
 
 

@@ -64,7 +64,7 @@ class RetrievalCacheConfig(CachePolicyConfig):
     budget: int = Field(4096, ge=2)
     """Prompt tokens kept (sink chunk, selected chunks and the prompt's partial last chunk)."""
     chunk_size: int = Field(8, ge=1)
-    """Tokens per chunk; each chunk is scored by its mean key."""
+    """Tokens per chunk, the unit that is scored and kept or dropped."""
     refresh: Literal["never"] | EveryRefresh | OnDropRefresh = "never"
     """When chunks are re-selected: never (TriForce), every N tokens, or on an acceptance drop."""
     recent: int = Field(0, ge=0)

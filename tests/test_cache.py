@@ -7,6 +7,7 @@ import torch
 
 from cache import POLICIES, CacheFullError, CacheLayout, build_policy
 from cache.full import FullCache
+from cache.registry import describe_policies
 from cache.slots import SLOT_ALIGNMENT, SlotCache
 from cascade.checkpoint import load_model
 from tests.conftest import make_checkpoint
@@ -25,6 +26,12 @@ SMALL_CONFIGS = {  # every registered policy, sized so it really drops tokens on
 
 def test_every_policy_has_a_test_config():
     assert set(POLICIES) == set(SMALL_CONFIGS)
+
+
+def test_the_policy_listing_has_a_line_per_kind_and_per_setting():
+    lines = describe_policies().splitlines()
+    assert len(lines) == sum(len(entry.config.model_fields) for entry in POLICIES.values())  # "kind" heads
+    assert "    scoring: 'mean_key' | 'attention' = 'mean_key'  How a chunk is ranked against" in "\n".join(lines)
 
 
 def after_prompt(kind: str, model, prompt: torch.Tensor, capacity: int = 64, restarted=None):
