@@ -49,10 +49,8 @@ def agreement(model, policy: str, budget: int, prompt: torch.Tensor, full: FullC
     layout = model.cache_layout(prompt.numel() + len(tokens))
     settings = policy_at_budget(policy, budget)
     entry = POLICIES[settings["kind"]]
-    if entry.policy.reads_source:
-        cache = build_policy(entry.config(**settings), layout, full)
-    else:
-        cache = build_policy(entry.config(**settings), layout)
+    cache = build_policy(entry.config(**settings), layout, full if entry.policy.reads_source else None)
+    if not entry.policy.reads_source:  # processes the prompt itself, in one pass
         model(prompt[None], cache, 1)
         cache.commit(cache.length)
     log_probs = []
