@@ -16,6 +16,7 @@ Models never know which policy they run under; rollback is a pointer move, never
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -132,6 +133,13 @@ class CachePolicy(ABC):
     def graph_ready(self) -> bool:
         """False while the next pass must run eagerly (e.g. a pending chunk selection)."""
         return self.static_passes
+
+    @property
+    def pass_variant(self) -> Hashable:
+        """What the pass just allocated runs besides its shape's usual ops, or None: passes of one
+        shape and different variants are captured as different graphs. A variant is only valid
+        while this cache holds its current prompt (graphs of earlier variants are dropped)."""
+        return None
 
     def set_static(self, static: bool) -> None:
         """Make the next passes static (see ``static_passes``); only policies that support it."""

@@ -7,10 +7,10 @@ policy's own small buffer: the first chunk always (attention sinks), the prompt'
 chunk always (it is the most recent context), the rest by score. The keys are read from the
 ``source`` full cache of the same model, so the prompt is never held twice.
 
-Scores (``scoring``), for grouped-query attention per KV head, all heads of a group then reading
-the same chunks: ``mean_key`` (TriForce) is the group's summed query . the chunk's mean key;
-``attention`` is the attention probability the chunk's tokens receive from the group's queries,
-exact for the selecting query at the price of a product per prompt token.
+Chunks are scored (``scoring``, see ``cache.chunk_scoring``) per KV head, all heads of a group
+then reading the same chunks. When chunks are re-selected on a schedule, what the scoring reads of
+them is summarized once per prompt, and a selecting pass has static shapes: it is captured as a
+graph like any other short pass (a one-off selection runs eagerly).
 
 Tokens generated after the prompt are appended. Each stage writes the K/V it computes itself,
 with attention over its sparse cache; once the full-cache stage above has verified a token and
@@ -34,9 +34,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cache.base import AttentionView, CacheLayout, CachePolicy
+from cache.chunk_scoring import Scoring, score_chunks, summarize_chunks
 from cache.config import CachePolicyConfig
 from cache.full import FullCache
-from cache.received_attention import received_attention
 from cache.registry import register_policy
 from cache.slots import SlotCache
 
@@ -73,11 +73,12 @@ class RetrievalCacheConfig(CachePolicyConfig):
     exact_generated: bool = True
     """Committed generated tokens take the full cache's K/V (TriForce); false keeps this stage's
     own, computed with attention over the retrieved chunks only."""
-    scoring: Literal["mean_key", "attention"] = "mean_key"
+    scoring: Scoring = "mean_key"
     """How a chunk is ranked against the selecting query: ``mean_key``, the group's summed query
-    against its mean key (TriForce: one product per chunk); ``attention``, the attention
-    probability its tokens receive from the group's queries (one product per prompt token, paid
-    once per selection, as much as a full-cache step's attention)."""
+    against its mean key (TriForce: one product per chunk); ``bound``, the most any of its keys
+    can score, from its per-dimension key range (Quest: two products per chunk); ``attention``,
+    the attention probability its tokens receive from the group's queries (one product per prompt
+    token, as much per selection as a full-cache step's attention)."""
 
     @model_validator(mode="after")
     def _budget_in_whole_chunks(self) -> RetrievalCacheConfig:
@@ -103,6 +104,8 @@ class RetrievalCache(SlotCache):
             raise ValueError("the retrieval cache reads the prompt from a full cache of the same model")
         super().__init__(layout, config.budget + layout.capacity - source.committed, source)
         self.config = config
+        self._prompts_taken = 0
+        """Prompts held so far: a selecting pass's graph reads the summaries of one of them."""
         self._take_prompt()
 
     def restart(self) -> None:
@@ -120,15 +123,31 @@ class RetrievalCache(SlotCache):
         self.dropped = self.prompt_length - self.kept
         self.selections = 0
         """How many times chunks were (re-)selected."""
-        self._select_pending = True
+        self._select_pending, self._selecting = True, False
         self._committed_at_selection = self.committed
         self._proposed_since_selection = self._accepted_since_selection = 0
         self.exact_until = self.prompt_length
         """Sequence tokens before this hold the source's K/V (the prompt's kept part included)."""
+        self._prompts_taken += 1
+        repeated = self.config.refresh != "never" and self.config.scoring != "attention"
+        self._summaries = [self._summarize(layer) for layer in range(self.layout.num_layers)] if repeated else None
+        """Per layer, what the scoring reads of the prompt's chunks, for selections that repeat
+        (attention scoring reads the keys themselves)."""
+
+    def _summarize(self, layer: int) -> tuple[torch.Tensor, ...]:
+        whole = self.prompt_length // self.config.chunk_size * self.config.chunk_size
+        prompt_keys = self.source.keys[layer, 0, :, :whole]  # [H_kv, C*size, D]
+        return summarize_chunks(prompt_keys, self.config.chunk_size, self.config.scoring)
 
     @property
     def graph_ready(self) -> bool:
-        return not self._select_pending  # a pass that selects chunks runs extra ops: eagerly
+        """A selection repeated on a schedule is captured with its pass; a one-off one runs eagerly."""
+        return not self._select_pending or isinstance(self.config.refresh, EveryRefresh)
+
+    @property
+    def pass_variant(self) -> tuple[str, int] | None:
+        """A selecting pass runs more than the usual one, over this prompt's summaries."""
+        return ("select", self._prompts_taken) if self._selecting else None
 
     def request_refresh(self) -> None:
         """Re-select the chunks on the next forward pass."""
@@ -153,6 +172,12 @@ class RetrievalCache(SlotCache):
             self._select_pending = True
 
     def allocate(self, num_new: int) -> torch.Tensor:
+        """Also decides, on the host, whether this pass selects chunks (its first query will)."""
+        self._selecting, self._select_pending = self._select_pending, False
+        if self._selecting:
+            self._committed_at_selection = self.committed
+            self._proposed_since_selection = self._accepted_since_selection = 0
+            self.selections += 1
         return self._allocate_slots(num_new)  # [T] absolute positions
 
     def _take_verified(self, length: int) -> None:
@@ -166,7 +191,7 @@ class RetrievalCache(SlotCache):
         self.exact_until = end
 
     def update(self, layer: int, keys, values, query) -> AttentionView:
-        if self._select_pending:
+        if self._selecting:
             self._select(layer, query)
         return super().update(layer, keys, values, query)
 
@@ -175,9 +200,9 @@ class RetrievalCache(SlotCache):
         size, prompt = self.config.chunk_size, self.prompt_length
         whole_chunks, tail = divmod(prompt, size)
         chosen = (self.kept - tail) // size
-        source_keys = self.source.keys[layer, 0, :, : whole_chunks * size]  # [H_kv, C*size, D]
+        summary = self._summaries[layer] if self._summaries else self._summarize(layer)
         first_query = query[0, :, :1]  # [H, 1, D]: the pass's first token (see module docstring)
-        scores = chunk_scores(first_query, source_keys, size, self.config.scoring)  # [H_kv, C]
+        scores = score_chunks(first_query, summary, size, self.config.scoring)  # [H_kv, C]
         scores[:, 0] = float("inf")  # the sink chunk is always kept
         scores[:, whole_chunks - math.ceil(self.config.recent / size) :] = float("inf")  # and the recent ones
         best = scores.topk(chosen, dim=1).indices.sort(dim=1).values  # [H_kv, chosen]
@@ -187,21 +212,20 @@ class RetrievalCache(SlotCache):
         heads = torch.arange(len(tokens), device=tokens.device)[:, None]  # [H_kv, 1]
         for own, source in ((self.keys, self.source.keys), (self.values, self.source.values)):
             own[layer, 0, :, : self.kept] = source[layer, 0][heads, tokens]  # [H_kv, kept, D]
-        if layer == self.layout.num_layers - 1:
-            self._select_pending = False
-            self._committed_at_selection = self.committed
-            self._proposed_since_selection = self._accepted_since_selection = 0
-            self.selections += 1
 
+    def memory_bytes(self) -> int:
+        return super().memory_bytes() + self._summary_bytes()
 
-def chunk_scores(query: torch.Tensor, keys: torch.Tensor, size: int, scoring: str) -> torch.Tensor:
-    """Scores [H_kv, C] float32 of the chunks of ``size`` tokens of keys [H_kv, C*size, D] for
-    query [H, 1, D], the query heads of a KV head's group scoring its chunks together."""
-    if scoring == "attention":
-        return received_attention(query, keys, products_in_kv_dtype=True).unflatten(1, (-1, size)).sum(2)
-    chunk_means = keys.unflatten(1, (-1, size)).float().mean(2)  # [H_kv, C, D]
-    group_query = query[:, 0].float().unflatten(0, (keys.shape[0], -1)).sum(1)  # [H_kv, D]
-    return torch.einsum("hcd,hd->hc", chunk_means, group_query)
+    def selection_read_bytes(self) -> int:
+        """Bytes one selection reads: what its scoring reads of every layer (the chunk summaries,
+        or the prompt's keys for ``attention``) and the K/V of the kept prompt tokens it copies."""
+        whole = self.prompt_length // self.config.chunk_size * self.config.chunk_size
+        prompt_keys = whole * self.layout.bytes_per_token // 2  # unsummarized: every key of a whole chunk is read
+        scored = self._summary_bytes() if self._summaries is not None else prompt_keys
+        return scored + self.kept * self.layout.bytes_per_token
+
+    def _summary_bytes(self) -> int:
+        return sum(part.nbytes for summary in self._summaries or () for part in summary)
 
 
 def kept_prompt_tokens(prompt: int, budget: int, chunk_size: int) -> int:

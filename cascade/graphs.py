@@ -5,8 +5,9 @@ them costs more than running them (the draft and retrieval stages are launch-bou
 whose shapes and tensor addresses never change can be captured once and replayed: the cache runs
 it statically (``SlotCache.set_static``: slot indices in a device tensor, the whole buffer read
 under a mask), the token ids and positions are copied into fixed input tensors, and all that
-depends on the cache's state on the host (allocation, commits, eviction, chunk selection) stays
-outside the graph. One graph per pass shape (tokens, logits), captured on first use.
+depends on the cache's state on the host (allocation, commits, eviction, whether a pass selects chunks) stays
+outside the graph. One graph per pass shape (tokens, logits) and cache variant (a retrieval
+cache's selecting pass runs more ops than its other passes), captured on first use.
 
 ``cuda_graph`` captures with ``torch.cuda.CUDAGraph``. Any other capture can stand in for it:
 the tests capture with ``torch.compile(fullgraph=True, dynamic=False)``, which fails on a graph
@@ -16,7 +17,7 @@ CPU run checks what a CUDA graph would silently get wrong.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import torch
 
@@ -58,8 +59,9 @@ class PassGraphs:
         if not cache.static_passes:
             raise ValueError(f"{type(cache).__name__} has no static passes to capture")
         self.model, self.cache, self.capture = model, cache, capture
-        self.graphs: dict[tuple[int, int | None], tuple[Replay, torch.Tensor, torch.Tensor]] = {}
-        """Per (tokens, logits): the replay and its token-id [1, T] and position [T] inputs."""
+        self.graphs: dict[tuple[int, int | None, Hashable], tuple[Replay, torch.Tensor, torch.Tensor]] = {}
+        """Per (tokens, logits, the cache's pass variant): the replay and its token-id [1, T] and
+        position [T] inputs."""
 
     @torch.inference_mode()
     def __call__(self, token_ids: torch.Tensor, num_logits: int | None) -> torch.Tensor:
@@ -70,13 +72,19 @@ class PassGraphs:
         positions = self.cache.allocate(num_tokens)  # [T]
         if not static:
             return self.model.forward_at(token_ids, positions, self.cache, num_logits)
-        shape = (num_tokens, num_logits)
-        if shape not in self.graphs:
-            self.graphs[shape] = self._capture(token_ids, positions, num_logits)
-        replay, static_ids, static_positions = self.graphs[shape]
+        key = (num_tokens, num_logits, self.cache.pass_variant)
+        if key not in self.graphs:
+            self._drop_stale_variants(key[2])
+            self.graphs[key] = self._capture(token_ids, positions, num_logits)
+        replay, static_ids, static_positions = self.graphs[key]
         static_ids.copy_(token_ids)
         static_positions.copy_(positions)
         return replay().clone()  # the graph's output tensor is overwritten by its next replay
+
+    def _drop_stale_variants(self, variant: Hashable) -> None:
+        """A cache has one valid variant besides None at a time (see ``CachePolicy.pass_variant``)."""
+        if variant is not None:
+            self.graphs = {key: graph for key, graph in self.graphs.items() if key[2] in (None, variant)}
 
     def _capture(self, token_ids: torch.Tensor, positions: torch.Tensor, num_logits: int | None):
         static_ids, static_positions = token_ids.clone(), positions.clone()

@@ -24,7 +24,11 @@ CONFIGS = {
     "full": FullCacheConfig(),
     "streaming": StreamingCacheConfig(sinks=4, window=24),
     "retrieval": RetrievalCacheConfig(budget=32, chunk_size=4),
+    "retrieval-bound-every-2": RetrievalCacheConfig(budget=32, chunk_size=4, scoring="bound", refresh={"every": 2}),
+    "retrieval-attention-every-3": RetrievalCacheConfig(budget=32, chunk_size=4, scoring="attention",
+                                                        refresh={"every": 3}),
 }
+"""Retrieval re-selecting on a schedule captures its selecting passes too."""
 PASSES = [1, 1, 4, 1, 3, 1, 1, 4, 2, 1]
 """Tokens per pass after the prompt; each pass keeps all but its last token (a rejection)."""
 
@@ -56,8 +60,9 @@ def fresh_compile_caches():
         yield
 
 
-def run_passes(model, kind: str, capture=None) -> list[torch.Tensor]:
-    """Prefill 60 tokens, then PASSES with rollbacks and commits -> each pass's logits [T, V]."""
+def run_passes(model, kind: str, capture=None) -> tuple[list[torch.Tensor], PassGraphs | None]:
+    """Prefill 60 tokens, then PASSES with rollbacks and commits -> each pass's logits [T, V], and
+    the graphs that ran them (given a ``capture``)."""
     layout = model.cache_layout(capacity=96, max_pending=8)
     tokens = torch.randint(0, model.spec.vocab_size, (60 + sum(PASSES),), generator=torch.Generator().manual_seed(3))
     tokens = tokens.to(model.device)
@@ -80,13 +85,13 @@ def run_passes(model, kind: str, capture=None) -> list[torch.Tensor]:
         if cache is not full:  # the source holds every committed token, as the target stage would
             model(tokens[None, full.length : length], full)
             full.commit(length)
-    return logits
+    return logits, graphs
 
 
 @pytest.mark.parametrize("kind", list(CONFIGS))
 def test_static_passes_compute_what_dynamic_passes_do(kind, tiny_model):
-    dynamic = run_passes(tiny_model, kind)
-    static = run_passes(tiny_model, kind, eager_capture)
+    dynamic, _ = run_passes(tiny_model, kind)
+    static, _ = run_passes(tiny_model, kind, eager_capture)
     for expected, got in zip(dynamic, static, strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
@@ -96,12 +101,17 @@ def test_static_passes_compute_what_dynamic_passes_do(kind, tiny_model):
 def test_a_static_pass_compiles_once_per_shape_whatever_the_length(kind, fused_tokens, tiny_model, monkeypatch):
     """Also with every pass through the fused kernels, as on CUDA: no graph break or host sync there."""
     counter = CompileCounter()
-    dynamic = run_passes(tiny_model, kind)
+    dynamic, _ = run_passes(tiny_model, kind)
     monkeypatch.setattr(tiny_model, "fused_tokens", fused_tokens)
-    compiled = run_passes(tiny_model, kind, compiled_capture(counter))
+    compiled, graphs = run_passes(tiny_model, kind, compiled_capture(counter))
     for expected, got in zip(dynamic, compiled, strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    assert counter.frame_count == len(set(PASSES))  # retrieval's first, selecting pass is eager
+    assert counter.frame_count == len(graphs.graphs)
+    selecting = {key[0] for key in graphs.graphs if key[2] is not None}
+    if kind.startswith("retrieval-"):  # shapes that selected and shapes that did not, each compiled once
+        assert graphs.cache.selections > 2 and selecting and len(graphs.graphs) > len(set(PASSES))
+    else:
+        assert not selecting and len(graphs.graphs) == len(set(PASSES))  # retrieval's one selection is eager
 
 
 @pytest.mark.gpu
@@ -111,14 +121,34 @@ def test_a_static_pass_compiles_once_per_shape_whatever_the_length(kind, fused_t
 def test_cuda_graph_replays_compute_what_dynamic_passes_do(kind, fused_tokens, tiny_checkpoint):
     """Replays against eager dynamic passes, with the graphed passes eager or as Triton kernels."""
     model = load_model(tiny_checkpoint, torch.float32, torch.device("cuda"))
-    dynamic = run_passes(model, kind)
+    dynamic, _ = run_passes(model, kind)
     model.fused_tokens = fused_tokens
-    replayed = run_passes(model, kind, cuda_graph)
+    replayed, _ = run_passes(model, kind, cuda_graph)
     for expected, got in zip(dynamic, replayed, strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
-def test_long_passes_and_selecting_passes_run_eagerly(tiny_model):
+def test_a_new_prompt_drops_the_graphs_that_selected_over_the_last_one(tiny_model):
+    """A selecting graph reads its prompt's chunk summaries: after a restart they are new tensors."""
+    layout = tiny_model.cache_layout(capacity=96)
+    full = build_policy(FullCacheConfig(), layout)
+    tokens = torch.randint(0, tiny_model.spec.vocab_size, (1, 62), generator=torch.Generator().manual_seed(4))
+    for prompt in (60, 50):
+        full.restart()
+        tiny_model(tokens[:, :prompt], full)
+        full.commit(prompt)
+        if prompt == 60:
+            retrieval = build_policy(CONFIGS["retrieval-bound-every-2"], layout, full)
+            graphs = PassGraphs(tiny_model, retrieval, compiled_capture(CompileCounter()))
+        else:
+            retrieval.restart()
+        graphs(tokens[:, prompt : prompt + 1], 1)  # selects
+        retrieval.commit(prompt + 1)
+        graphs(tokens[:, prompt + 1 : prompt + 2], 1)  # does not
+    assert set(graphs.graphs) == {(1, 1, None), (1, 1, ("select", 2))}
+
+
+def test_long_passes_and_one_off_selecting_passes_run_eagerly(tiny_model):
     layout = tiny_model.cache_layout(capacity=96)
     full = build_policy(FullCacheConfig(), layout)
     counter = CompileCounter()
@@ -151,6 +181,21 @@ def test_graphed_presets_greedy_equal_autoregressive_and_keep_their_graphs(prese
     assert used[0] == used[1]
     shapes = [len(stage.graphs.graphs) for stage in pipeline.stages]
     assert all(shapes) and counter.frame_count == sum(shapes)
+
+
+@pytest.mark.parametrize("scoring", ["mean_key", "attention"])
+def test_graphed_self_spec_reselecting_every_round_replays_its_selections(scoring, tiny_dir, tiny_draft_dir):
+    autoregressive = runtime_for("autoregressive", tiny_dir, tiny_draft_dir, kernels="eager")
+    overrides = [*SMALL_CACHES["self-spec"], f"stages.0.cache.scoring={scoring}", "stages.0.cache.refresh.every=1",
+                 "stages.0.schedule=fixed"]
+    runtime = runtime_for("self-spec", tiny_dir, tiny_draft_dir, overrides, kernels="eager")
+    counter = CompileCounter()
+    runtime.capture = compiled_capture(counter)
+    pipeline = runtime.pipeline_for(len(PROMPT), 40)
+    assert generate(runtime, PROMPT, pipeline=pipeline).token_ids == generate(autoregressive, PROMPT).token_ids
+    proposer = pipeline.stages[0]
+    assert proposer.cache.selections > 5 and any(key[2] is not None for key in proposer.graphs.graphs)
+    assert counter.frame_count == sum(len(stage.graphs.graphs) for stage in pipeline.stages)
 
 
 def test_rounds_that_capture_a_graph_are_not_timed(tiny_dir, tiny_draft_dir):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from cache import CacheLayout
+from cache.chunk_scoring import summarize_chunks
 from cache.full import FullCache
 from cache.retrieval import RetrievalCache, RetrievalCacheConfig
 from cache.streaming import StreamingCache, StreamingCacheConfig
@@ -103,15 +104,21 @@ def brute_force_chunks(source: FullCache, query: torch.Tensor, prompt: int, size
                        scoring: str = "mean_key"):
     """Per KV head (2 query heads each): score every whole chunk, keep chunk 0 + the best. mean_key:
     (summed group query) . (mean key); attention: the probability its tokens receive, summed over
-    the group's heads."""
+    the group's heads; bound: per head, sum over dimensions of the chunk's largest query-key
+    product in that dimension, as logits of an attention over chunks, summed over the group."""
     picks = []
     for head in range(source.keys.shape[2]):
         keys, group = source.keys[0, 0, head, :prompt], query[0, 2 * head : 2 * head + 2, 0]  # [S, D], [2, D]
+        chunks = keys.unflatten(0, (-1, size))  # [C, size, D]
         if scoring == "mean_key":
-            scores = [float(keys[c * size : (c + 1) * size].mean(0) @ group.sum(0)) for c in range(prompt // size)]
-        else:
+            scores = chunks.mean(1) @ group.sum(0)
+        elif scoring == "attention":
             received = sum(torch.softmax(keys @ one / keys.shape[-1] ** 0.5, 0) for one in group)  # [S]
-            scores = [float(received[c * size : (c + 1) * size].sum()) for c in range(prompt // size)]
+            scores = received.unflatten(0, (-1, size)).sum(1)
+        else:
+            bounds = [(chunks * one).amax(1).sum(1) for one in group]  # [C] per head
+            scores = sum(torch.softmax(bound / keys.shape[-1] ** 0.5, 0) for bound in bounds)
+        scores = scores.tolist()
         rest = sorted(range(1, len(scores)), key=lambda c: -scores[c])[: chosen - 1]
         picks.append(sorted([0, *rest]))
     return picks
@@ -147,6 +154,45 @@ def test_retrieval_scored_by_attention_picks_the_chunks_receiving_the_most_atten
         torch.testing.assert_close(retrieval.keys[0, 0, head, :6], wanted)
     assert expected == [[0, 1, 6], [0, 5, 6]]
     assert brute_force_chunks(source, query, 14, 2, chosen=3) == [[0, 2, 4], [0, 4, 6]]  # mean keys differ
+
+
+def test_retrieval_scored_by_key_bounds_picks_the_chunks_whose_best_key_can_score_highest():
+    source, layout = hand_made_source(prompt=14)
+    retrieval = RetrievalCache(layout, RetrievalCacheConfig(budget=6, chunk_size=2, scoring="bound"), source)
+    query = torch.randn(1, 4, 1, 4, generator=torch.Generator().manual_seed(0))
+    retrieval.allocate(1)
+    retrieval.update(0, torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4), query)
+    expected = brute_force_chunks(source, query, 14, 2, chosen=3, scoring="bound")
+    for head, chunks in enumerate(expected):
+        wanted = torch.cat([source.keys[0, 0, head, c * 2 : c * 2 + 2] for c in chunks])
+        torch.testing.assert_close(retrieval.keys[0, 0, head, :6], wanted)
+    assert expected == [[0, 4, 6], [0, 5, 6]]
+    assert brute_force_chunks(source, query, 14, 2, chosen=3) == [[0, 2, 4], [0, 4, 6]]  # mean keys differ
+
+
+def test_a_chunks_key_bound_is_at_least_what_each_of_its_keys_scores():
+    keys = torch.randn(3, 64, 16, generator=torch.Generator().manual_seed(1))  # [H_kv, S, D], chunks of 8
+    query = torch.randn(3, 16, generator=torch.Generator().manual_seed(2))  # one head per KV head
+    lowest, highest = summarize_chunks(keys, 8, "bound")
+    bound = torch.where(query[:, None] > 0, query[:, None] * highest, query[:, None] * lowest).sum(2)  # [H_kv, C]
+    products = torch.einsum("hsd,hd->hs", keys, query).unflatten(1, (-1, 8))  # [H_kv, C, 8]
+    assert (products <= bound[:, :, None] + 1e-5).all()
+    assert (products.amax(2) < bound - 1e-3).any()  # an upper bound, not the best key's score
+
+
+@pytest.mark.parametrize("scoring", ["mean_key", "bound"])
+def test_retrieval_summarizes_chunks_once_when_it_reselects_and_chooses_as_without(scoring, tiny_model):
+    source, layout = prefilled_source(tiny_model)
+    caches = [RetrievalCache(layout, RetrievalCacheConfig(budget=16, chunk_size=4, scoring=scoring, refresh=refresh),
+                             source) for refresh in ("never", {"every": 1})]
+    for cache in caches:
+        decode_logits(tiny_model, cache, tokens(tiny_model, 1, 1))
+    once, every = caches
+    assert torch.equal(once.keys, every.keys)
+    summary_bytes = layout.num_layers * layout.num_kv_heads * 16 * layout.head_dim * 4  # 16 chunks of 4, float32
+    if scoring == "bound":  # a minimum and a maximum per chunk, in the keys' dtype (float32 here)
+        summary_bytes *= 2
+    assert every.memory_bytes() - once.memory_bytes() == summary_bytes
 
 
 def test_retrieval_keeps_the_recent_chunks_and_chooses_the_rest_by_score():
