@@ -5,9 +5,9 @@ them costs more than running them (the draft and retrieval stages are launch-bou
 whose shapes and tensor addresses never change can be captured once and replayed: the cache runs
 it statically (``SlotCache.set_static``: slot indices in a device tensor, the whole buffer read
 under a mask), the token ids and positions are copied into fixed input tensors, and all that
-depends on the cache's state on the host (allocation, commits, eviction, whether a pass selects chunks) stays
-outside the graph. One graph per pass shape (tokens, logits) and cache variant (a retrieval
-cache's selecting pass runs more ops than its other passes), captured on first use.
+depends on the cache's state on the host (allocation, commits, eviction, whether a pass selects
+chunks) stays outside the graph. One graph per pass shape (tokens, logits) and cache variant (a
+retrieval cache's selecting pass runs more ops than its other passes), captured on first use.
 
 ``cuda_graph`` captures with ``torch.cuda.CUDAGraph``. Any other capture can stand in for it:
 the tests capture with ``torch.compile(fullgraph=True, dynamic=False)``, which fails on a graph
