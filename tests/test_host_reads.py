@@ -1,8 +1,10 @@
 """No host sync inside a speculation round: the lowest stage feeds each token it draws to its next
 pass as a device tensor, and a greedy verification reads its verdict in one transfer.
 
-On CPU a host read is counted where it happens: ``aten._local_scalar_dense`` (``int()``,
-``.item()``, ``bool()`` of a tensor) and ``Tensor.tolist``. On CUDA the same rounds run under
+On CPU a host read is counted where it happens: the ops that read a tensor's value into Python
+(``int()``, ``.item()``, ``bool()``, ``float()`` of a tensor, ``torch.equal``) or size an output
+by it (``nonzero``, boolean-mask indexing), with or without inference mode (which reaches them by
+other ops), and ``Tensor.tolist``. On CUDA the same rounds run under
 ``torch.cuda.set_sync_debug_mode("error")``, which fails on any synchronising call.
 """
 
@@ -14,6 +16,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from cascade.verification import verify, verify_greedy
 from tests.test_pipeline import PROMPT, SMALL_CACHES, generate, runtime_for
+
+HOST_READ_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default,
+                 torch.ops.aten.is_nonzero.default, torch.ops.aten.equal.default, torch.ops.aten.nonzero.default}
+"""Each read reaches exactly one of these: in inference mode ``.item()`` arrives as ``item`` and
+``bool()`` as ``is_nonzero``, outside it both as ``_local_scalar_dense``."""
+MASK_INDEXING_OPS = {torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default}
+"""Indexing that reads the host when an index is a boolean mask (its true entries size the result)."""
 
 
 class HostReads(TorchDispatchMode):
@@ -31,7 +40,8 @@ class HostReads(TorchDispatchMode):
         monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func is torch.ops.aten._local_scalar_dense.default
+        masked = func in MASK_INDEXING_OPS and any(index is not None and index.dtype == torch.bool for index in args[1])
+        self.count += func in HOST_READ_OPS or masked
         return func(*args, **(kwargs or {}))
 
 
@@ -49,11 +59,18 @@ def reads_per_decode(pipeline, monkeypatch: pytest.MonkeyPatch, reads: HostReads
     return counts
 
 
-@pytest.mark.parametrize("preset", ["triforce", "self-spec"])
+RESELECTING = ["stages.0.cache.scoring=attention", "stages.0.cache.refresh.every=1"]
+"""``self-spec`` whose retrieval stage re-selects its chunks on the first pass of every round."""
+CASES = {"triforce": ("triforce", SMALL_CACHES["triforce"]), "self-spec": ("self-spec", SMALL_CACHES["self-spec"]),
+         "self-spec-reselecting": ("self-spec", SMALL_CACHES["self-spec"] + RESELECTING)}
+
+
+@pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_the_lowest_stage_decodes_a_round_without_host_reads(preset, temperature, tiny_dir, tiny_draft_dir,
+def test_the_lowest_stage_decodes_a_round_without_host_reads(case, temperature, tiny_dir, tiny_draft_dir,
                                                              monkeypatch):
-    runtime = runtime_for(preset, tiny_dir, tiny_draft_dir, SMALL_CACHES[preset], kernels="eager",
+    preset, overrides = CASES[case]
+    runtime = runtime_for(preset, tiny_dir, tiny_draft_dir, overrides, kernels="eager",
                           **{"sampling.temperature": temperature})
     pipeline = runtime.pipeline_for(len(PROMPT), 24)
     reads = HostReads(monkeypatch)
@@ -63,6 +80,18 @@ def test_the_lowest_stage_decodes_a_round_without_host_reads(preset, temperature
     assert len(result.token_ids) == 24
     assert len(counts) >= 4 and reads.count > 0  # it decoded, and reads elsewhere are seen
     assert counts == [0] * len(counts)
+
+
+@pytest.mark.parametrize("inference", [False, True])
+def test_every_kind_of_host_read_is_counted_once_in_and_out_of_inference_mode(inference, monkeypatch):
+    value = torch.tensor([1.0, -1.0])
+    reads = HostReads(monkeypatch)
+    with torch.inference_mode(inference), reads:
+        value[0].item(), int(value[0]), float(value[0]), bool(value[0]), torch.equal(value, value)
+        value[value > 0], value.nonzero(), [1, 2][value[0].long()], value.tolist()
+        value.clone()[value < 0] = 0.0
+        value * 2 + 1, value[torch.tensor([1, 0])]  # no reads: arithmetic, indexing by positions
+    assert reads.count == 10
 
 
 def test_a_greedy_verdict_is_read_in_one_transfer(monkeypatch):
@@ -88,9 +117,10 @@ def test_a_sampled_verdict_is_read_in_one_transfer(target_row, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("preset", ["triforce", "self-spec"])
-def test_the_lowest_stage_decodes_without_syncing_on_cuda(preset, tiny_dir, tiny_draft_dir, monkeypatch):
-    runtime = runtime_for(preset, tiny_dir, tiny_draft_dir, SMALL_CACHES[preset])
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_lowest_stage_decodes_without_syncing_on_cuda(case, tiny_dir, tiny_draft_dir, monkeypatch):
+    preset, overrides = CASES[case]
+    runtime = runtime_for(preset, tiny_dir, tiny_draft_dir, overrides)
     pipeline = runtime.pipeline_for(len(PROMPT), 24)
     decode = pipeline._decode
 
