@@ -142,31 +142,20 @@ def test_retrieval_picks_the_brute_force_chunks_with_gqa():
     assert all(chunks[0] == 0 for chunks in expected)  # the sink chunk, although it scores lowest
 
 
-def test_retrieval_scored_by_attention_picks_the_chunks_receiving_the_most_attention():
+@pytest.mark.parametrize(("scoring", "picks"), [("attention", [[0, 1, 6], [0, 5, 6]]),
+                                               ("bound", [[0, 4, 6], [0, 5, 6]])])
+def test_retrieval_scored_by_attention_or_key_bounds_picks_the_brute_force_chunks(scoring, picks):
+    """attention: the chunks receiving the most attention; bound: those whose best key can score most."""
     source, layout = hand_made_source(prompt=14)  # 7 whole chunks of 2, no tail
-    retrieval = RetrievalCache(layout, RetrievalCacheConfig(budget=6, chunk_size=2, scoring="attention"), source)
+    retrieval = RetrievalCache(layout, RetrievalCacheConfig(budget=6, chunk_size=2, scoring=scoring), source)
     query = torch.randn(1, 4, 1, 4, generator=torch.Generator().manual_seed(0))
     retrieval.allocate(1)
     retrieval.update(0, torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4), query)
-    expected = brute_force_chunks(source, query, 14, 2, chosen=3, scoring="attention")
+    expected = brute_force_chunks(source, query, 14, 2, chosen=3, scoring=scoring)
     for head, chunks in enumerate(expected):
         wanted = torch.cat([source.keys[0, 0, head, c * 2 : c * 2 + 2] for c in chunks])
         torch.testing.assert_close(retrieval.keys[0, 0, head, :6], wanted)
-    assert expected == [[0, 1, 6], [0, 5, 6]]
-    assert brute_force_chunks(source, query, 14, 2, chosen=3) == [[0, 2, 4], [0, 4, 6]]  # mean keys differ
-
-
-def test_retrieval_scored_by_key_bounds_picks_the_chunks_whose_best_key_can_score_highest():
-    source, layout = hand_made_source(prompt=14)
-    retrieval = RetrievalCache(layout, RetrievalCacheConfig(budget=6, chunk_size=2, scoring="bound"), source)
-    query = torch.randn(1, 4, 1, 4, generator=torch.Generator().manual_seed(0))
-    retrieval.allocate(1)
-    retrieval.update(0, torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4), query)
-    expected = brute_force_chunks(source, query, 14, 2, chosen=3, scoring="bound")
-    for head, chunks in enumerate(expected):
-        wanted = torch.cat([source.keys[0, 0, head, c * 2 : c * 2 + 2] for c in chunks])
-        torch.testing.assert_close(retrieval.keys[0, 0, head, :6], wanted)
-    assert expected == [[0, 4, 6], [0, 5, 6]]
+    assert expected == picks
     assert brute_force_chunks(source, query, 14, 2, chosen=3) == [[0, 2, 4], [0, 4, 6]]  # mean keys differ
 
 
