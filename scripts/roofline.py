@@ -165,7 +165,8 @@ def pass_figures(model, cache, tokens: int, args, bandwidth: float, peak: float,
     forward = PassGraphs(model, cache, cuda_graph) if graphed else (lambda ids, n: model(ids, cache, n))
 
     def run() -> None:
-        cache.request_refresh() if reselect else None
+        if reselect:
+            cache.request_refresh()
         forward(ids, tokens)
         cache.rollback(start)
 
