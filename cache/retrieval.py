@@ -134,9 +134,13 @@ class RetrievalCache(SlotCache):
         """Per layer, what the scoring reads of the prompt's chunks, for selections that repeat
         (attention scoring reads the keys themselves)."""
 
+    @property
+    def _chunked_prompt(self) -> int:
+        """Prompt tokens in whole chunks: those that are scored."""
+        return self.prompt_length - self.prompt_length % self.config.chunk_size
+
     def _summarize(self, layer: int) -> tuple[torch.Tensor, ...]:
-        whole = self.prompt_length // self.config.chunk_size * self.config.chunk_size
-        prompt_keys = self.source.keys[layer, 0, :, :whole]  # [H_kv, C*size, D]
+        prompt_keys = self.source.keys[layer, 0, :, : self._chunked_prompt]  # [H_kv, C*size, D]
         return summarize_chunks(prompt_keys, self.config.chunk_size, self.config.scoring)
 
     @property
@@ -219,8 +223,7 @@ class RetrievalCache(SlotCache):
     def selection_read_bytes(self) -> int:
         """Bytes one selection reads: what its scoring reads of every layer (the chunk summaries,
         or the prompt's keys for ``attention``) and the K/V of the kept prompt tokens it copies."""
-        whole = self.prompt_length // self.config.chunk_size * self.config.chunk_size
-        prompt_keys = whole * self.layout.bytes_per_token // 2  # unsummarized: every key of a whole chunk is read
+        prompt_keys = self._chunked_prompt * self.layout.bytes_per_token // 2  # unsummarized: every scored key
         scored = self._summary_bytes() if self._summaries is not None else prompt_keys
         return scored + self.kept * self.layout.bytes_per_token
 
