@@ -12,6 +12,10 @@ it alone. Per KV head, the query heads of its group score its chunks together:
   attention over the chunks and summed over the group. Two products per chunk.
 - ``attention``: the attention probability the chunk's tokens receive from the group's queries,
   exact for the selecting query; the summary is the keys themselves, one product per token.
+- ``sparq`` (SparQ Attention's first step): that attention approximated from the ``query_dims``
+  dimensions where the group's queries are largest in magnitude, each head's logits tempered by the
+  share of its query's L1 norm those dimensions hold. The summary is the keys laid out by dimension
+  ([H_kv, D, S], as many bytes again as the keys), so a selection reads ``query_dims`` of its rows.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 
 from cache.received_attention import received_attention
 
-Scoring = Literal["mean_key", "bound", "attention"]
+Scoring = Literal["mean_key", "bound", "attention", "sparq"]
 
 
 def summarize_chunks(keys: torch.Tensor, size: int, scoring: Scoring) -> tuple[torch.Tensor, ...]:
@@ -32,15 +36,21 @@ def summarize_chunks(keys: torch.Tensor, size: int, scoring: Scoring) -> tuple[t
         return (chunks.float().mean(2),)  # [H_kv, C, D]
     if scoring == "bound":
         return chunks.amin(2), chunks.amax(2)  # [H_kv, C, D] each, in the keys' dtype
+    if scoring == "sparq":
+        return (keys.transpose(1, 2).contiguous(),)  # [H_kv, D, C*size]
     return (keys,)
 
 
-def score_chunks(query: torch.Tensor, summary: tuple[torch.Tensor, ...], size: int, scoring: Scoring) -> torch.Tensor:
+def score_chunks(query: torch.Tensor, summary: tuple[torch.Tensor, ...], size: int, scoring: Scoring,
+                 query_dims: int) -> torch.Tensor:
     """Scores [H_kv, C] float32 of the chunks ``summary`` (from ``summarize_chunks``) describes,
-    for the selecting query [H, 1, D]."""
+    for the selecting query [H, 1, D] (``sparq`` reads ``query_dims`` of its dimensions)."""
     if scoring == "attention":
         (keys,) = summary
         return received_attention(query, keys, products_in_kv_dtype=True).unflatten(1, (-1, size)).sum(2)
+    if scoring == "sparq":
+        (keys_by_dim,) = summary
+        return sparse_query_attention(query, keys_by_dim, query_dims).unflatten(1, (-1, size)).sum(2)
     num_kv_heads = summary[0].shape[0]
     group = query[:, 0].unflatten(0, (num_kv_heads, -1))  # [H_kv, G, D]
     if scoring == "mean_key":
@@ -52,3 +62,17 @@ def score_chunks(query: torch.Tensor, summary: tuple[torch.Tensor, ...], size: i
     bounds = torch.bmm(highest, positive) + torch.bmm(lowest, negative)  # [H_kv, C, G]
     logits = bounds.float() * query.shape[-1] ** -0.5
     return logits.softmax(1).sum(2)
+
+
+def sparse_query_attention(query: torch.Tensor, keys_by_dim: torch.Tensor, query_dims: int) -> torch.Tensor:
+    """Approximate attention probability [H_kv, S] float32 each key receives from query [H, 1, D],
+    summed over each group's heads, reading ``query_dims`` rows of keys_by_dim [H_kv, D, S]."""
+    num_kv_heads, head_dim = keys_by_dim.shape[:2]
+    group = query[:, 0].unflatten(0, (num_kv_heads, -1)).float()  # [H_kv, G, D]
+    dims = group.abs().sum(1).topk(query_dims, dim=-1).indices  # [H_kv, r]: the group's largest
+    heads = torch.arange(num_kv_heads, device=dims.device)[:, None]  # [H_kv, 1]
+    rows = keys_by_dim[heads, dims]  # [H_kv, r, S]
+    partial = group.gather(2, dims[:, None, :].expand(-1, group.shape[1], -1))  # [H_kv, G, r]
+    share = partial.abs().sum(-1, keepdim=True) / group.abs().sum(-1, keepdim=True)  # [H_kv, G, 1]
+    logits = torch.bmm(partial.to(rows.dtype), rows).float()  # [H_kv, G, S]
+    return (logits * (head_dim * share).rsqrt()).softmax(-1).sum(1)

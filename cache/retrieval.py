@@ -8,9 +8,12 @@ chunk always (it is the most recent context), the rest by score. The keys are re
 ``source`` full cache of the same model, so the prompt is never held twice.
 
 Chunks are scored (``scoring``, see ``cache.chunk_scoring``) per KV head, all heads of a group
-then reading the same chunks. When chunks are re-selected on a schedule, what the scoring reads of
-them is summarized once per prompt, and a selecting pass has static shapes: it is captured as a
-graph like any other short pass (a one-off selection runs eagerly).
+then reading the same chunks. TriForce selects them once per prompt; they can also be re-selected
+every N committed tokens, when the stage's acceptance drops, or before every pass (Quest's
+query-aware sparsity: each proposal reads the chunks its own input token's query picks). When
+chunks are re-selected on a schedule, what the scoring reads of them is summarized once per prompt,
+and a selecting pass has static shapes: it is captured as a graph like any other short pass (a
+one-off selection runs eagerly).
 
 Tokens generated after the prompt are appended. Each stage writes the K/V it computes itself,
 with attention over its sparse cache; once the full-cache stage above has verified a token and
@@ -65,8 +68,9 @@ class RetrievalCacheConfig(CachePolicyConfig):
     """Prompt tokens kept (sink chunk, selected chunks and the prompt's partial last chunk)."""
     chunk_size: int = Field(8, ge=1)
     """Tokens per chunk, the unit that is scored and kept or dropped."""
-    refresh: Literal["never"] | EveryRefresh | OnDropRefresh = "never"
-    """When chunks are re-selected: never (TriForce), every N tokens, or on an acceptance drop."""
+    refresh: Literal["never", "every_pass"] | EveryRefresh | OnDropRefresh = "never"
+    """When chunks are re-selected: never (TriForce), before every forward pass, every N committed
+    tokens, or on an acceptance drop."""
     recent: int = Field(0, ge=0)
     """Prompt tokens at its end always kept (in whole chunks, part of the budget), like the sink
     chunk; 0 leaves them to the scores (TriForce)."""
@@ -78,7 +82,11 @@ class RetrievalCacheConfig(CachePolicyConfig):
     against its mean key (TriForce: one product per chunk); ``bound``, the most any of its keys
     can score, from its per-dimension key range (Quest: two products per chunk); ``attention``,
     the attention probability its tokens receive from the group's queries (one product per prompt
-    token, as much per selection as a full-cache step's attention)."""
+    token, as much per selection as a full-cache step's attention); ``sparq``, that attention from
+    the ``query_dims`` largest query dimensions (SparQ: reads that share of the keys, held a second
+    time laid out by dimension)."""
+    query_dims: int = Field(16, ge=1)
+    """Query dimensions (of each head's) ``sparq`` scoring reads the keys along."""
 
     @model_validator(mode="after")
     def _budget_in_whole_chunks(self) -> RetrievalCacheConfig:
@@ -102,6 +110,9 @@ class RetrievalCache(SlotCache):
     ) -> None:
         if not isinstance(source, FullCache):
             raise ValueError("the retrieval cache reads the prompt from a full cache of the same model")
+        if config.scoring == "sparq" and config.query_dims > layout.head_dim:
+            raise ValueError(f"query_dims ({config.query_dims}) must be at most the model's head_dim "
+                             f"({layout.head_dim}) for sparq scoring")
         super().__init__(layout, config.budget + layout.capacity - source.committed, source)
         self.config = config
         self._prompts_taken = 0
@@ -146,7 +157,8 @@ class RetrievalCache(SlotCache):
     @property
     def graph_ready(self) -> bool:
         """A selection repeated on a schedule is captured with its pass; a one-off one runs eagerly."""
-        return not self._select_pending or isinstance(self.config.refresh, EveryRefresh)
+        scheduled = self.config.refresh == "every_pass" or isinstance(self.config.refresh, EveryRefresh)
+        return not self._select_pending or scheduled
 
     @property
     def pass_variant(self) -> tuple[str, int] | None:
@@ -177,7 +189,8 @@ class RetrievalCache(SlotCache):
 
     def allocate(self, num_new: int) -> torch.Tensor:
         """Also decides, on the host, whether this pass selects chunks (its first query will)."""
-        self._selecting, self._select_pending = self._select_pending, False
+        self._selecting = self._select_pending or self.config.refresh == "every_pass"
+        self._select_pending = False
         if self._selecting:
             self._committed_at_selection = self.committed
             self._proposed_since_selection = self._accepted_since_selection = 0
@@ -206,7 +219,7 @@ class RetrievalCache(SlotCache):
         chosen = (self.kept - tail) // size
         summary = self._summaries[layer] if self._summaries else self._summarize(layer)
         first_query = query[0, :, :1]  # [H, 1, D]: the pass's first token (see module docstring)
-        scores = score_chunks(first_query, summary, size, self.config.scoring)  # [H_kv, C]
+        scores = score_chunks(first_query, summary, size, self.config.scoring, self.config.query_dims)  # [H_kv, C]
         scores[:, 0] = float("inf")  # the sink chunk is always kept
         scores[:, whole_chunks - math.ceil(self.config.recent / size) :] = float("inf")  # and the recent ones
         best = scores.topk(chosen, dim=1).indices.sort(dim=1).values  # [H_kv, chosen]
@@ -224,7 +237,12 @@ class RetrievalCache(SlotCache):
         """Bytes one selection reads: what its scoring reads of every layer (the chunk summaries,
         or the prompt's keys for ``attention``) and the K/V of the kept prompt tokens it copies."""
         prompt_keys = self._chunked_prompt * self.layout.bytes_per_token // 2  # unsummarized: every scored key
-        scored = self._summary_bytes() if self._summaries is not None else prompt_keys
+        if self._summaries is None:
+            scored = prompt_keys
+        elif self.config.scoring == "sparq":  # query_dims rows of the keys laid out by dimension
+            scored = self._summary_bytes() * self.config.query_dims // self.layout.head_dim
+        else:
+            scored = self._summary_bytes()
         return scored + self.kept * self.layout.bytes_per_token
 
     def _summary_bytes(self) -> int:

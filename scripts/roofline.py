@@ -22,7 +22,7 @@ Llama-2-7B at 120K tokens on a GPU; ``--draft-shape llama-68m`` adds TriForce's 
 CUDA, passes of up to 16 tokens replay as CUDA graphs unless ``--no-graphs``.
 
     python scripts/roofline.py [--contexts 8000 16000 32000] [--gamma 6] [--budget 4096]
-        [--reselect mean_key bound attention]
+        [--reselect mean_key bound attention sparq]
     python scripts/roofline.py --shape llama-2-7b --draft-shape llama-68m --contexts 120000 \
         [--acceptance 0.9 --draft-acceptance 0.7]
 """
@@ -87,7 +87,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "retrieval stage at each context; also print triforce's speed-up ceiling there")
     parser.add_argument("--reselect", nargs="+", default=[], choices=list(get_args(Scoring)), metavar="SCORING",
                         help="also time a proposal that re-selects the retrieval chunks first, scored each of "
-                             "these ways (mean_key, bound, attention), as refresh every round runs it")
+                             "these ways (mean_key, bound, attention, sparq), as refresh every_pass runs it")
     parser.add_argument("--out", type=Path, default=Path("results/roofline.json"))
     args = parser.parse_args(argv)
     if args.draft_acceptance is not None and not (args.draft_shape and args.acceptance):
@@ -155,9 +155,9 @@ def random_model(config: LlamaConfig, dtype: torch.dtype, device: torch.device) 
     return model
 
 
-def pass_figures(model, cache, tokens: int, args, bandwidth: float, peak: float, reselect: bool = False) -> dict:
+def pass_figures(model, cache, tokens: int, args, bandwidth: float, peak: float, selects: bool = False) -> dict:
     """Time a ``tokens``-token pass at the cache's end (rolled back after each) against its roofline;
-    with ``reselect``, each pass re-selects the retrieval cache's chunks first."""
+    ``selects``: the retrieval cache re-selects its chunks at each pass, and what that reads counts."""
     spec = model.spec
     start = cache.length
     ids = torch.randint(0, spec.vocab_size, (1, tokens), device=model.device)
@@ -165,14 +165,12 @@ def pass_figures(model, cache, tokens: int, args, bandwidth: float, peak: float,
     forward = PassGraphs(model, cache, cuda_graph) if graphed else (lambda ids, n: model(ids, cache, n))
 
     def run() -> None:
-        if reselect:
-            cache.request_refresh()
         forward(ids, tokens)
         cache.rollback(start)
 
     seconds = median_seconds(run, args.repeats, model.device)
     weight_bytes = sum(p.nbytes for p in model.parameters())
-    kv_bytes = cache.read_bytes() + (cache.selection_read_bytes() if reselect else 0)
+    kv_bytes = cache.read_bytes() + (cache.selection_read_bytes() if selects else 0)
     weights = sum(p.numel() for p in model.parameters())
     keys_read = kv_bytes // cache.layout.bytes_per_token
     attention_flops = 4 * spec.num_layers * spec.num_heads * spec.head_dim * keys_read * tokens
@@ -277,10 +275,10 @@ def context_figures(
         f"full, {verify} tokens (verification)": verification,
     }
     for scoring in args.reselect:
-        config = RetrievalCacheConfig(budget=args.budget, scoring=scoring, refresh={"every": 1})
+        config = RetrievalCacheConfig(budget=args.budget, scoring=scoring, refresh="every_pass")
         selecting = build_policy(config, layout, full)
         passes[f"retrieval {args.budget}, 1 token re-selecting ({scoring})"] = pass_figures(
-            model, selecting, 1, args, bandwidth, peak, reselect=True)
+            model, selecting, 1, args, bandwidth, peak, selects=True)
         del selecting
     if args.draft_shape:
         draft = random_model(SHAPES[args.draft_shape], model.dtype, model.device)

@@ -27,6 +27,8 @@ CONFIGS = {
     "retrieval-bound-every-2": RetrievalCacheConfig(budget=32, chunk_size=4, scoring="bound", refresh={"every": 2}),
     "retrieval-attention-every-3": RetrievalCacheConfig(budget=32, chunk_size=4, scoring="attention",
                                                         refresh={"every": 3}),
+    "retrieval-sparq-every-pass": RetrievalCacheConfig(budget=32, chunk_size=4, scoring="sparq", query_dims=4,
+                                                       refresh="every_pass"),
 }
 """Retrieval re-selecting on a schedule captures its selecting passes too."""
 PASSES = [1, 1, 4, 1, 3, 1, 1, 4, 2, 1]
@@ -108,7 +110,9 @@ def test_a_static_pass_compiles_once_per_shape_whatever_the_length(kind, fused_t
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert counter.frame_count == len(graphs.graphs)
     selecting = {key[0] for key in graphs.graphs if key[2] is not None}
-    if kind.startswith("retrieval-"):  # shapes that selected and shapes that did not, each compiled once
+    if kind.endswith("every-pass"):  # every pass selected: one graph per shape
+        assert graphs.cache.selections == len(PASSES) and selecting == set(PASSES) == {k[0] for k in graphs.graphs}
+    elif kind.startswith("retrieval-"):  # shapes that selected and shapes that did not, each compiled once
         assert graphs.cache.selections > 2 and selecting and len(graphs.graphs) > len(set(PASSES))
     else:
         assert not selecting and len(graphs.graphs) == len(set(PASSES))  # retrieval's one selection is eager
@@ -183,11 +187,14 @@ def test_graphed_presets_greedy_equal_autoregressive_and_keep_their_graphs(prese
     assert all(shapes) and counter.frame_count == sum(shapes)
 
 
-@pytest.mark.parametrize("scoring", ["mean_key", "attention"])
-def test_graphed_self_spec_reselecting_every_round_replays_its_selections(scoring, tiny_dir, tiny_draft_dir):
+@pytest.mark.parametrize("selection", [
+    ["stages.0.cache.scoring=mean_key", "stages.0.cache.refresh.every=1"],
+    ["stages.0.cache.scoring=attention", "stages.0.cache.refresh.every=1"],
+    ["stages.0.cache.scoring=sparq", "stages.0.cache.query_dims=8", "stages.0.cache.refresh=every_pass"],
+], ids=["mean_key-every-round", "attention-every-round", "sparq-every-pass"])
+def test_graphed_self_spec_reselecting_replays_its_selections(selection, tiny_dir, tiny_draft_dir):
     autoregressive = runtime_for("autoregressive", tiny_dir, tiny_draft_dir, kernels="eager")
-    overrides = [*SMALL_CACHES["self-spec"], f"stages.0.cache.scoring={scoring}", "stages.0.cache.refresh.every=1",
-                 "stages.0.schedule=fixed"]
+    overrides = [*SMALL_CACHES["self-spec"], *selection, "stages.0.schedule=fixed"]
     runtime = runtime_for("self-spec", tiny_dir, tiny_draft_dir, overrides, kernels="eager")
     counter = CompileCounter()
     runtime.capture = compiled_capture(counter)

@@ -61,8 +61,11 @@ def reads_per_decode(pipeline, monkeypatch: pytest.MonkeyPatch, reads: HostReads
 
 RESELECTING = ["stages.0.cache.scoring=attention", "stages.0.cache.refresh.every=1"]
 """``self-spec`` whose retrieval stage re-selects its chunks on the first pass of every round."""
+SELECTING_EVERY_PASS = ["stages.0.cache.scoring=sparq", "stages.0.cache.query_dims=8",
+                        "stages.0.cache.refresh=every_pass"]
 CASES = {"triforce": ("triforce", SMALL_CACHES["triforce"]), "self-spec": ("self-spec", SMALL_CACHES["self-spec"]),
-         "self-spec-reselecting": ("self-spec", SMALL_CACHES["self-spec"] + RESELECTING)}
+         "self-spec-reselecting": ("self-spec", SMALL_CACHES["self-spec"] + RESELECTING),
+         "self-spec-selecting-every-pass": ("self-spec", SMALL_CACHES["self-spec"] + SELECTING_EVERY_PASS)}
 
 
 @pytest.mark.parametrize("case", list(CASES))

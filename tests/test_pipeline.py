@@ -57,7 +57,8 @@ def test_preset_greedy_equals_autoregressive(preset, draft_is_target, tiny_dir, 
     {"kind": "topk_oracle", "budget": 64},
     {"kind": "retrieval", "budget": 64, "scoring": "attention", "refresh": {"every": 1}},
     {"kind": "retrieval", "budget": 64, "scoring": "bound", "refresh": {"every": 1}},
-], ids=["topk_oracle", "retrieval-attention-each-round", "retrieval-bound-each-round"])
+    {"kind": "retrieval", "budget": 64, "scoring": "sparq", "query_dims": 8, "refresh": "every_pass"},
+], ids=["topk_oracle", "retrieval-attention-each-round", "retrieval-bound-each-round", "retrieval-sparq-each-pass"])
 def test_self_spec_selecting_keys_afresh_stays_exact(cache, tiny_dir, tiny_draft_dir, autoregressive_tokens):
     overrides = [f"stages.0.cache={cache}", "stages.0.schedule=fixed"]
     result = generate(runtime_for("self-spec", tiny_dir, tiny_draft_dir, overrides), PROMPT)

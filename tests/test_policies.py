@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from cache import CacheLayout
-from cache.chunk_scoring import summarize_chunks
+from cache.chunk_scoring import sparse_query_attention, summarize_chunks
 from cache.full import FullCache
+from cache.received_attention import received_attention
 from cache.retrieval import RetrievalCache, RetrievalCacheConfig
 from cache.streaming import StreamingCache, StreamingCacheConfig
 from cascade.checkpoint import load_model
@@ -101,11 +102,13 @@ def hand_made_source(prompt: int = 14) -> tuple[FullCache, CacheLayout]:
 
 
 def brute_force_chunks(source: FullCache, query: torch.Tensor, prompt: int, size: int, chosen: int,
-                       scoring: str = "mean_key"):
+                       scoring: str = "mean_key", query_dims: int = 2):
     """Per KV head (2 query heads each): score every whole chunk, keep chunk 0 + the best. mean_key:
     (summed group query) . (mean key); attention: the probability its tokens receive, summed over
     the group's heads; bound: per head, sum over dimensions of the chunk's largest query-key
-    product in that dimension, as logits of an attention over chunks, summed over the group."""
+    product in that dimension, as logits of an attention over chunks, summed over the group;
+    sparq: attention from the query_dims dimensions of largest summed |query| in the group, each
+    head's logits divided by sqrt(D * the share of its |query| those dimensions hold)."""
     picks = []
     for head in range(source.keys.shape[2]):
         keys, group = source.keys[0, 0, head, :prompt], query[0, 2 * head : 2 * head + 2, 0]  # [S, D], [2, D]
@@ -114,6 +117,11 @@ def brute_force_chunks(source: FullCache, query: torch.Tensor, prompt: int, size
             scores = chunks.mean(1) @ group.sum(0)
         elif scoring == "attention":
             received = sum(torch.softmax(keys @ one / keys.shape[-1] ** 0.5, 0) for one in group)  # [S]
+            scores = received.unflatten(0, (-1, size)).sum(1)
+        elif scoring == "sparq":
+            dims = group.abs().sum(0).topk(query_dims).indices
+            received = sum(torch.softmax(keys[:, dims] @ one[dims] / (keys.shape[-1] * one[dims].abs().sum()
+                                                                      / one.abs().sum()) ** 0.5, 0) for one in group)
             scores = received.unflatten(0, (-1, size)).sum(1)
         else:
             bounds = [(chunks * one).amax(1).sum(1) for one in group]  # [C] per head
@@ -143,11 +151,14 @@ def test_retrieval_picks_the_brute_force_chunks_with_gqa():
 
 
 @pytest.mark.parametrize(("scoring", "picks"), [("attention", [[0, 1, 6], [0, 5, 6]]),
-                                               ("bound", [[0, 4, 6], [0, 5, 6]])])
+                                               ("bound", [[0, 4, 6], [0, 5, 6]]),
+                                               ("sparq", [[0, 4, 6], [0, 5, 6]])])
 def test_retrieval_scored_by_attention_or_key_bounds_picks_the_brute_force_chunks(scoring, picks):
-    """attention: the chunks receiving the most attention; bound: those whose best key can score most."""
+    """attention: the chunks receiving the most attention; bound: those whose best key can score most;
+    sparq: those receiving the most attention seen through 2 of the query's 4 dimensions."""
     source, layout = hand_made_source(prompt=14)  # 7 whole chunks of 2, no tail
-    retrieval = RetrievalCache(layout, RetrievalCacheConfig(budget=6, chunk_size=2, scoring=scoring), source)
+    config = RetrievalCacheConfig(budget=6, chunk_size=2, scoring=scoring, query_dims=2)
+    retrieval = RetrievalCache(layout, config, source)
     query = torch.randn(1, 4, 1, 4, generator=torch.Generator().manual_seed(0))
     retrieval.allocate(1)
     retrieval.update(0, torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4), query)
@@ -169,7 +180,28 @@ def test_a_chunks_key_bound_is_at_least_what_each_of_its_keys_scores():
     assert (products.amax(2) < bound - 1e-3).any()  # an upper bound, not the best key's score
 
 
-@pytest.mark.parametrize("scoring", ["mean_key", "bound"])
+def test_sparq_reading_every_query_dimension_is_exact_attention():
+    keys = torch.randn(3, 64, 16, generator=torch.Generator().manual_seed(1))  # [H_kv, S, D]
+    query = torch.randn(6, 1, 16, generator=torch.Generator().manual_seed(2))  # [H, 1, D], groups of 2
+    keys_by_dim = keys.transpose(1, 2).contiguous()  # [H_kv, D, S]
+    exact = received_attention(query, keys)  # [H_kv, S]
+    torch.testing.assert_close(sparse_query_attention(query, keys_by_dim, 16), exact)
+    approximate = sparse_query_attention(query, keys_by_dim, 4)
+    torch.testing.assert_close(approximate.sum(1), torch.full((3,), 2.0))  # still two heads' probabilities
+    assert not torch.allclose(approximate, exact, atol=1e-3)
+
+
+def test_sparq_reads_no_more_query_dimensions_than_the_model_has(tiny_model):
+    source, layout = prefilled_source(tiny_model)  # head_dim 16
+    with pytest.raises(ValueError, match=r"query_dims \(32\) must be at most the model's head_dim \(16\)"):
+        RetrievalCache(layout, RetrievalCacheConfig(budget=16, chunk_size=4, scoring="sparq", query_dims=32), source)
+
+
+SUMMARY_BYTES_PER_CHUNK_DIM = {"mean_key": 4, "bound": 2 * 4, "sparq": 4 * 4}
+"""Per chunk of 4 and head dimension, float32 keys: a mean; a minimum and a maximum; every key again."""
+
+
+@pytest.mark.parametrize("scoring", ["mean_key", "bound", "sparq"])
 def test_retrieval_summarizes_chunks_once_when_it_reselects_and_chooses_as_without(scoring, tiny_model):
     source, layout = prefilled_source(tiny_model)
     caches = [RetrievalCache(layout, RetrievalCacheConfig(budget=16, chunk_size=4, scoring=scoring, refresh=refresh),
@@ -178,10 +210,8 @@ def test_retrieval_summarizes_chunks_once_when_it_reselects_and_chooses_as_witho
         decode_logits(tiny_model, cache, tokens(tiny_model, 1, 1))
     once, every = caches
     assert torch.equal(once.keys, every.keys)
-    summary_bytes = layout.num_layers * layout.num_kv_heads * 16 * layout.head_dim * 4  # 16 chunks of 4, float32
-    if scoring == "bound":  # a minimum and a maximum per chunk, in the keys' dtype (float32 here)
-        summary_bytes *= 2
-    assert every.memory_bytes() - once.memory_bytes() == summary_bytes
+    summary_bytes = layout.num_layers * layout.num_kv_heads * 16 * layout.head_dim  # 16 chunks of 4
+    assert every.memory_bytes() - once.memory_bytes() == summary_bytes * SUMMARY_BYTES_PER_CHUNK_DIM[scoring]
 
 
 def test_retrieval_keeps_the_recent_chunks_and_chooses_the_rest_by_score():
@@ -243,6 +273,17 @@ def test_retrieval_refresh_every_n_reselects(tiny_model):
     never.request_refresh()
     decode_logits(tiny_model, never, tokens(tiny_model, 1, 2))
     assert never.selections == 2
+
+
+def test_retrieval_refresh_every_pass_reselects_before_each_pass_committed_or_not(tiny_model):
+    source, layout = prefilled_source(tiny_model)
+    per_pass = RetrievalCache(layout, RetrievalCacheConfig(budget=16, chunk_size=4, refresh="every_pass"), source)
+    per_token = RetrievalCache(layout, RetrievalCacheConfig(budget=16, chunk_size=4, refresh={"every": 1}), source)
+    for cache in (per_pass, per_token):
+        for seed in (1, 2, 3):  # three proposals, none committed yet
+            tiny_model(tokens(tiny_model, 1, seed), cache)
+    assert (per_pass.selections, per_token.selections) == (3, 1)
+    assert not torch.equal(per_pass.keys[:, :, :, :16], per_token.keys[:, :, :, :16])  # the last query chose
 
 
 def test_retrieval_refreshes_when_acceptance_drops(tiny_model):

@@ -22,7 +22,7 @@ def test_roofline_times_every_pass_of_a_random_shape(tmp_path):
     command = [sys.executable, "scripts/roofline.py", "--shape", "llama-68m", "--draft-shape", "llama-68m",
                "--contexts", "300", "--budget", "64", "--gamma", "3", "--draft-window", "28", "--repeats", "1",
                "--device", "cpu", "--kernels", "eager", "--acceptance", "0.8", "--draft-acceptance", "0.6",
-               "--reselect", "mean_key", "attention", "--out", str(out)]
+               "--reselect", "mean_key", "attention", "sparq", "--out", str(out)]
     printed = subprocess.run(command, capture_output=True, text=True, check=True).stdout
     report = json.loads(out.read_text())
     assert report["model"] == "llama-68m" and not report["graphs"] and report["contexts"][0]["fused_tokens"] == 0
@@ -30,14 +30,16 @@ def test_roofline_times_every_pass_of_a_random_shape(tmp_path):
     assert list(passes) == ["full, 1 token (autoregressive step)", "retrieval 64, 1 token (proposal)",
                             "retrieval 64, 4 tokens (verifying the draft)", "full, 4 tokens (verification)",
                             "retrieval 64, 1 token re-selecting (mean_key)",
-                            "retrieval 64, 1 token re-selecting (attention)", "draft llama-68m, streaming 32, 1 token"]
+                            "retrieval 64, 1 token re-selecting (attention)",
+                            "retrieval 64, 1 token re-selecting (sparq)", "draft llama-68m, streaming 32, 1 token"]
     full_step, proposal = passes["full, 1 token (autoregressive step)"], passes["retrieval 64, 1 token (proposal)"]
     assert proposal["bytes_read"] < full_step["bytes_read"]  # 64 prompt tokens of KV instead of 300
     token_bytes, copied = 2 * 2 * 12 * 64 * 2, 60  # K and V, 2 layers, 12 KV heads of 64, bf16; 60 kept tokens
     selections = {scoring: passes[f"retrieval 64, 1 token re-selecting ({scoring})"]["bytes_read"]
-                  - proposal["bytes_read"] for scoring in ("mean_key", "attention")}
+                  - proposal["bytes_read"] for scoring in ("mean_key", "attention", "sparq")}
     assert selections["mean_key"] == 2 * 12 * 37 * 64 * 4 + copied * token_bytes  # float32 means of 37 chunks
     assert selections["attention"] == 296 * token_bytes // 2 + copied * token_bytes  # the keys of 37 chunks
+    assert selections["sparq"] == 296 * token_bytes // 2 // 4 + copied * token_bytes  # 16 of their 64 dimensions
     assert all(row["ms"] > 0 and row["roofline_ms"] > 0 for row in passes.values())
     assert "| 300 | draft llama-68m, streaming 32, 1 token |" in printed
     ceiling = report["contexts"][0]["self_spec_ceiling"]
