@@ -22,7 +22,7 @@ Llama-2-7B at 120K tokens on a GPU; ``--draft-shape llama-68m`` adds TriForce's 
 CUDA, passes of up to 16 tokens replay as CUDA graphs unless ``--no-graphs``.
 
     python scripts/roofline.py [--contexts 8000 16000 32000] [--gamma 6] [--budget 4096]
-        [--reselect mean_key bound attention sparq]
+        [--reselect mean_key bound attention sparq [--reselect-acceptance 0.79 0.78 0.90 0.89]]
     python scripts/roofline.py --shape llama-2-7b --draft-shape llama-68m --contexts 120000 \
         [--acceptance 0.9 --draft-acceptance 0.7]
 """
@@ -88,8 +88,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--reselect", nargs="+", default=[], choices=list(get_args(Scoring)), metavar="SCORING",
                         help="also time a proposal that re-selects the retrieval chunks first, scored each of "
                              "these ways (mean_key, bound, attention, sparq), as refresh every_pass runs it")
+    parser.add_argument("--reselect-acceptance", type=float, nargs="+", default=[], metavar="A",
+                        help="with --reselect: the per-token acceptance of each of those scorings re-selecting "
+                             "every pass (one per scoring, at every context): also print self-spec's ceiling "
+                             "with those proposals")
     parser.add_argument("--out", type=Path, default=Path("results/roofline.json"))
     args = parser.parse_args(argv)
+    if args.reselect_acceptance and len(args.reselect_acceptance) != len(args.reselect):
+        parser.error(f"--reselect-acceptance takes one value per --reselect scoring ({len(args.reselect)}), "
+                     f"got {len(args.reselect_acceptance)}")
     if args.draft_acceptance is not None and not (args.draft_shape and args.acceptance):
         parser.error("--draft-acceptance needs --draft-shape (the draft's step) and --acceptance (the retrieval "
                      "stage's own)")
@@ -274,12 +281,16 @@ def context_figures(
         f"retrieval {args.budget}, {verify} tokens (verifying the draft)": retrieval_verification,
         f"full, {verify} tokens (verification)": verification,
     }
-    for scoring in args.reselect:
+    every_pass_ceilings = {}
+    for index, scoring in enumerate(args.reselect):
         config = RetrievalCacheConfig(budget=args.budget, scoring=scoring, refresh="every_pass")
         selecting = build_policy(config, layout, full)
-        passes[f"retrieval {args.budget}, 1 token re-selecting ({scoring})"] = pass_figures(
-            model, selecting, 1, args, bandwidth, peak, selects=True)
+        selecting_proposal = pass_figures(model, selecting, 1, args, bandwidth, peak, selects=True)
+        passes[f"retrieval {args.budget}, 1 token re-selecting ({scoring})"] = selecting_proposal
         del selecting
+        if args.reselect_acceptance:
+            every_pass_ceilings[scoring] = self_spec_ceiling(step, selecting_proposal, verification,
+                                                             args.reselect_acceptance[index])
     if args.draft_shape:
         draft = random_model(SHAPES[args.draft_shape], model.dtype, model.device)
         draft.attention, draft.fused_tokens = model.attention, model.fused_tokens
@@ -294,6 +305,8 @@ def context_figures(
     torch.cuda.empty_cache() if args.device == "cuda" else None
     if acceptance is not None:
         figures["self_spec_ceiling"] = self_spec_ceiling(step, proposal, verification, acceptance)
+    if every_pass_ceilings:
+        figures["every_pass_ceilings"] = every_pass_ceilings
     if draft_acceptance is not None:
         figures["triforce_ceiling"] = triforce_ceiling(draft_step, proposal, retrieval_verification, step,
                                                        verification, draft_acceptance, acceptance)
@@ -318,12 +331,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {context} | {name} | {row['ms']:.1f} | {row['memory_ms']:.1f} | {row['compute_ms']:.1f} | "
                   f"{row['measured_over_roofline']:.1f}x |")
     for figures in rows:
-        if "self_spec_ceiling" in figures:
-            ceiling = figures["self_spec_ceiling"]
-            print(f"self-spec ceiling at {figures['context']} (acceptance {ceiling['acceptance']:.2f}): "
-                  f"{ceiling['measured']['speedup']:.2f}x at gamma {ceiling['measured']['gamma']} from measured "
-                  f"passes, {ceiling['roofline']['speedup']:.2f}x at gamma {ceiling['roofline']['gamma']} "
-                  "at the rooflines")
+        ceilings = {"": figures.get("self_spec_ceiling"), **{
+            f", re-selecting every pass ({scoring})": ceiling
+            for scoring, ceiling in figures.get("every_pass_ceilings", {}).items()}}
+        for selection, ceiling in ceilings.items():
+            if ceiling is not None:
+                print(f"self-spec ceiling at {figures['context']}{selection} (acceptance {ceiling['acceptance']:.2f}): "
+                      f"{ceiling['measured']['speedup']:.2f}x at gamma {ceiling['measured']['gamma']} from measured "
+                      f"passes, {ceiling['roofline']['speedup']:.2f}x at gamma {ceiling['roofline']['gamma']} "
+                      "at the rooflines")
         if "triforce_ceiling" in figures:
             ceiling = figures["triforce_ceiling"]
             print(f"triforce ceiling at {figures['context']} (acceptance {ceiling['draft_acceptance']:.2f} / "

@@ -22,7 +22,8 @@ def test_roofline_times_every_pass_of_a_random_shape(tmp_path):
     command = [sys.executable, "scripts/roofline.py", "--shape", "llama-68m", "--draft-shape", "llama-68m",
                "--contexts", "300", "--budget", "64", "--gamma", "3", "--draft-window", "28", "--repeats", "1",
                "--device", "cpu", "--kernels", "eager", "--acceptance", "0.8", "--draft-acceptance", "0.6",
-               "--reselect", "mean_key", "attention", "sparq", "--out", str(out)]
+               "--reselect", "mean_key", "attention", "sparq", "--reselect-acceptance", "0.7", "0.9", "0.85",
+               "--out", str(out)]
     printed = subprocess.run(command, capture_output=True, text=True, check=True).stdout
     report = json.loads(out.read_text())
     assert report["model"] == "llama-68m" and not report["graphs"] and report["contexts"][0]["fused_tokens"] == 0
@@ -45,6 +46,12 @@ def test_roofline_times_every_pass_of_a_random_shape(tmp_path):
     ceiling = report["contexts"][0]["self_spec_ceiling"]
     assert ceiling["acceptance"] == 0.8 and 1 <= ceiling["roofline"]["gamma"] <= 3
     assert "self-spec ceiling at 300 (acceptance 0.80)" in printed
+    every_pass = report["contexts"][0]["every_pass_ceilings"]
+    assert list(every_pass) == ["mean_key", "attention", "sparq"] and every_pass["sparq"]["acceptance"] == 0.85
+    assert every_pass["attention"]["roofline"] == load_roofline_script().self_spec_ceiling(
+        full_step, passes["retrieval 64, 1 token re-selecting (attention)"], passes["full, 4 tokens (verification)"],
+        0.9)["roofline"]
+    assert "self-spec ceiling at 300, re-selecting every pass (sparq) (acceptance 0.85)" in printed
     triforce = report["contexts"][0]["triforce_ceiling"]
     assert triforce["draft_acceptance"] == 0.6 and 0 <= triforce["measured"]["draft_gamma"] <= 3
     assert "triforce ceiling at 300 (acceptance 0.60 / 0.80)" in printed
@@ -90,7 +97,7 @@ def test_a_useless_draft_is_bypassed_in_the_triforce_ceiling():
     assert ceiling["measured"]["speedup"] == pytest.approx(selfspec["measured"]["speedup"])
 
 
-def test_acceptance_must_match_the_contexts():
+def test_acceptances_must_match_the_contexts_and_scorings():
     command = [sys.executable, "scripts/roofline.py", "--contexts", "100", "200", "--acceptance", "0.5", "0.6",
                "0.7"]
     result = subprocess.run(command, capture_output=True, text=True)
@@ -101,3 +108,8 @@ def test_acceptance_must_match_the_contexts():
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 2
     assert "--draft-acceptance needs --draft-shape" in result.stderr
+    command = [sys.executable, "scripts/roofline.py", "--contexts", "100", "--reselect", "sparq",
+               "--reselect-acceptance", "0.8", "0.9"]
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "--reselect-acceptance takes one value per --reselect scoring (1), got 2" in result.stderr
