@@ -66,6 +66,20 @@ def test_self_spec_selecting_keys_afresh_stays_exact(cache, tiny_dir, tiny_draft
     assert result.stats.stages[0].name == f"0:target/{cache['kind']}" and result.stats.stages[0].rounds > 0
 
 
+def test_triforce_selecting_before_every_pass_of_its_middle_stage_stays_exact(tiny_dir, tiny_draft_dir,
+                                                                             autoregressive_tokens):
+    """The middle stage verifies the draft's proposals: each pass selects by its first query only."""
+    overrides = [*SMALL_CACHES["triforce"], "stages.1.cache.scoring=sparq", "stages.1.cache.query_dims=8",
+                 "stages.1.cache.refresh=every_pass", "stages.0.schedule=fixed", "stages.1.schedule=fixed"]
+    runtime = runtime_for("triforce", tiny_dir, tiny_draft_dir, overrides)
+    pipeline = runtime.pipeline_for(len(PROMPT), 40)
+    result = generate(runtime, PROMPT, pipeline=pipeline)
+    assert result.token_ids == autoregressive_tokens
+    draft, middle = result.stats.stages[:2]
+    assert draft.rounds > 0 and middle.rounds > 0
+    assert pipeline.stages[1].cache.selections == middle.forward_calls
+
+
 @pytest.mark.parametrize("schedule", ["fixed", "heuristic", "cost_model"])
 def test_adaptive_schedules_stay_exact(schedule, tiny_dir, tiny_draft_dir, autoregressive_tokens):
     overrides = SMALL_CACHES["triforce"] + [f"stages.{i}.schedule={schedule}" for i in (0, 1)]
