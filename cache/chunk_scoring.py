@@ -71,8 +71,8 @@ def sparse_query_attention(query: torch.Tensor, keys_by_dim: torch.Tensor, query
     group = query[:, 0].unflatten(0, (num_kv_heads, -1)).float()  # [H_kv, G, D]
     dims = group.abs().sum(1).topk(query_dims, dim=-1).indices  # [H_kv, r]: the group's largest
     heads = torch.arange(num_kv_heads, device=dims.device)[:, None]  # [H_kv, 1]
-    rows = keys_by_dim[heads, dims].float()  # [H_kv, r, S]: float32 products, for partial logits
-    # rounded to bf16 ranked visibly worse (64K: 0.856 per token against 0.889 at 16 dimensions)
+    rows = keys_by_dim[heads, dims].float()  # [H_kv, r, S]: float32 products; with partial logits
+    # rounded to bf16, a 128-token run at 64K accepted 0.856 per token instead of 0.889
     partial = group.gather(2, dims[:, None, :].expand(-1, group.shape[1], -1))  # [H_kv, G, r]
     share = partial.abs().sum(-1, keepdim=True) / group.abs().sum(-1, keepdim=True)  # [H_kv, G, 1]
     logits = torch.bmm(partial, rows)  # [H_kv, G, S]
