@@ -31,7 +31,7 @@ def test_every_policy_has_a_test_config():
 def test_the_policy_listing_has_a_line_per_kind_and_per_setting():
     lines = describe_policies().splitlines()
     assert len(lines) == sum(len(entry.config.model_fields) for entry in POLICIES.values())  # "kind" heads
-    scoring = "    scoring: 'mean_key' | 'bound' | 'attention' = 'mean_key'  How a chunk is ranked against"
+    scoring = "    scoring: 'mean_key' | 'bound' | 'attention' | 'sparq' = 'mean_key'  How a chunk is ranked against"
     assert scoring in "\n".join(lines)
 
 
