@@ -22,7 +22,8 @@ Llama-2-7B at 120K tokens on a GPU; ``--draft-shape llama-68m`` adds TriForce's 
 CUDA, passes of up to 16 tokens replay as CUDA graphs unless ``--no-graphs``.
 
     python scripts/roofline.py [--contexts 8000 16000 32000] [--gamma 6] [--budget 4096]
-        [--reselect mean_key bound attention sparq [--reselect-acceptance 0.79 0.78 0.90 0.89]]
+        [--reselect mean_key attention sparq [--every-pass-acceptance 0.62 0.87 0.73]
+        [--every-round-acceptance 0.59 0.67 0.6]] [--roofline-of results/roofline_h100_smollm2_cuda_matmul.json]
     python scripts/roofline.py --shape llama-2-7b --draft-shape llama-68m --contexts 120000 \
         [--acceptance 0.9 --draft-acceptance 0.7]
 """
@@ -88,15 +89,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--reselect", nargs="+", default=[], choices=list(get_args(Scoring)), metavar="SCORING",
                         help="also time a proposal that re-selects the retrieval chunks first, scored each of "
                              "these ways (mean_key, bound, attention, sparq), as refresh every_pass runs it")
-    parser.add_argument("--reselect-acceptance", type=float, nargs="+", default=[], metavar="A",
-                        help="with --reselect: the per-token acceptance of each of those scorings re-selecting "
-                             "every pass (one per scoring, at every context): also print self-spec's ceiling "
-                             "with those proposals")
+    for schedule, how in (("every-pass", "before every proposal"), ("every-round", "once per round")):
+        parser.add_argument(f"--{schedule}-acceptance", type=float, nargs="+", default=[], metavar="A",
+                            help=f"with --reselect: the per-token acceptance of each of those scorings re-selecting "
+                                 f"{how} (one per scoring, at every context): also print self-spec's ceiling so")
+    parser.add_argument("--roofline-of", type=Path, metavar="REPORT",
+                        help="take the rooflines' memory bandwidth and matmul peak from this earlier report (e.g. "
+                             "a GPU's) instead of measuring this machine's: that machine's ceilings from these bytes")
     parser.add_argument("--out", type=Path, default=Path("results/roofline.json"))
     args = parser.parse_args(argv)
-    if args.reselect_acceptance and len(args.reselect_acceptance) != len(args.reselect):
-        parser.error(f"--reselect-acceptance takes one value per --reselect scoring ({len(args.reselect)}), "
-                     f"got {len(args.reselect_acceptance)}")
+    for schedule in ("every_pass", "every_round"):
+        values = getattr(args, f"{schedule}_acceptance")
+        if values and len(values) != len(args.reselect):
+            parser.error(f"--{schedule.replace('_', '-')}-acceptance takes one value per --reselect scoring "
+                         f"({len(args.reselect)}), got {len(values)}")
     if args.draft_acceptance is not None and not (args.draft_shape and args.acceptance):
         parser.error("--draft-acceptance needs --draft-shape (the draft's step) and --acceptance (the retrieval "
                      "stage's own)")
@@ -207,14 +213,18 @@ def best_speedup(acceptance: float, propose_ms: float, verify_ms: Callable[[int]
     return {"gamma": gamma, "speedup": speedups[gamma]}
 
 
-def self_spec_ceiling(step: dict, proposal: dict, verification: dict, acceptance: float) -> dict:
+def self_spec_ceiling(step: dict, proposal: dict, verification: dict, acceptance: float,
+                      selecting: dict | None = None) -> dict:
     """The best (gamma, speed-up) of ``self-spec`` at ``acceptance``, from measured pass times and from
-    rooflines, for gammas up to the verification pass's width - 1."""
+    rooflines, for gammas up to the verification pass's width - 1; with a ``selecting`` proposal, the
+    first proposal of every round is that one (chunks re-selected once per round)."""
     widest = verification["tokens"] - 1
-    measured_verify, roofline_verify = verification_cost(step, verification)
-    return {"acceptance": acceptance,
-            "measured": best_speedup(acceptance, proposal["ms"], measured_verify, step["ms"], widest),
-            "roofline": best_speedup(acceptance, proposal["roofline_ms"], roofline_verify, step["roofline_ms"], widest)}
+    ceiling = {"acceptance": acceptance}
+    verify_costs = verification_cost(step, verification)
+    for (name, key), verify in zip((("measured", "ms"), ("roofline", "roofline_ms")), verify_costs, strict=True):
+        selection = selecting[key] - proposal[key] if selecting else 0.0
+        ceiling[name] = best_speedup(acceptance, proposal[key], lambda g: verify(g) + selection, step[key], widest)
+    return ceiling
 
 
 def triforce_ceiling(draft: dict, proposal: dict, retrieval_verification: dict, step: dict, verification: dict,
@@ -281,16 +291,19 @@ def context_figures(
         f"retrieval {args.budget}, {verify} tokens (verifying the draft)": retrieval_verification,
         f"full, {verify} tokens (verification)": verification,
     }
-    every_pass_ceilings = {}
+    reselecting_ceilings = {"every_pass": {}, "every_round": {}}
     for index, scoring in enumerate(args.reselect):
         config = RetrievalCacheConfig(budget=args.budget, scoring=scoring, refresh="every_pass")
         selecting = build_policy(config, layout, full)
         selecting_proposal = pass_figures(model, selecting, 1, args, bandwidth, peak, selects=True)
         passes[f"retrieval {args.budget}, 1 token re-selecting ({scoring})"] = selecting_proposal
         del selecting
-        if args.reselect_acceptance:
-            every_pass_ceilings[scoring] = self_spec_ceiling(step, selecting_proposal, verification,
-                                                             args.reselect_acceptance[index])
+        if args.every_pass_acceptance:
+            reselecting_ceilings["every_pass"][scoring] = self_spec_ceiling(
+                step, selecting_proposal, verification, args.every_pass_acceptance[index])
+        if args.every_round_acceptance:
+            reselecting_ceilings["every_round"][scoring] = self_spec_ceiling(
+                step, proposal, verification, args.every_round_acceptance[index], selecting_proposal)
     if args.draft_shape:
         draft = random_model(SHAPES[args.draft_shape], model.dtype, model.device)
         draft.attention, draft.fused_tokens = model.attention, model.fused_tokens
@@ -305,8 +318,9 @@ def context_figures(
     torch.cuda.empty_cache() if args.device == "cuda" else None
     if acceptance is not None:
         figures["self_spec_ceiling"] = self_spec_ceiling(step, proposal, verification, acceptance)
-    if every_pass_ceilings:
-        figures["every_pass_ceilings"] = every_pass_ceilings
+    for schedule, ceilings in reselecting_ceilings.items():
+        if ceilings:
+            figures[f"{schedule}_ceilings"] = ceilings
     if draft_acceptance is not None:
         figures["triforce_ceiling"] = triforce_ceiling(draft_step, proposal, retrieval_verification, step,
                                                        verification, draft_acceptance, acceptance)
@@ -316,10 +330,15 @@ def context_figures(
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     dtype, device = getattr(torch, args.dtype), torch.device(args.device)
-    bandwidth, peak = memory_bandwidth(dtype, args.repeats, device), matmul_peak(dtype, args.repeats, device)
     hardware = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    print(f"{hardware}: memory bandwidth {bandwidth / 1e9:.1f} GB/s, {args.dtype} matmul peak "
-          f"{peak / 1e9:.0f} GFLOP/s")
+    if args.roofline_of:
+        rooflines = json.loads(args.roofline_of.read_text())
+        bandwidth, peak = rooflines["bandwidth_bytes_per_s"], rooflines["matmul_flops_per_s"]
+        print(f"{hardware}, rooflines of {rooflines['hardware']} ({args.roofline_of}): ", end="")
+    else:
+        bandwidth, peak = memory_bandwidth(dtype, args.repeats, device), matmul_peak(dtype, args.repeats, device)
+        print(f"{hardware}: ", end="")
+    print(f"memory bandwidth {bandwidth / 1e9:.1f} GB/s, {args.dtype} matmul peak {peak / 1e9:.0f} GFLOP/s")
     path = None if args.shape else default_model("target", log=print_to_stderr)
     rows = []
     print("| context | pass | measured ms | memory-bound ms | compute-bound ms | measured / roofline |")
@@ -332,8 +351,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['measured_over_roofline']:.1f}x |")
     for figures in rows:
         ceilings = {"": figures.get("self_spec_ceiling"), **{
-            f", re-selecting every pass ({scoring})": ceiling
-            for scoring, ceiling in figures.get("every_pass_ceilings", {}).items()}}
+            f", re-selecting {schedule.replace('_', ' ')} ({scoring})": ceiling
+            for schedule in ("every_pass", "every_round")
+            for scoring, ceiling in figures.get(f"{schedule}_ceilings", {}).items()}}
         for selection, ceiling in ceilings.items():
             if ceiling is not None:
                 print(f"self-spec ceiling at {figures['context']}{selection} (acceptance {ceiling['acceptance']:.2f}): "
@@ -347,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{ceiling[name]['speedup']:.2f}x at gammas {ceiling[name]['draft_gamma']} / "
                       f"{ceiling[name]['gamma']} {where}"
                       for name, where in (("measured", "from measured passes"), ("roofline", "at the rooflines"))))
-    report = {"hardware": hardware, "model": args.shape or "SmolLM2", "dtype": args.dtype, "kernels": args.kernels,
+    report = {"hardware": hardware, "rooflines_of": str(args.roofline_of) if args.roofline_of else None,
+              "model": args.shape or "SmolLM2", "dtype": args.dtype, "kernels": args.kernels,
               "attention": args.attention, "graphs": device.type == "cuda" and not args.no_graphs,
               "bandwidth_bytes_per_s": bandwidth,
               "matmul_flops_per_s": peak, "threads": torch.get_num_threads(), "contexts": rows}

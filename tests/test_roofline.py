@@ -18,12 +18,13 @@ def load_roofline_script():
 
 
 def test_roofline_times_every_pass_of_a_random_shape(tmp_path):
-    out = tmp_path / "roofline.json"
+    out, rooflines = tmp_path / "roofline.json", tmp_path / "gpu.json"
+    rooflines.write_text(json.dumps({"hardware": "a GPU", "bandwidth_bytes_per_s": 2e12, "matmul_flops_per_s": 5e14}))
     command = [sys.executable, "scripts/roofline.py", "--shape", "llama-68m", "--draft-shape", "llama-68m",
                "--contexts", "300", "--budget", "64", "--gamma", "3", "--draft-window", "28", "--repeats", "1",
                "--device", "cpu", "--kernels", "eager", "--acceptance", "0.8", "--draft-acceptance", "0.6",
-               "--reselect", "mean_key", "attention", "sparq", "--reselect-acceptance", "0.7", "0.9", "0.85",
-               "--out", str(out)]
+               "--reselect", "mean_key", "attention", "sparq", "--every-pass-acceptance", "0.7", "0.9", "0.85",
+               "--every-round-acceptance", "0.6", "0.7", "0.65", "--roofline-of", str(rooflines), "--out", str(out)]
     printed = subprocess.run(command, capture_output=True, text=True, check=True).stdout
     report = json.loads(out.read_text())
     assert report["model"] == "llama-68m" and not report["graphs"] and report["contexts"][0]["fused_tokens"] == 0
@@ -52,6 +53,17 @@ def test_roofline_times_every_pass_of_a_random_shape(tmp_path):
         full_step, passes["retrieval 64, 1 token re-selecting (attention)"], passes["full, 4 tokens (verification)"],
         0.9)["roofline"]
     assert "self-spec ceiling at 300, re-selecting every pass (sparq) (acceptance 0.85)" in printed
+    roofline = load_roofline_script()
+    every_round = report["contexts"][0]["every_round_ceilings"]["attention"]
+    selecting = passes["retrieval 64, 1 token re-selecting (attention)"]
+    assert every_round["acceptance"] == 0.7 and every_round["roofline"]["speedup"] == pytest.approx(max(
+        roofline.expected_speedup(0.7, proposal["roofline_ms"], max(full_step["memory_ms"], full_step["compute_ms"] * (
+            gamma + 1)) + selecting["roofline_ms"] - proposal["roofline_ms"], full_step["roofline_ms"], gamma)
+        for gamma in (1, 2, 3)))
+    assert "re-selecting every round (mean_key) (acceptance 0.60)" in printed
+    assert report["bandwidth_bytes_per_s"] == 2e12 and report["rooflines_of"] == str(rooflines)
+    assert full_step["memory_ms"] == pytest.approx(full_step["bytes_read"] / 2e12 * 1000)
+    assert printed.startswith("CPU, ") and "rooflines of a GPU" in printed.splitlines()[0]
     triforce = report["contexts"][0]["triforce_ceiling"]
     assert triforce["draft_acceptance"] == 0.6 and 0 <= triforce["measured"]["draft_gamma"] <= 3
     assert "triforce ceiling at 300 (acceptance 0.60 / 0.80)" in printed
@@ -109,7 +121,7 @@ def test_acceptances_must_match_the_contexts_and_scorings():
     assert result.returncode == 2
     assert "--draft-acceptance needs --draft-shape" in result.stderr
     command = [sys.executable, "scripts/roofline.py", "--contexts", "100", "--reselect", "sparq",
-               "--reselect-acceptance", "0.8", "0.9"]
+               "--every-round-acceptance", "0.8", "0.9"]
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 2
-    assert "--reselect-acceptance takes one value per --reselect scoring (1), got 2" in result.stderr
+    assert "--every-round-acceptance takes one value per --reselect scoring (1), got 2" in result.stderr
