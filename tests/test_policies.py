@@ -153,7 +153,7 @@ def test_retrieval_picks_the_brute_force_chunks_with_gqa():
 @pytest.mark.parametrize(("scoring", "picks"), [("attention", [[0, 1, 6], [0, 5, 6]]),
                                                ("bound", [[0, 4, 6], [0, 5, 6]]),
                                                ("sparq", [[0, 4, 6], [0, 5, 6]])])
-def test_retrieval_scored_by_attention_or_key_bounds_picks_the_brute_force_chunks(scoring, picks):
+def test_retrieval_scored_otherwise_than_by_mean_keys_picks_the_brute_force_chunks(scoring, picks):
     """attention: the chunks receiving the most attention; bound: those whose best key can score most;
     sparq: those receiving the most attention seen through 2 of the query's 4 dimensions."""
     source, layout = hand_made_source(prompt=14)  # 7 whole chunks of 2, no tail
