@@ -69,6 +69,25 @@ class AttentionView:
     kvcache kernel) can read just those."""
 
 
+@dataclass(frozen=True)
+class TreePass:
+    """The last ``len(depths)`` tokens of a pass are nodes of a token tree (``cascade.tree``): each
+    reads the sequence before the tree and, of the tree's nodes, only its ancestors and itself.
+    The tree's nodes are written in consecutive slots after its root, this pass's last."""
+
+    depths: torch.Tensor
+    """[T_tree] int64 on the cache's device: each node's depth below the root (1 for its children),
+    which sets its rotary position."""
+    ancestry: torch.Tensor
+    """[T_tree, N] bool on the cache's device: which of the tree's N nodes written so far (this
+    pass's are the last T_tree) each node reads."""
+
+    @property
+    def earlier_nodes(self) -> int:
+        """Nodes of the tree earlier passes wrote."""
+        return self.ancestry.shape[1] - self.ancestry.shape[0]
+
+
 class CacheFullError(RuntimeError):
     """Raised when a policy is asked to hold more tokens than its layout's capacity."""
 
@@ -78,6 +97,8 @@ class CachePolicy(ABC):
 
     reads_source = False
     """True for policies built from another stage's full cache of the same model (``source``)."""
+    tree_passes = False
+    """True for policies that can run a pass over token-tree nodes (``allocate_tree``)."""
     static_passes = False
     """True for policies that can run passes with state-independent shapes and tensor addresses
     (``set_static``), which lets a pass be captured once as a graph and replayed."""
@@ -95,6 +116,16 @@ class CachePolicy(ABC):
     @abstractmethod
     def allocate(self, num_new: int) -> torch.Tensor:
         """Reserve slots for ``num_new`` tokens; returns their rotary positions, [T] int64."""
+
+    def allocate_tree(self, num_new: int, tree: TreePass) -> torch.Tensor:
+        """``allocate`` for a pass whose last tokens are the nodes of ``tree``; returns the rotary
+        positions, each node's its root's plus its depth."""
+        raise NotImplementedError(f"{type(self).__name__} cannot run token-tree passes")
+
+    def keep_path(self, start: int, path: list[int]) -> None:
+        """Of the tree nodes held after the first ``start`` tokens (breadth-first), keep those of
+        ``path`` (a path down from the root) as the tokens after ``start``; forget the rest."""
+        raise NotImplementedError(f"{type(self).__name__} cannot run token-tree passes")
 
     @abstractmethod
     def update(

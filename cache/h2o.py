@@ -48,6 +48,7 @@ class H2OCacheConfig(CachePolicyConfig):
 @register_policy(H2OCacheConfig)
 class H2OCache(SlotCache):
     static_passes = False  # keeps each pass's queries for scoring at commit
+    tree_passes = False  # scores every held query as a token of the sequence
 
     def __init__(self, layout: CacheLayout, config: H2OCacheConfig, source: CachePolicy | None = None) -> None:
         super().__init__(layout, min(layout.capacity, config.budget + pending_room(layout)))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from cache.base import AttentionView, CacheFullError, CacheLayout, CachePolicy
+from cache.base import AttentionView, CacheFullError, CacheLayout, CachePolicy, TreePass
 
 SLOT_ALIGNMENT = 64
 """Buffers hold a multiple of this many slots (the extra ones never used), so a static pass's
@@ -25,6 +25,7 @@ weights-values product of a verification pass on a slow kernel without tensor co
 
 class SlotCache(CachePolicy):
     static_passes = True
+    tree_passes = True
 
     def __init__(self, layout: CacheLayout, slots: int, source: CachePolicy | None = None) -> None:
         super().__init__(layout, source)
@@ -46,6 +47,10 @@ class SlotCache(CachePolicy):
         """The current static pass's entry of ``_slot_indices``."""
         self._valid_slots = torch.zeros(1, dtype=torch.int32, device=layout.device)
         """[1] slots a static pass's attention reads (its last token's slot + 1)."""
+        self._tree: torch.Tensor | None = None
+        """[T_tree, N] bool ancestry of the current pass's tree nodes (see ``TreePass``), or None;
+        for a static pass, a buffer kept per shape in ``_tree_ancestries``."""
+        self._tree_ancestries: dict[tuple[int, int], torch.Tensor] = {}
 
     def restart(self) -> None:
         super().restart()
@@ -65,6 +70,7 @@ class SlotCache(CachePolicy):
             )
         first = self._reserve(num_new)
         self._start = self.used_slots - num_new
+        self._tree = None
         if self._static:
             if num_new not in self._slot_indices:
                 self._slot_indices[num_new] = torch.empty(num_new, dtype=torch.long, device=self.layout.device)
@@ -79,23 +85,52 @@ class SlotCache(CachePolicy):
     def set_static(self, static: bool) -> None:
         self._static = static
 
+    def allocate_tree(self, num_new: int, tree: TreePass) -> torch.Tensor:
+        if not self.tree_passes:
+            return super().allocate_tree(num_new, tree)
+        positions = self.allocate(num_new)  # [T]
+        self._tree = tree.ancestry
+        if self._static:  # the pass reads the ancestry from a buffer of its shape
+            self._tree = self._tree_ancestries.setdefault(tree.ancestry.shape, torch.empty_like(tree.ancestry))
+            self._tree.copy_(tree.ancestry)
+        nodes = len(tree.depths)
+        root = positions[-nodes] - tree.earlier_nodes - 1  # [] the root's position
+        return torch.cat([positions[:-nodes], root + tree.depths])
+
+    def keep_path(self, start: int, path: list[int]) -> None:
+        kept = [node for node in path if node < self.length - start]  # the nodes this cache holds
+        if kept != list(range(len(kept))):
+            first = start - self.dropped  # the first node's slot
+            sources = torch.tensor([first + node for node in kept]).to(self.layout.device, non_blocking=True)
+            for buffer in (self.keys, self.values):
+                buffer[:, :, :, first : first + len(kept)] = buffer[:, :, :, sources]
+        self.rollback(start + len(kept))
+
     def update(self, layer: int, keys, values, query) -> AttentionView:
         if self._static:
             return self._static_update(layer, keys, values)
         end = self.used_slots
         self.keys[layer, :, :, self._start : end] = keys
         self.values[layer, :, :, self._start : end] = values
-        return AttentionView(self.keys[layer, :, :, :end], self.values[layer, :, :, :end], None, end - self._start > 1)
+        keys, values = self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+        if self._tree is None:
+            return AttentionView(keys, values, None, end - self._start > 1)
+        if layer == 0:
+            self._mask = tree_mask(self._as_tensor(range(self._start, end)), end, self._tree, self.layout.dtype)
+        return AttentionView(keys, values, self._mask)
 
     def _static_update(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> AttentionView:
         """``update`` for a static pass: keys/values [B, H_kv, T, D] go to the slots of the device
         index; the view is the whole buffer [B, H_kv, buffer, D] under a [T, buffer] mask."""
-        slots = self._pass_slots  # [T]
+        slots, buffer = self._pass_slots, self.keys.shape[3]  # [T]
         if layer == 0:
-            self._mask = causal_mask(slots, self.keys.shape[3], self.layout.dtype)
+            tree = self._tree
+            self._mask = causal_mask(slots, buffer, self.layout.dtype) if tree is None else tree_mask(
+                slots, buffer, tree, self.layout.dtype)
         self.keys[layer].index_copy_(2, slots, keys)
         self.values[layer].index_copy_(2, slots, values)
-        return AttentionView(self.keys[layer], self.values[layer], self._mask, valid_lengths=self._valid_slots)
+        valid = self._valid_slots if self._tree is None else None  # a tree's mask is not causal
+        return AttentionView(self.keys[layer], self.values[layer], self._mask, valid_lengths=valid)
 
     def memory_bytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
@@ -119,3 +154,16 @@ def causal_mask(query_slots: torch.Tensor, num_keys: int, dtype: torch.dtype) ->
     """[T, S] additive form of ``visible_keys``: 0 where the query reads the key, -inf elsewhere."""
     visible = visible_keys(query_slots, num_keys)
     return torch.full(visible.shape, float("-inf"), dtype=dtype, device=visible.device).masked_fill(visible, 0)
+
+
+def tree_mask(query_slots: torch.Tensor, num_keys: int, ancestry: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[T, S] additive mask of a pass whose last T_tree queries are token-tree nodes: ``causal_mask``,
+    with each node's row over the tree's N slots (ending at the pass's last) set by ``ancestry``
+    [T_tree, N] (see ``TreePass``). Built on the device from ``query_slots`` [T]."""
+    mask = causal_mask(query_slots, num_keys, dtype)
+    tree_rows, nodes = ancestry.shape
+    first_node = query_slots[-tree_rows:][:1] - (nodes - tree_rows)  # [1] the tree's first slot
+    node_slots = first_node + torch.arange(nodes, device=query_slots.device)  # [N]
+    hidden = torch.zeros(ancestry.shape, dtype=dtype, device=ancestry.device).masked_fill(~ancestry, float("-inf"))
+    mask[-tree_rows:].index_copy_(1, node_slots, hidden)
+    return mask

@@ -40,6 +40,7 @@ class TopKOracleCacheConfig(CachePolicyConfig):
 class TopKOracleCache(FullCache):
     reads_source = True
     static_passes = False  # picks its keys per pass, by value
+    tree_passes = False  # its views are causal by construction
 
     def __init__(
         self, layout: CacheLayout, config: TopKOracleCacheConfig, source: CachePolicy | None = None

@@ -6,8 +6,9 @@ whose shapes and tensor addresses never change can be captured once and replayed
 it statically (``SlotCache.set_static``: slot indices in a device tensor, the whole buffer read
 under a mask), the token ids and positions are copied into fixed input tensors, and all that
 depends on the cache's state on the host (allocation, commits, eviction, whether a pass selects
-chunks) stays outside the graph. One graph per pass shape (tokens, logits) and cache variant (a
-retrieval cache's selecting pass runs more ops than its other passes), captured on first use.
+chunks) stays outside the graph. One graph per pass shape (tokens, logits, token-tree nodes and
+their ancestry's shape) and cache variant (a retrieval cache's selecting pass runs more ops than
+its other passes), captured on first use; a tree's ancestry is copied into a buffer of its shape.
 
 ``cuda_graph`` captures with ``torch.cuda.CUDAGraph``. Any other capture can stand in for it:
 the tests capture with ``torch.compile(fullgraph=True, dynamic=False)``, which fails on a graph
@@ -21,7 +22,7 @@ from collections.abc import Callable, Hashable
 
 import torch
 
-from cache.base import CachePolicy
+from cache.base import CachePolicy, TreePass
 from cascade.model import CausalLM
 
 MAX_GRAPH_TOKENS = 16
@@ -59,20 +60,20 @@ class PassGraphs:
         if not cache.static_passes:
             raise ValueError(f"{type(cache).__name__} has no static passes to capture")
         self.model, self.cache, self.capture = model, cache, capture
-        self.graphs: dict[tuple[int, int | None, Hashable], tuple[Replay, torch.Tensor, torch.Tensor]] = {}
-        """Per (tokens, logits, the cache's pass variant): the replay and its token-id [1, T] and
-        position [T] inputs."""
+        self.graphs: dict[tuple[int, int | None, Hashable, tuple | None], tuple[Replay, torch.Tensor, torch.Tensor]] = {}
+        """Per (tokens, logits, the cache's pass variant, tree ancestry shape): the replay and its
+        token-id [1, T] and position [T] inputs."""
 
     @torch.inference_mode()
-    def __call__(self, token_ids: torch.Tensor, num_logits: int | None) -> torch.Tensor:
+    def __call__(self, token_ids: torch.Tensor, num_logits: int | None, tree: TreePass | None = None) -> torch.Tensor:
         """token_ids [1, T] -> logits [1, N, V], as ``CausalLM.forward`` computes them."""
         num_tokens = token_ids.shape[1]
         static = num_tokens <= MAX_GRAPH_TOKENS and self.cache.graph_ready
         self.cache.set_static(static)
-        positions = self.cache.allocate(num_tokens)  # [T]
+        positions = self.cache.allocate(num_tokens) if tree is None else self.cache.allocate_tree(num_tokens, tree)
         if not static:
             return self.model.forward_at(token_ids, positions, self.cache, num_logits)
-        key = (num_tokens, num_logits, self.cache.pass_variant)
+        key = (num_tokens, num_logits, self.cache.pass_variant, None if tree is None else tuple(tree.ancestry.shape))
         if key not in self.graphs:
             self._drop_stale_variants(key[2])
             self.graphs[key] = self._capture(token_ids, positions, num_logits)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from cache.base import CacheLayout, CachePolicy
+from cache.base import CacheLayout, CachePolicy, TreePass
 from cascade import fused
 from cascade.attention import KERNELS, AttentionKernel, resolve_kernels
 from cascade.rope import Rotary, apply_rotary
@@ -153,10 +153,13 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, token_ids: torch.Tensor, cache: CachePolicy, num_logits: int | None = None
+        self, token_ids: torch.Tensor, cache: CachePolicy, num_logits: int | None = None, tree: TreePass | None = None
     ) -> torch.Tensor:
-        """token_ids [B, T] -> logits [B, N, V] for the last N = ``num_logits`` positions (all if None)."""
-        return self.forward_at(token_ids, cache.allocate(token_ids.shape[1]), cache, num_logits)
+        """token_ids [B, T] -> logits [B, N, V] for the last N = ``num_logits`` positions (all if
+        None); ``tree``: the last tokens are token-tree nodes (see ``TreePass``)."""
+        num_tokens = token_ids.shape[1]
+        positions = cache.allocate(num_tokens) if tree is None else cache.allocate_tree(num_tokens, tree)
+        return self.forward_at(token_ids, positions, cache, num_logits)
 
     @torch.inference_mode()
     def forward_at(

@@ -21,7 +21,8 @@ import torch
 
 from cascade.sampling import draw, token_probs
 from cascade.stage import Stage, device_ids
-from cascade.stats import GenerationStats
+from cascade.stats import GenerationStats, StageStats
+from cascade.tree import RANKS_SEEN, TreePlan, choice_ranks
 from cascade.verification import Verdict, verify, verify_greedy
 from configs.schema import SamplingConfig
 
@@ -97,6 +98,8 @@ class Pipeline:
         self.generator: torch.Generator | None = None
         self.clock = stages[-1].clock
         """Times the rounds (proposing, verifying, plain steps) for the schedules."""
+        self._tree_plans: dict[int, TreePlan] = {}
+        """The lowest stage's token tree on its device, by depth (when it proposes trees)."""
 
     @property
     def target(self) -> Stage:
@@ -191,18 +194,65 @@ class Pipeline:
                 proposer.stats.plain_s += self.clock.seconds(stepping, self.clock.mark())
             return drawn
         proposing = self.clock.mark()
-        proposal = self._draw(level - 1, context, gamma)
-        verifying = self.clock.mark()
-        logits = stage.extend(context, gamma + 1, proposal.ids)  # [G + 1, V]
-        verdict, target_probs = self._verify(level, proposal, logits)  # read: the host has caught up
+        speculate = self._speculate_tree if proposer.tree is not None else self._speculate
+        verdict, drawn, verifying = speculate(level, context, gamma)  # read: the host has caught up
         finished = self.clock.mark()
-        for lower in self.stages[: level + 1]:
-            lower.truncate(len(context) + verdict.accepted)
         timed = self._captured_graphs(level) == captured
         self._record(proposer, gamma, verdict, self.clock.seconds(proposing, verifying),
                      self.clock.seconds(verifying, finished), clean, timed)
+        return drawn
+
+    def _speculate(self, level: int, context: list[int], gamma: int) -> tuple[Verdict, Draw, int]:
+        """``gamma`` tokens of stage ``level - 1``'s distribution, verified by stage ``level`` ->
+        (verdict, the tokens it emits with their probabilities, the clock mark where verifying began)."""
+        proposal = self._draw(level - 1, context, gamma)
+        verifying = self.clock.mark()
+        logits = self.stages[level].extend(context, gamma + 1, proposal.ids)  # [G + 1, V]
+        verdict, target_probs = self._verify(level, proposal, logits)
+        for lower in self.stages[: level + 1]:
+            lower.truncate(len(context) + verdict.accepted)
         tokens = proposal.tokens[: verdict.accepted] + [verdict.next_token]
-        return Draw.of(tokens, None if target_probs is None else target_probs[: verdict.accepted + 1], logits.device)
+        probs = None if target_probs is None else target_probs[: verdict.accepted + 1]
+        return verdict, Draw.of(tokens, probs, logits.device), verifying
+
+    def _speculate_tree(self, level: int, context: list[int], depth: int) -> tuple[Verdict, Draw, int]:
+        """``_speculate`` for a token tree of ``depth`` levels from the lowest stage (``level`` 1):
+        the verifier draws its token after the root and after every node as it would alone, and
+        keeps the nodes its draws lead through."""
+        plan, nodes, ranked = self._propose_tree(context, depth)  # [N], [R, K]
+        verifying = self.clock.mark()
+        logits = self.stages[level].extend(context, len(nodes) + 1, nodes, plan.whole)  # [N + 1, V]
+        choices, probs = draw(logits, self.sampling, self.generator)  # [N + 1], [N + 1, V] or None
+        ranks = choice_ranks(ranked, choices[: len(ranked)])  # [R]
+        known = torch.cat([nodes, choices, ranks]).tolist()  # the host's one wait for the device
+        node_tokens, choices, ranks = known[: len(nodes)], known[len(nodes) : 2 * len(nodes) + 1], known[-len(ranked) :]
+        path, next_token = plan.tree.follow(node_tokens, choices)
+        for lower in self.stages[: level + 1]:
+            lower.keep_path(len(context), path)
+        chosen_at = [0] + [node + 1 for node in path if node + 1 < len(ranks)]  # the rows the proposer fed
+        self._record_tree(self.stages[level - 1].stats, len(nodes), [ranks[row] for row in chosen_at])
+        tokens = [node_tokens[node] for node in path] + [next_token]
+        rows = [0] + [node + 1 for node in path]  # the verifier's distribution at each emitted token
+        return Verdict(len(path), next_token), Draw.of(tokens, None if probs is None else probs[rows],
+                                                       logits.device), verifying
+
+    def _propose_tree(self, context: list[int], depth: int) -> tuple[TreePlan, torch.Tensor, torch.Tensor]:
+        """The lowest stage's tree of ``depth`` levels after ``context``, a pass per level but the
+        last -> (its plan, the nodes' tokens [N], the stage's most likely tokens after the root
+        and after each node it fed [R, K], K = RANKS_SEEN or the vocabulary if smaller)."""
+        stage = self.stages[0]
+        logits = stage.extend(context, 1)  # [1, V]: after the root
+        if depth not in self._tree_plans:
+            self._tree_plans[depth] = TreePlan(stage.tree.up_to(depth), logits.device)
+        plan = self._tree_plans[depth]
+        levels, ranked = [], []
+        for level in plan.levels:
+            best = logits.topk(min(max(level.width, RANKS_SEEN), logits.shape[-1]), dim=-1).indices  # [rows, K]
+            ranked.append(best[:, :RANKS_SEEN])
+            levels.append(best[level.parent_rows, level.ranks])  # [W]
+            if len(levels) < len(plan.levels):
+                logits = stage.feed(levels[-1], len(levels[-1]), level.feed)  # [W, V]
+        return plan, torch.cat(levels), torch.cat(ranked)
 
     def _verify(self, level: int, proposal: Draw, logits: torch.Tensor):
         """Stage ``level``'s verdict on ``proposal`` given its logits [G + 1, V] -> (verdict, probs)."""
@@ -235,6 +285,15 @@ class Pipeline:
             stats.clean_verification_s[gamma] = stats.clean_verification_s.get(gamma, 0.0) + verify_s
         proposer.schedule.observe(stats, gamma, verdict.accepted)
         proposer.cache.observe_acceptance(gamma, verdict.accepted)
+
+    @staticmethod
+    def _record_tree(stats: StageStats, nodes: int, ranks: list[int]) -> None:
+        """Count a token-tree round's nodes and the proposer's ranks of the verifier's choices."""
+        stats.tree_nodes += nodes
+        if not stats.choice_ranks:
+            stats.choice_ranks = [0] * (RANKS_SEEN + 1)
+        for rank in ranks:
+            stats.choice_ranks[rank] += 1
 
     def _captured_graphs(self, level: int) -> int:
         """Pass shapes captured so far by stages 0..``level`` (those a round at ``level`` runs)."""

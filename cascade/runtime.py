@@ -21,6 +21,7 @@ from cascade.pipeline import GenerationResult, Pipeline, StopRule, TokenCallback
 from cascade.prompt_cache import PromptCache, model_key
 from cascade.schedule import SCHEDULES, Schedule
 from cascade.stage import Stage
+from cascade.tree import TokenTree
 from configs.schema import ModelConfig, PipelineConfig, StageConfig
 
 
@@ -116,7 +117,7 @@ class Runtime:
         """Stages with caches sized for this request (checked against the context limit): the
         last request's, restarted, where their caches hold this one too (so are their graphs)."""
         config = self.check_request(prompt_tokens, max_new_tokens)
-        speculation = sum(stage.gamma + 1 for stage in config.stages[:-1])
+        speculation = sum(stage.speculative_tokens for stage in config.stages[:-1])
         request = CacheRequest(tuple(config.stages), prompt_tokens + max_new_tokens + speculation,
                                max_new_tokens + speculation, config.prefill_chunk + speculation + 1)
         schedules = [SCHEDULES[stage.schedule](stage.gamma) for stage in config.stages[:-1]] + [None]
@@ -147,6 +148,7 @@ class Runtime:
                 None if source is None else stages[source],
                 self.prompt_caches.get(stage.model),
                 self.capture,
+                stage.tree and TokenTree.best_first(stage.tree.rank_acceptance, stage.tree.nodes, stage.gamma),
             )
         return [stages[i] for i in range(last + 1)]
 

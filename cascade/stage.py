@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from cache import build_policy
-from cache.base import CacheLayout, CachePolicy
+from cache.base import CacheLayout, CachePolicy, TreePass
 from cache.config import CachePolicyConfig
 from cache.full import FullCacheConfig
 from cascade.clock import Clock
@@ -14,6 +14,7 @@ from cascade.model import CausalLM
 from cascade.prompt_cache import PromptCache
 from cascade.schedule import Schedule
 from cascade.stats import StageStats
+from cascade.tree import TokenTree
 
 
 def device_ids(tokens: list[int], device: torch.device) -> torch.Tensor:
@@ -32,12 +33,14 @@ class Stage:
         source: Stage | None = None,
         prompt_cache: PromptCache | None = None,
         capture: Capture | None = None,
+        tree: TokenTree | None = None,
     ) -> None:
         """``schedule``: how many tokens this stage proposes per round (None for the last stage).
         ``source``: the full-cache stage of the same model whose prompt KV this stage's policy
         reads; such a stage gets its cache when the source has prefilled, and no prefill of its own.
         ``prompt_cache``: where a full-cache stage loads and stores its prefilled prompts.
-        ``capture``: how short passes are captured as graphs (None: every pass runs eagerly)."""
+        ``capture``: how short passes are captured as graphs (None: every pass runs eagerly).
+        ``tree``: the token tree this stage proposes (at most gamma levels of it), if it does."""
         self.name = name
         self.model = model
         self.cache_config = cache_config
@@ -45,6 +48,7 @@ class Stage:
         self.source = source
         self.prompt_cache = prompt_cache if isinstance(cache_config, FullCacheConfig) else None
         self.capture = capture
+        self.tree = tree
         self.cache: CachePolicy | None = None
         self.graphs: PassGraphs | None = None
         if source is None:
@@ -106,20 +110,22 @@ class Stage:
             self.cache.commit(self.cache.length)
         return logits[0, -1]  # [V]
 
-    def extend(self, context: list[int], num_logits: int, proposed: torch.Tensor | None = None) -> torch.Tensor:
+    def extend(self, context: list[int], num_logits: int, proposed: torch.Tensor | None = None,
+               tree: TreePass | None = None) -> torch.Tensor:
         """Feed the tokens of ``context`` this stage has not seen, then the ``proposed`` ids [G]
-        (on the model's device) -> logits [N, V] of the last N."""
+        (on the model's device; the nodes of ``tree`` if given) -> logits [N, V] of the last N."""
         unseen = device_ids(context[self.cache.length :], self.model.device)  # [T]
-        return self.feed(unseen if proposed is None else torch.cat([unseen, proposed]), num_logits)
+        return self.feed(unseen if proposed is None else torch.cat([unseen, proposed]), num_logits, tree)
 
-    def feed(self, token_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
+    def feed(self, token_ids: torch.Tensor, num_logits: int, tree: TreePass | None = None) -> torch.Tensor:
         """Run token_ids [T] (on the model's device) after what the cache holds -> logits [N, V]
-        of the last N. Nothing here waits for the device, so passes queue up behind each other."""
+        of the last N; ``tree``: the last of them are token-tree nodes. Nothing here waits for the
+        device, so passes queue up behind each other."""
         started = self.clock.mark()
         if self.graphs is not None:
-            logits = self.graphs(token_ids[None, :], num_logits)[0]  # [N, V]
+            logits = self.graphs(token_ids[None, :], num_logits, tree)[0]  # [N, V]
         else:
-            logits = self.model(token_ids[None, :], self.cache, num_logits)[0]
+            logits = self.model(token_ids[None, :], self.cache, num_logits, tree)[0]
         self.clock.add(self.stats, "time_s", started, self.clock.mark())
         self.stats.forward_calls += 1
         self.stats.tokens_processed += token_ids.numel()
@@ -133,6 +139,10 @@ class Stage:
             end = min(len(context) - 1, self.cache.length + chunk)
             self.extend(context[:end], 1)
             self.cache.commit(end)
+
+    def keep_path(self, start: int, path: list[int]) -> None:
+        """Keep, of the token-tree nodes fed after the first ``start`` tokens, the accepted ``path``."""
+        self.cache.keep_path(start, path)
 
     def truncate(self, length: int) -> None:
         """Forget tokens past ``length`` of the sequence (those were rejected or cut)."""

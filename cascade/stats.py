@@ -51,6 +51,18 @@ class StageStats:
     """The gamma schedule of this stage's proposals ('' for the last stage, which proposes nothing)."""
     gamma_choices: dict[int, int] = field(default_factory=dict)
     """Rounds run at each gamma the schedule chose (0: bypassed, the verifier decoded alone)."""
+    tree_nodes: int = 0
+    """Token-tree nodes proposed (see ``cascade.tree``); a tree round counts its depth as proposed."""
+    choice_ranks: list[int] = field(default_factory=list)
+    """Token-tree rounds: at each node where the verifier chose its next token (the root and the
+    accepted nodes this stage had fed), how often that token was this stage's r-th most likely,
+    by r; the last count is for the tokens ranked lower than all of those."""
+
+    @property
+    def rank_acceptance(self) -> list[float]:
+        """``choice_ranks`` as shares: the measured ``tree.rank_acceptance``."""
+        total = sum(self.choice_ranks)
+        return [count / total for count in self.choice_ranks[:-1]] if total else []
 
     @property
     def acceptance_rate(self) -> float:

@@ -42,6 +42,25 @@ class SamplingConfig(Strict):
     """Keep the smallest set of tokens whose probability reaches top_p; 1.0 keeps all."""
 
 
+class TreeConfig(Strict):
+    nodes: int = Field(16, ge=1, le=63)
+    """Most token-tree nodes this stage proposes per round; the verifying pass reads them all and
+    one more token. Its depth is at most the round's gamma."""
+    rank_acceptance: list[float] = Field(default_factory=lambda: [0.67, 0.12, 0.06, 0.04], min_length=1)
+    """How often the verifier's token is this stage's most likely, second most likely, ... token;
+    shapes the tree (the default: a retrieval cache selecting every round at 120K tokens,
+    ``scripts/acceptance.py --ranks``)."""
+
+    @model_validator(mode="after")
+    def _shares(self) -> TreeConfig:
+        shares = self.rank_acceptance
+        if not all(0 < share <= 1 for share in shares) or sum(shares) > 1 + 1e-6:
+            raise ValueError(f"rank_acceptance must be shares in (0, 1] summing to at most 1; got {shares}")
+        if any(later > earlier for earlier, later in zip(shares, shares[1:], strict=False)):
+            raise ValueError(f"rank_acceptance must not increase with the rank; got {shares}")
+        return self
+
+
 class StageConfig(Strict):
     model: Literal["target", "draft"] = "target"
     """Which model this stage runs; stages naming the same model share its weights."""
@@ -56,6 +75,14 @@ class StageConfig(Strict):
     schedule: Literal["fixed", "heuristic", "cost_model"] = "fixed"
     """How gamma is chosen each round: fixed; +2/-1 after full/partial acceptance (transformers'
     heuristic); or the cost model from measured acceptance and cost, which may bypass the stage."""
+    tree: TreeConfig | None = None
+    """Propose a token tree instead of a single continuation (only the first stage, which decodes
+    by itself, and not under h2o or topk_oracle caches); null: one continuation of gamma tokens."""
+
+    @property
+    def speculative_tokens(self) -> int:
+        """Most tokens a round this stage proposes adds to the caches above it."""
+        return (self.tree.nodes if self.tree else self.gamma) + 1
 
 
 class LongDocumentsConfig(Strict):
@@ -133,6 +160,20 @@ class PipelineConfig(Strict):
                     f"stages.{index}: a {stage.cache.kind} cache reads the prompt's KV from a full-cache "
                     f"stage of the same model ({stage.model}), and there is none; add one above it"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _trees_fit(self) -> PipelineConfig:
+        for index, stage in enumerate(self.stages):
+            if stage.tree is None:
+                continue
+            if index != 0 or len(self.stages) == 1:
+                raise ValueError(f"stages.{index}.tree: only the first stage of two or more proposes token "
+                                 "trees (it decodes by itself); set tree: null here")
+            if not POLICIES[stage.cache.kind].policy.tree_passes:
+                trees = ", ".join(kind for kind, entry in POLICIES.items() if entry.policy.tree_passes)
+                raise ValueError(f"stages.{index}.tree: a {stage.cache.kind} cache cannot run token-tree "
+                                 f"passes; use one of {trees}, or tree: null")
         return self
 
     def source_of(self, index: int) -> int | None:

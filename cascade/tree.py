@@ -1,0 +1,178 @@
+"""Token trees: what the lowest stage proposes when one verification pass should test several
+continuations at once (SpecInfer, Sequoia).
+
+A tree hangs below the root, the last token of the context. Each node is one of its parent's most
+likely next tokens under the proposing stage, named by its ``rank`` there (0: the argmax), so a
+tree's shape is fixed ahead of time and every level is one proposing pass of a known width. The
+verifying stage reads the whole tree in one pass, each node attending to the context and its own
+ancestors, and follows the path its own choices take: the tokens it emits are exactly those it
+would emit alone, whatever the tree.
+
+The shape comes from how often the verifier's token is the proposer's rank-r token
+(``rank_acceptance``): assuming that does not depend on the position, a node's chance of being
+reached is the product of its path's rank acceptances, and the tree of n nodes that reaches the
+most tokens in expectation takes the n nodes of highest such chance (Sequoia's construction;
+those always form a tree, as a node's chance is below its parent's and its elder sibling's).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from cache.base import TreePass
+
+ROOT = -1
+"""The parent index of the root's children."""
+RANKS_SEEN = 8
+"""How many of the proposer's most likely tokens the rank statistics tell apart (``choice_ranks``)."""
+
+
+@dataclass(frozen=True)
+class TokenTree:
+    """Nodes in breadth-first order: by depth, then by parent, then by rank."""
+
+    parents: tuple[int, ...]
+    """Each node's parent node, or ``ROOT``."""
+    ranks: tuple[int, ...]
+    """Each node's rank among its parent's proposed next tokens (0: the most likely)."""
+
+    @classmethod
+    def chain(cls, depth: int) -> TokenTree:
+        """``depth`` argmax proposals in a row: plain speculative decoding's proposal."""
+        return cls(tuple(range(-1, depth - 1)), (0,) * depth)
+
+    @classmethod
+    def best_first(cls, rank_acceptance: Sequence[float], nodes: int, depth: int) -> TokenTree:
+        """The tree of at most ``nodes`` nodes and ``depth`` levels with the most tokens accepted in
+        expectation when the verifier's token is the proposer's rank-r one with probability
+        ``rank_acceptance[r]`` at every node."""
+        found: list[tuple[float, int, int, int]] = []  # (chance, parent, rank, depth), parents by finding order
+        frontier = [(-rank_acceptance[0], ROOT, 0, 1)]
+        while frontier and len(found) < nodes:
+            negative_chance, parent, rank, level = heapq.heappop(frontier)
+            found.append((-negative_chance, parent, rank, level))
+            chance, node = -negative_chance, len(found) - 1
+            if rank + 1 < len(rank_acceptance):  # the next sibling
+                parent_chance = found[parent][0] if parent != ROOT else 1.0
+                heapq.heappush(frontier, (-parent_chance * rank_acceptance[rank + 1], parent, rank + 1, level))
+            if level < depth:  # the first child
+                heapq.heappush(frontier, (-chance * rank_acceptance[0], node, 0, level + 1))
+        return cls._breadth_first([(parent, rank, level) for _, parent, rank, level in found])
+
+    @classmethod
+    def _breadth_first(cls, found: list[tuple[int, int, int]]) -> TokenTree:
+        """Nodes given as (parent in this list, rank, depth) -> the tree in breadth-first order."""
+        keys: list[tuple[int, ...]] = []  # each node's ranks from the root: sorts breadth-first
+        for parent, rank, _ in found:
+            keys.append((keys[parent] if parent != ROOT else ()) + (rank,))
+        order = sorted(range(len(found)), key=lambda node: (len(keys[node]), keys[node]))
+        position = {node: index for index, node in enumerate(order)}
+        parents = tuple(ROOT if found[node][0] == ROOT else position[found[node][0]] for node in order)
+        return cls(parents, tuple(found[node][1] for node in order))
+
+    def __len__(self) -> int:
+        return len(self.parents)
+
+    @cached_property
+    def depths(self) -> tuple[int, ...]:
+        """Each node's depth (1 for the root's children)."""
+        depths: list[int] = []
+        for parent in self.parents:
+            depths.append(1 if parent == ROOT else depths[parent] + 1)
+        return tuple(depths)
+
+    @property
+    def depth(self) -> int:
+        return max(self.depths, default=0)
+
+    def up_to(self, depth: int) -> TokenTree:
+        """The nodes of depth at most ``depth`` (a breadth-first prefix)."""
+        count = sum(node_depth <= depth for node_depth in self.depths)
+        return TokenTree(self.parents[:count], self.ranks[:count])
+
+    def level(self, depth: int) -> range:
+        """The nodes at ``depth``."""
+        return range(self.depths.index(depth), len(self.depths) - self.depths[::-1].index(depth))
+
+    @cached_property
+    def ancestry(self) -> torch.Tensor:
+        """[N, N] bool: node i reads node j (j is i or one of its ancestors)."""
+        reads = torch.eye(len(self), dtype=torch.bool)
+        for node, parent in enumerate(self.parents):
+            if parent != ROOT:
+                reads[node] |= reads[parent]
+        return reads
+
+    def expected_accepted(self, rank_acceptance: Sequence[float]) -> float:
+        """Tokens of the tree accepted per round in expectation under ``rank_acceptance``."""
+        chances: list[float] = []
+        for parent, rank in zip(self.parents, self.ranks, strict=True):
+            chances.append((chances[parent] if parent != ROOT else 1.0) * rank_acceptance[rank])
+        return sum(chances)
+
+    def follow(self, node_tokens: Sequence[int], choices: Sequence[int]) -> tuple[list[int], int]:
+        """The verifier's walk down the tree: ``node_tokens`` [N] are the nodes' tokens and
+        ``choices`` [N + 1] the verifier's token after the root and after each node. Returns the
+        nodes it accepts (a path from the root) and the token it emits after the last of them."""
+        path, node = [], ROOT
+        while True:
+            choice = choices[node + 1]
+            child = next((child for child in self._children[node] if node_tokens[child] == choice), None)
+            if child is None:
+                return path, choice
+            path.append(child)
+            node = child
+
+    @cached_property
+    def _children(self) -> dict[int, list[int]]:
+        children: dict[int, list[int]] = {ROOT: []} | {node: [] for node in range(len(self))}
+        for node, parent in enumerate(self.parents):
+            children[parent].append(node)
+        return children
+
+
+@dataclass(frozen=True)
+class TreeLevel:
+    """One level of a tree as the proposing stage builds it, on its device."""
+
+    parent_rows: torch.Tensor
+    """[W] int64: each node's parent's row among the previous pass's logits."""
+    ranks: torch.Tensor
+    """[W] int64: each node's rank among its parent's next tokens."""
+    width: int
+    """How many of each parent's most likely tokens the level draws from."""
+    feed: TreePass
+    """The pass that feeds this level's nodes to the proposer (for the next level's logits)."""
+
+
+class TreePlan:
+    """A tree's tensors on one device: its levels and the verifier's pass over all of it."""
+
+    def __init__(self, tree: TokenTree, device: torch.device) -> None:
+        self.tree = tree
+        ancestry = tree.ancestry.to(device)
+        depths = torch.tensor(tree.depths, dtype=torch.long, device=device)
+        self.levels = []
+        for depth in range(1, tree.depth + 1):
+            nodes = tree.level(depth)
+            previous = tree.level(depth - 1).start if depth > 1 else ROOT  # row 0 of the last pass's logits
+            parent_rows = [parent - previous for parent in tree.parents[nodes.start : nodes.stop]]
+            ranks = tree.ranks[nodes.start : nodes.stop]
+            self.levels.append(TreeLevel(
+                torch.tensor(parent_rows, device=device), torch.tensor(ranks, device=device), max(ranks) + 1,
+                TreePass(depths[nodes.start : nodes.stop], ancestry[nodes.start : nodes.stop, : nodes.stop]),
+            ))
+        self.whole = TreePass(depths, ancestry)
+        """The verifier's pass over every node."""
+
+
+def choice_ranks(ranked: torch.Tensor, choices: torch.Tensor) -> torch.Tensor:
+    """The rank of each of the verifier's ``choices`` [R] among the proposer's most likely tokens at
+    the same node, ``ranked`` [R, K] -> [R] int64 (K where it is none of them)."""
+    matches = ranked == choices[:, None]  # [R, K]: at most one True per row
+    return torch.where(matches.any(-1), matches.long().argmax(-1), ranked.shape[1])
