@@ -29,6 +29,7 @@ MAX_GRAPH_TOKENS = 16
 """Passes of up to this many tokens are graphed (proposals and verification up to gamma 15);
 prefill chunks and long catch-ups run eagerly."""
 
+GraphKey = tuple[int, int | None, Hashable, tuple[int, int] | None]
 Replay = Callable[[], torch.Tensor]
 Capture = Callable[[Replay], Replay]
 """Turns a pass over fixed input tensors into a replay of it that returns its output tensor."""
@@ -60,9 +61,9 @@ class PassGraphs:
         if not cache.static_passes:
             raise ValueError(f"{type(cache).__name__} has no static passes to capture")
         self.model, self.cache, self.capture = model, cache, capture
-        self.graphs: dict[tuple[int, int | None, Hashable, tuple | None], tuple[Replay, torch.Tensor, torch.Tensor]] = {}
-        """Per (tokens, logits, the cache's pass variant, tree ancestry shape): the replay and its
-        token-id [1, T] and position [T] inputs."""
+        self.graphs: dict[GraphKey, tuple[Replay, torch.Tensor, torch.Tensor]] = {}
+        """Per (tokens, logits, the cache's pass variant, tree ancestry shape or None): the replay
+        and its token-id [1, T] and position [T] inputs."""
 
     @torch.inference_mode()
     def __call__(self, token_ids: torch.Tensor, num_logits: int | None, tree: TreePass | None = None) -> torch.Tensor:

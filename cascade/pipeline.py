@@ -13,6 +13,7 @@ rolled back in every stage below the one that rejected them.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -87,6 +88,13 @@ class Draw:
     def first(self, count: int) -> Draw:
         probs = None if self.probs is None else self.probs[:count]
         return Draw(self.ids[:count], probs, None if self._tokens is None else self._tokens[:count])
+
+
+def read_together(tensors: list[torch.Tensor]) -> list[list[int]]:
+    """1-D integer tensors on one device -> their values, read by the host in one transfer."""
+    values = torch.cat(tensors).tolist()
+    bounds = [0, *itertools.accumulate(len(tensor) for tensor in tensors)]
+    return [values[start:end] for start, end in zip(bounds, bounds[1:], strict=False)]
 
 
 class Pipeline:
@@ -224,17 +232,16 @@ class Pipeline:
         logits = self.stages[level].extend(context, len(nodes) + 1, nodes, plan.whole)  # [N + 1, V]
         choices, probs = draw(logits, self.sampling, self.generator)  # [N + 1], [N + 1, V] or None
         ranks = choice_ranks(ranked, choices[: len(ranked)])  # [R]
-        known = torch.cat([nodes, choices, ranks]).tolist()  # the host's one wait for the device
-        node_tokens, choices, ranks = known[: len(nodes)], known[len(nodes) : 2 * len(nodes) + 1], known[-len(ranked) :]
+        node_tokens, choices, ranks = read_together([nodes, choices, ranks])  # the host's one wait
         path, next_token = plan.tree.follow(node_tokens, choices)
         for lower in self.stages[: level + 1]:
             lower.keep_path(len(context), path)
-        chosen_at = [0] + [node + 1 for node in path if node + 1 < len(ranks)]  # the rows the proposer fed
-        self._record_tree(self.stages[level - 1].stats, len(nodes), [ranks[row] for row in chosen_at])
-        tokens = [node_tokens[node] for node in path] + [next_token]
+        ranked_at = [0] + [node + 1 for node in path if node + 1 < len(ranks)]  # the root, the fed nodes
+        self._record_tree(self.stages[0].stats, len(nodes), [ranks[row] for row in ranked_at])
         rows = [0] + [node + 1 for node in path]  # the verifier's distribution at each emitted token
-        return Verdict(len(path), next_token), Draw.of(tokens, None if probs is None else probs[rows],
-                                                       logits.device), verifying
+        tokens = [node_tokens[node] for node in path] + [next_token]
+        drawn = Draw.of(tokens, None if probs is None else probs[rows], logits.device)
+        return Verdict(len(path), next_token), drawn, verifying
 
     def _propose_tree(self, context: list[int], depth: int) -> tuple[TreePlan, torch.Tensor, torch.Tensor]:
         """The lowest stage's tree of ``depth`` levels after ``context``, a pass per level but the

@@ -9,6 +9,11 @@ retrieval > H2O > StreamingLLM.
 
     python scripts/acceptance.py [--contexts 8000 16000] [--budgets 0.01 0.03 0.05 0.1]
         [--policies topk_oracle retrieval h2o streaming] [--document lcet10] [--new-tokens 128]
+        [--tree NODES [--tree-ranks P0 P1 ...]]
+
+With ``--tree N`` the proposing stage proposes token trees of N nodes (``--tree-ranks`` shapes
+them; ``--tree 6 --tree-ranks 1`` is the chain of 6 run as a tree, which measures how often the
+verifier's token is the proposer's r-th most likely one: each row's ``rank_acceptance``).
 
 A policy may carry settings of its config after a colon, e.g. ``retrieval:refresh.every=16`` or
 ``retrieval:refresh.on_drop=0.6,chunk_size=16`` (values are YAML); the row's policy is that text.
@@ -40,6 +45,9 @@ def measure(args, target: Path, prompt: list[int], policy: str, budget: int) -> 
     settings = {"dtype": args.dtype, "max_new_tokens": args.new_tokens, "stages.0.gamma": args.gamma,
                 "stages.0.schedule": args.schedule, "stages.0.cache": policy_at_budget(policy, budget),
                 "prompt_cache.dir": args.prompt_cache}
+    if args.tree:
+        ranks = {"rank_acceptance": args.tree_ranks} if args.tree_ranks else {}
+        settings["stages.0.tree"] = {"nodes": args.tree, **ranks}
     if scaling := yarn_scaling(target, len(prompt) + args.new_tokens):
         settings["target.rope_scaling"] = scaling
     _, config = load_config("self-spec", None, [], settings)
@@ -48,7 +56,9 @@ def measure(args, target: Path, prompt: list[int], policy: str, budget: int) -> 
     stage = result.stats.stages[0]
     return {"acceptance": stage.acceptance_rate, "acceptance_mle": stage.acceptance_mle,
             "mean_accepted_run": stage.mean_accepted_run,
-            "proposed": stage.proposed, "accepted": stage.accepted, "rounds": stage.rounds}
+            "proposed": stage.proposed, "accepted": stage.accepted, "rounds": stage.rounds,
+            "tree_nodes": stage.tree_nodes, "rank_acceptance": stage.rank_acceptance,
+            "choice_ranks": stage.choice_ranks}
 
 
 def finished_rows(out: Path, args: argparse.Namespace) -> list[dict]:
@@ -57,7 +67,7 @@ def finished_rows(out: Path, args: argparse.Namespace) -> list[dict]:
     if not out.exists():
         return []
     earlier = json.loads(out.read_text())
-    same = ("document", "gamma", "schedule", "new_tokens", "dtype")
+    same = ("document", "gamma", "schedule", "new_tokens", "dtype", "tree", "tree_ranks")
     differ = [f"{key}: {earlier['settings'].get(key)}" for key in same
               if earlier["settings"].get(key) != getattr(args, key)]
     if differ:
@@ -96,6 +106,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="the proposing stage's schedule (default: %(default)s, gamma every round; the "
                              "cost model may stop proposing after a few bad rounds, leaving a cell few proposals)")
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--tree", type=int, default=0, metavar="NODES",
+                        help="propose token trees of this many nodes (default: 0, one continuation of gamma)")
+    parser.add_argument("--tree-ranks", type=float, nargs="+", metavar="P",
+                        help="the trees' rank_acceptance (default: the config's)")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--document", choices=DOCUMENT_NAMES, default="lcet10")
     parser.add_argument("--out", type=Path, default=Path("results/acceptance.json"))

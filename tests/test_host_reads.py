@@ -45,17 +45,17 @@ class HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def reads_per_decode(pipeline, monkeypatch: pytest.MonkeyPatch, reads: HostReads) -> list[int]:
-    """Host reads during each of ``pipeline``'s lowest-stage decodes, filled in as it generates."""
-    counts, decode = [], pipeline._decode
+def reads_per_call(pipeline, method: str, monkeypatch: pytest.MonkeyPatch, reads: HostReads) -> list[int]:
+    """Host reads during each call of ``pipeline``'s ``method``, filled in as it generates."""
+    counts, run = [], getattr(pipeline, method)
 
-    def counted_decode(context, count):
+    def counted(*args):
         before = reads.count
-        drawn = decode(context, count)
+        result = run(*args)
         counts.append(reads.count - before)
-        return drawn
+        return result
 
-    monkeypatch.setattr(pipeline, "_decode", counted_decode)
+    monkeypatch.setattr(pipeline, method, counted)
     return counts
 
 
@@ -63,9 +63,13 @@ RESELECTING = ["stages.0.cache.scoring=attention", "stages.0.cache.refresh.every
 """``self-spec`` whose retrieval stage re-selects its chunks on the first pass of every round."""
 SELECTING_EVERY_PASS = ["stages.0.cache.scoring=sparq", "stages.0.cache.query_dims=8",
                         "stages.0.cache.refresh=every_pass"]
+TREE = ["stages.0.tree.nodes=10", "stages.0.schedule=fixed"]
 CASES = {"triforce": ("triforce", SMALL_CACHES["triforce"]), "self-spec": ("self-spec", SMALL_CACHES["self-spec"]),
          "self-spec-reselecting": ("self-spec", SMALL_CACHES["self-spec"] + RESELECTING),
-         "self-spec-selecting-every-pass": ("self-spec", SMALL_CACHES["self-spec"] + SELECTING_EVERY_PASS)}
+         "self-spec-selecting-every-pass": ("self-spec", SMALL_CACHES["self-spec"] + SELECTING_EVERY_PASS),
+         "self-spec-tree": ("self-spec", SMALL_CACHES["self-spec"] + SELECTING_EVERY_PASS + TREE)}
+DECODES = {"self-spec-tree": "_propose_tree"}
+"""How each case's lowest stage decodes its proposals when not by ``_decode``."""
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -77,12 +81,26 @@ def test_the_lowest_stage_decodes_a_round_without_host_reads(case, temperature, 
                           **{"sampling.temperature": temperature})
     pipeline = runtime.pipeline_for(len(PROMPT), 24)
     reads = HostReads(monkeypatch)
-    counts = reads_per_decode(pipeline, monkeypatch, reads)
+    counts = reads_per_call(pipeline, DECODES.get(case, "_decode"), monkeypatch, reads)
     with reads:
         result = generate(runtime, PROMPT, 24, pipeline=pipeline)
     assert len(result.token_ids) == 24
     assert len(counts) >= 4 and reads.count > 0  # it decoded, and reads elsewhere are seen
     assert counts == [0] * len(counts)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_token_tree_round_reads_the_host_once(temperature, tiny_dir, tiny_draft_dir, monkeypatch):
+    """Its proposals, the verifier's choices and the proposer's ranks of them, in one transfer."""
+    preset, overrides = CASES["self-spec-tree"]
+    runtime = runtime_for(preset, tiny_dir, tiny_draft_dir, overrides, kernels="eager",
+                          **{"sampling.temperature": temperature})
+    pipeline = runtime.pipeline_for(len(PROMPT), 24)
+    reads = HostReads(monkeypatch)
+    counts = reads_per_call(pipeline, "_speculate_tree", monkeypatch, reads)
+    with reads:
+        generate(runtime, PROMPT, 24, pipeline=pipeline)
+    assert len(counts) >= 4 and counts == [1] * len(counts)
 
 
 @pytest.mark.parametrize("inference", [False, True])
@@ -125,15 +143,16 @@ def test_the_lowest_stage_decodes_without_syncing_on_cuda(case, tiny_dir, tiny_d
     preset, overrides = CASES[case]
     runtime = runtime_for(preset, tiny_dir, tiny_draft_dir, overrides)
     pipeline = runtime.pipeline_for(len(PROMPT), 24)
-    decode = pipeline._decode
+    method = DECODES.get(case, "_decode")
+    decode = getattr(pipeline, method)
 
-    def strict_decode(context, count):
+    def strict_decode(*args):
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            return decode(context, count)
+            return decode(*args)
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
-    monkeypatch.setattr(pipeline, "_decode", strict_decode)
+    monkeypatch.setattr(pipeline, method, strict_decode)
     assert len(generate(runtime, PROMPT, 24, pipeline=pipeline).token_ids) == 24

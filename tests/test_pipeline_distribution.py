@@ -12,11 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cache.base import TreePass
 from cascade.clock import Clock
 from cascade.pipeline import Pipeline, StopRule
 from cascade.sampling import sample, token_probs
 from cascade.schedule import SCHEDULES, Schedule
 from cascade.stats import StageStats
+from cascade.tree import TokenTree
 from cascade.verification import Verdict
 from configs.schema import SamplingConfig
 
@@ -40,6 +42,7 @@ class ToyStage:
         self.seen: list[int] = []
         self.committed = 0
         self.captured_passes = 0  # runs nothing as graphs
+        self.tree: TokenTree | None = None
 
     @property
     def length(self) -> int:
@@ -50,7 +53,9 @@ class ToyStage:
         self.committed = len(self.seen)
         return self.logits[self.seen[-1]]  # [V]
 
-    def extend(self, context: list[int], num_logits: int, proposed: torch.Tensor | None = None) -> torch.Tensor:
+    def extend(self, context: list[int], num_logits: int, proposed: torch.Tensor | None = None,
+               tree: TreePass | None = None) -> torch.Tensor:
+        """A token-tree node's next distribution, like any token's, depends on it alone."""
         if proposed is not None:
             context = context + proposed.tolist()
         held = len(self.seen)
@@ -60,8 +65,13 @@ class ToyStage:
         self.seen += context[held:]
         return self.logits[context[-num_logits:]]  # [N, V]
 
-    def feed(self, token_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
+    def feed(self, token_ids: torch.Tensor, num_logits: int, tree: TreePass | None = None) -> torch.Tensor:
         return self.extend(self.seen, num_logits, token_ids)
+
+    def keep_path(self, start: int, path: list[int]) -> None:
+        assert start >= self.committed, "rolled back a committed token"
+        nodes = self.seen[start:]
+        self.seen = self.seen[:start] + [nodes[node] for node in path if node < len(nodes)]
 
     def catch_up(self, context: list[int], chunk: int) -> None:
         self.seen = context[:-1]
@@ -128,6 +138,17 @@ def test_three_levels_emit_the_target_distribution(schedule):
     assert total_variation(counts, token_probs(TARGET, sampling)) < TV_BOUND
     middle = pipeline.stages[1].stats
     assert middle.rounds > 0 and 0 < middle.accepted < middle.proposed
+
+
+@pytest.mark.parametrize("levels", [2, 3])
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["plain", "transformed"])
+def test_token_trees_emit_the_target_distribution(sampling, levels):
+    """The lowest stage proposes a tree of its 1-3 most likely tokens per node (of 5 here)."""
+    stages = cascade_of([BAD, CLOSE, TARGET][-levels:], [4, 3][:levels - 1])
+    stages[0].tree = TokenTree.best_first([0.5, 0.3, 0.1], nodes=9, depth=4)
+    pipeline = Pipeline(stages, sampling, prefill_chunk=16)
+    assert total_variation(emitted_transitions(pipeline), token_probs(TARGET, sampling)) < TV_BOUND
+    assert stages[0].stats.tree_nodes > stages[0].stats.proposed > stages[0].stats.accepted > 0
 
 
 class MiddleTierResamplesTarget(Pipeline):

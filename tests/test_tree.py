@@ -14,12 +14,21 @@ from cache.base import TreePass
 from cache.full import FullCacheConfig
 from cache.retrieval import RetrievalCacheConfig
 from cache.streaming import StreamingCacheConfig
+from cascade.checkpoint import load_model
 from cascade.errors import CascadeError
 from cascade.graphs import PassGraphs
 from cascade.tree import ROOT, TokenTree, TreePlan, choice_ranks
 from configs import load_config
-from tests.test_graphs import compiled_capture, eager_capture, fresh_compile_caches, tiny_checkpoint, tiny_model  # noqa: F401
+from tests.conftest import make_checkpoint
+from tests.test_graphs import compiled_capture, eager_capture, fresh_compile_caches  # noqa: F401 (autouse)
 from tests.test_pipeline import PROMPT, SMALL_CACHES, generate, runtime_for
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    checkpoint = make_checkpoint(tmp_path_factory.mktemp("tree") / "llama", "llama-gqa-tied")
+    return load_model(checkpoint, torch.float32, torch.device("cpu"))
+
 
 TREE = TokenTree(parents=(ROOT, ROOT, ROOT, 0, 0, 1, 3, 3, 5), ranks=(0, 1, 2, 0, 1, 0, 0, 1, 0))
 """Three children of the root; nodes 3-4 below node 0, 5 below node 1; 6-7 below 3, 8 below 5."""
