@@ -21,9 +21,16 @@ random-weight model of a published shape, for cost-only figures that feed the co
 Llama-2-7B at 120K tokens on a GPU; ``--draft-shape llama-68m`` adds TriForce's draft step). On
 CUDA, passes of up to 16 tokens replay as CUDA graphs unless ``--no-graphs``.
 
+With ``--tree N`` and ``--tree-accepted`` (the tokens a tree of N nodes had accepted per round
+with each ``--reselect`` scoring selecting once per round: ``scripts/acceptance.py --tree N``'s
+``mean_accepted_run``) it times the verification pass over such a tree and its widest level's
+proposal pass, and prints ``self-spec``'s ceiling with trees: a selecting pass at the root, a pass
+per level but the last, one verification pass.
+
     python scripts/roofline.py [--contexts 8000 16000 32000] [--gamma 6] [--budget 4096]
         [--reselect mean_key attention sparq [--every-pass-acceptance 0.62 0.87 0.73]
-        [--every-round-acceptance 0.59 0.67 0.6]] [--roofline-of results/roofline_h100_smollm2_cuda_matmul.json]
+        [--every-round-acceptance 0.59 0.67 0.6] [--tree 32 --tree-accepted 1.9 2.6 2.2]]
+        [--roofline-of results/roofline_h100_smollm2_cuda_matmul.json]
     python scripts/roofline.py --shape llama-2-7b --draft-shape llama-68m --contexts 120000 \
         [--acceptance 0.9 --draft-acceptance 0.7]
 """
@@ -43,6 +50,7 @@ import torch
 from transformers import LlamaConfig
 
 from cache import build_policy
+from cache.base import TreePass
 from cache.chunk_scoring import Scoring
 from cache.full import FullCache
 from cache.retrieval import RetrievalCacheConfig
@@ -55,6 +63,8 @@ from cascade.model import CausalLM
 from cascade.models import default_model
 from cascade.rope import Rotary, rope_frequencies
 from cascade.runtime import fused_tokens_for
+from cascade.tree import TokenTree, TreePlan
+from configs.schema import TreeConfig
 
 SHAPES = {  # random-weight models in published shapes (Llama-2-7B and TriForce's 68M draft)
     "llama-2-7b": LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
@@ -93,16 +103,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.add_argument(f"--{schedule}-acceptance", type=float, nargs="+", default=[], metavar="A",
                             help=f"with --reselect: the per-token acceptance of each of those scorings re-selecting "
                                  f"{how} (one per scoring, at every context): also print self-spec's ceiling so")
+    parser.add_argument("--tree", type=int, default=0, metavar="NODES",
+                        help="with --tree-accepted: the token trees' nodes (shaped as the runtime shapes them)")
+    parser.add_argument("--tree-ranks", type=float, nargs="+", default=TreeConfig().rank_acceptance, metavar="P",
+                        help="the trees' rank_acceptance (default: %(default)s)")
+    parser.add_argument("--tree-accepted", type=float, nargs="+", default=[], metavar="RUN",
+                        help="with --reselect and --tree: tokens accepted per tree round with each of those scorings "
+                             "selecting once per round (one per scoring): also print self-spec's ceiling so")
     parser.add_argument("--roofline-of", type=Path, metavar="REPORT",
                         help="take the rooflines' memory bandwidth and matmul peak from this earlier report (e.g. "
                              "a GPU's) instead of measuring this machine's: that machine's ceilings from these bytes")
     parser.add_argument("--out", type=Path, default=Path("results/roofline.json"))
     args = parser.parse_args(argv)
-    for schedule in ("every_pass", "every_round"):
-        values = getattr(args, f"{schedule}_acceptance")
+    for option in ("every_pass_acceptance", "every_round_acceptance", "tree_accepted"):
+        values = getattr(args, option)
         if values and len(values) != len(args.reselect):
-            parser.error(f"--{schedule.replace('_', '-')}-acceptance takes one value per --reselect scoring "
+            parser.error(f"--{option.replace('_', '-')} takes one value per --reselect scoring "
                          f"({len(args.reselect)}), got {len(values)}")
+    if bool(args.tree) != bool(args.tree_accepted):
+        parser.error("--tree and --tree-accepted go together (the tree's nodes, and what it had accepted)")
     if args.draft_acceptance is not None and not (args.draft_shape and args.acceptance):
         parser.error("--draft-acceptance needs --draft-shape (the draft's step) and --acceptance (the retrieval "
                      "stage's own)")
@@ -168,17 +187,19 @@ def random_model(config: LlamaConfig, dtype: torch.dtype, device: torch.device) 
     return model
 
 
-def pass_figures(model, cache, tokens: int, args, bandwidth: float, peak: float, selects: bool = False) -> dict:
+def pass_figures(model, cache, tokens: int, args, bandwidth: float, peak: float, selects: bool = False,
+                 tree: TreePass | None = None) -> dict:
     """Time a ``tokens``-token pass at the cache's end (rolled back after each) against its roofline;
-    ``selects``: the retrieval cache re-selects its chunks at each pass, and what that reads counts."""
+    ``selects``: the retrieval cache re-selects its chunks at each pass, and what that reads counts;
+    ``tree``: the pass's tokens are the nodes of this token tree."""
     spec = model.spec
     start = cache.length
     ids = torch.randint(0, spec.vocab_size, (1, tokens), device=model.device)
     graphed = model.device.type == "cuda" and not args.no_graphs
-    forward = PassGraphs(model, cache, cuda_graph) if graphed else (lambda ids, n: model(ids, cache, n))
+    forward = PassGraphs(model, cache, cuda_graph) if graphed else (lambda ids, n, tree: model(ids, cache, n, tree))
 
     def run() -> None:
-        forward(ids, tokens)
+        forward(ids, tokens, tree)
         cache.rollback(start)
 
     seconds = median_seconds(run, args.repeats, model.device)
@@ -224,6 +245,22 @@ def self_spec_ceiling(step: dict, proposal: dict, verification: dict, acceptance
     for (name, key), verify in zip((("measured", "ms"), ("roofline", "roofline_ms")), verify_costs, strict=True):
         selection = selecting[key] - proposal[key] if selecting else 0.0
         ceiling[name] = best_speedup(acceptance, proposal[key], lambda g: verify(g) + selection, step[key], widest)
+    return ceiling
+
+
+def tree_ceiling(step: dict, proposal: dict, selecting: dict, level: dict, verification: dict, tree: TokenTree,
+                 accepted_run: float) -> dict:
+    """``self-spec``'s speed-up with token trees that had ``accepted_run`` tokens accepted per round:
+    per round a ``selecting`` pass at the root, a pass per level but the last (a level of W nodes
+    costs what the line through the one-token ``proposal`` and the widest ``level`` gives) and a
+    ``verification`` pass over the whole tree, from measured pass times and from rooflines."""
+    widths = [len(tree.level(depth)) for depth in range(1, tree.depth)]  # the levels the proposer feeds
+    level_costs, verify_costs = verification_cost(proposal, level), verification_cost(step, verification)
+    ceiling = {"accepted_run": accepted_run, "nodes": len(tree), "depth": tree.depth}
+    for index, (name, key) in enumerate((("measured", "ms"), ("roofline", "roofline_ms"))):
+        levels_ms = sum(level_costs[index](width - 1) for width in widths)
+        round_ms = selecting[key] + levels_ms + verify_costs[index](len(tree))
+        ceiling[name] = {"speedup": (accepted_run + 1) * step[key] / round_ms, "round_ms": round_ms}
     return ceiling
 
 
@@ -291,7 +328,16 @@ def context_figures(
         f"retrieval {args.budget}, {verify} tokens (verifying the draft)": retrieval_verification,
         f"full, {verify} tokens (verification)": verification,
     }
-    reselecting_ceilings = {"every_pass": {}, "every_round": {}}
+    reselecting_ceilings = {"every_pass": {}, "every_round": {}, "tree": {}}
+    if args.tree:
+        tree = TokenTree.best_first(args.tree_ranks, args.tree, args.gamma)
+        widest = max(len(tree.level(depth)) for depth in range(1, tree.depth))
+        level = TreePass(torch.ones(widest, dtype=torch.long, device=model.device),
+                         torch.eye(widest, dtype=torch.bool, device=model.device))  # the root's children
+        passes[f"retrieval {args.budget}, a tree level of {widest} tokens"] = tree_level = pass_figures(
+            model, retrieval, widest, args, bandwidth, peak, tree=level)
+        passes[f"full, a tree of {len(tree)} tokens after one (verification)"] = tree_verification = pass_figures(
+            model, full, len(tree) + 1, args, bandwidth, peak, tree=TreePlan(tree, model.device).whole)
     for index, scoring in enumerate(args.reselect):
         config = RetrievalCacheConfig(budget=args.budget, scoring=scoring, refresh="every_pass")
         selecting = build_policy(config, layout, full)
@@ -304,6 +350,9 @@ def context_figures(
         if args.every_round_acceptance:
             reselecting_ceilings["every_round"][scoring] = self_spec_ceiling(
                 step, proposal, verification, args.every_round_acceptance[index], selecting_proposal)
+        if args.tree:
+            reselecting_ceilings["tree"][scoring] = tree_ceiling(
+                step, proposal, selecting_proposal, tree_level, tree_verification, tree, args.tree_accepted[index])
     if args.draft_shape:
         draft = random_model(SHAPES[args.draft_shape], model.dtype, model.device)
         draft.attention, draft.fused_tokens = model.attention, model.fused_tokens
@@ -360,6 +409,11 @@ def main(argv: list[str] | None = None) -> int:
                       f"{ceiling['measured']['speedup']:.2f}x at gamma {ceiling['measured']['gamma']} from measured "
                       f"passes, {ceiling['roofline']['speedup']:.2f}x at gamma {ceiling['roofline']['gamma']} "
                       "at the rooflines")
+        for scoring, ceiling in figures.get("tree_ceilings", {}).items():
+            print(f"self-spec ceiling at {figures['context']} with trees of {ceiling['nodes']} nodes (depth "
+                  f"{ceiling['depth']}), re-selecting every round ({scoring}, {ceiling['accepted_run']:.2f} accepted "
+                  f"per round): {ceiling['measured']['speedup']:.2f}x from measured passes, "
+                  f"{ceiling['roofline']['speedup']:.2f}x at the rooflines")
         if "triforce_ceiling" in figures:
             ceiling = figures["triforce_ceiling"]
             print(f"triforce ceiling at {figures['context']} (acceptance {ceiling['draft_acceptance']:.2f} / "

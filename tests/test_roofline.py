@@ -24,13 +24,16 @@ def test_roofline_times_every_pass_of_a_random_shape(tmp_path):
                "--contexts", "300", "--budget", "64", "--gamma", "3", "--draft-window", "28", "--repeats", "1",
                "--device", "cpu", "--kernels", "eager", "--acceptance", "0.8", "--draft-acceptance", "0.6",
                "--reselect", "mean_key", "attention", "sparq", "--every-pass-acceptance", "0.7", "0.9", "0.85",
-               "--every-round-acceptance", "0.6", "0.7", "0.65", "--roofline-of", str(rooflines), "--out", str(out)]
+               "--every-round-acceptance", "0.6", "0.7", "0.65", "--tree", "6", "--tree-accepted", "1.5", "2", "1.8",
+               "--roofline-of", str(rooflines), "--out", str(out)]
     printed = subprocess.run(command, capture_output=True, text=True, check=True).stdout
     report = json.loads(out.read_text())
     assert report["model"] == "llama-68m" and not report["graphs"] and report["contexts"][0]["fused_tokens"] == 0
     passes = report["contexts"][0]["passes"]
     assert list(passes) == ["full, 1 token (autoregressive step)", "retrieval 64, 1 token (proposal)",
                             "retrieval 64, 4 tokens (verifying the draft)", "full, 4 tokens (verification)",
+                            "retrieval 64, a tree level of 3 tokens",
+                            "full, a tree of 6 tokens after one (verification)",
                             "retrieval 64, 1 token re-selecting (mean_key)",
                             "retrieval 64, 1 token re-selecting (attention)",
                             "retrieval 64, 1 token re-selecting (sparq)", "draft llama-68m, streaming 32, 1 token"]
@@ -64,6 +67,13 @@ def test_roofline_times_every_pass_of_a_random_shape(tmp_path):
     assert report["bandwidth_bytes_per_s"] == 2e12 and report["rooflines_of"] == str(rooflines)
     assert full_step["memory_ms"] == pytest.approx(full_step["bytes_read"] / 2e12 * 1000)
     assert printed.startswith("CPU, ") and "rooflines of a GPU" in printed.splitlines()[0]
+    tree_verification = passes["full, a tree of 6 tokens after one (verification)"]
+    verification = passes["full, 4 tokens (verification)"]
+    assert tree_verification["bytes_read"] == verification["bytes_read"]  # the same keys, for 7 queries
+    assert tree_verification["flops"] == verification["flops"] // 4 * 7
+    trees = report["contexts"][0]["tree_ceilings"]
+    assert trees["sparq"]["accepted_run"] == 1.8 and trees["sparq"]["nodes"] == 6 and trees["sparq"]["depth"] == 3
+    assert "with trees of 6 nodes (depth 3), re-selecting every round (attention, 2.00 accepted per round)" in printed
     triforce = report["contexts"][0]["triforce_ceiling"]
     assert triforce["draft_acceptance"] == 0.6 and 0 <= triforce["measured"]["draft_gamma"] <= 3
     assert "triforce ceiling at 300 (acceptance 0.60 / 0.80)" in printed
@@ -79,6 +89,22 @@ def test_the_self_spec_ceiling_is_the_best_gamma_of_the_cost_model():
     assert ceiling["measured"]["speedup"] == pytest.approx(244 / 180)
     assert ceiling["roofline"]["gamma"] == 3  # 2.952 * 30 / (3 * 10 + 30): still memory-bound at 4 tokens
     assert ceiling["roofline"]["speedup"] == pytest.approx(2.952 * 30 / 60)
+
+
+def test_the_tree_ceiling_costs_a_selecting_root_a_pass_per_level_but_the_last_and_one_verification():
+    from cascade.tree import ROOT, TokenTree
+
+    tree = TokenTree(parents=(ROOT, ROOT, 0, 0, 2), ranks=(0, 1, 0, 1, 0))  # levels of 2, 2 and 1 nodes
+    step = {"ms": 100.0, "memory_ms": 30.0, "compute_ms": 5.0, "roofline_ms": 30.0}
+    proposal = {"ms": 30.0, "memory_ms": 10.0, "compute_ms": 1.0, "roofline_ms": 10.0}
+    selecting = {"ms": 50.0, "roofline_ms": 20.0}
+    level = {"tokens": 2, "ms": 34.0}  # measured W tokens: 30 + 4 (W - 1) ms
+    verification = {"tokens": 6, "ms": 150.0}
+    ceiling = load_roofline_script().tree_ceiling(step, proposal, selecting, level, verification, tree, 2.0)
+    assert ceiling["measured"]["round_ms"] == 50 + 2 * 34 + 150
+    assert ceiling["measured"]["speedup"] == pytest.approx(3 * 100 / 268)
+    assert ceiling["roofline"]["round_ms"] == 20 + 2 * 10 + 30  # every pass memory-bound
+    assert ceiling["roofline"]["speedup"] == pytest.approx(3 * 30 / 70)
 
 
 def test_the_triforce_ceiling_chains_the_cost_model_through_both_tiers():
@@ -125,3 +151,6 @@ def test_acceptances_must_match_the_contexts_and_scorings():
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 2
     assert "--every-round-acceptance takes one value per --reselect scoring (1), got 2" in result.stderr
+    command = [sys.executable, "scripts/roofline.py", "--contexts", "100", "--reselect", "sparq", "--tree", "16"]
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert result.returncode == 2 and "--tree and --tree-accepted go together" in result.stderr
