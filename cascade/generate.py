@@ -136,6 +136,10 @@ def print_stats(stats: dict[str, Any]) -> None:
                      f"{stage['schedule']} gamma, rounds per gamma {stage['gamma_choices']}")
             if stage["verify_over_step"]:
                 line += f"; a verification pass costs {stage['verify_over_step']:.2f} plain steps"
+            if stage["tree_nodes"]:
+                ranks = ", ".join(f"{share:.2f}" for share in stage["rank_acceptance"])
+                line += (f"; token trees of {stage['tree_nodes'] / stage['rounds']:.1f} nodes, the verifier's "
+                         f"token was its 1st, 2nd, ... most likely in shares {ranks}")
         say(line)
 
 

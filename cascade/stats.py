@@ -124,7 +124,7 @@ class StageStats:
     def to_dict(self) -> dict:
         data = asdict(self)
         for name in ("acceptance_rate", "acceptance_mle", "mean_accepted_run", "cost_ratio", "verify_over_step",
-                     "mean_gamma"):
+                     "mean_gamma", "rank_acceptance"):
             data[name] = getattr(self, name)
         return data
 

@@ -55,6 +55,19 @@ def test_streams_text_and_applies_the_chat_template(tiny_dir, tmp_path):
     assert "tokens/s" in result.stderr
 
 
+def test_a_token_tree_run_reports_its_trees(tiny_dir, tmp_path):
+    """The draft is the target: the verifier's token is always the proposer's most likely."""
+    out = tmp_path / "tree.json"
+    result = run("-m", "cascade.generate", "--target", str(tiny_dir), "--draft", str(tiny_dir), "--preset",
+                 "speculative", "--prompt", "Hello there", "--max-new-tokens", "12", "--dtype", "float32",
+                 "--set", "stages.0.tree.nodes=6", "--set", "stages.0.schedule=fixed", "--json", str(out), "--verbose")
+    assert result.returncode == 0, result.stderr
+    draft = json.loads(out.read_text())["stats"]["stages"][0]
+    assert draft["proposed"] < draft["tree_nodes"] <= 6 * draft["rounds"]  # the last round's room may cut it
+    assert draft["accepted"] == draft["proposed"] and draft["rank_acceptance"][0] == 1.0
+    assert "nodes, the verifier's token was its 1st, 2nd, ... most likely in shares 1.00, 0.00" in result.stderr
+
+
 @pytest.mark.parametrize(
     "args,message",
     [
