@@ -149,7 +149,7 @@ def test_a_new_prompt_drops_the_graphs_that_selected_over_the_last_one(tiny_mode
         graphs(tokens[:, prompt : prompt + 1], 1)  # selects
         retrieval.commit(prompt + 1)
         graphs(tokens[:, prompt + 1 : prompt + 2], 1)  # does not
-    assert set(graphs.graphs) == {(1, 1, None), (1, 1, ("select", 2))}
+    assert set(graphs.graphs) == {(1, 1, None, None), (1, 1, ("select", 2), None)}
 
 
 def test_long_passes_and_one_off_selecting_passes_run_eagerly(tiny_model):
