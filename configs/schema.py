@@ -48,8 +48,8 @@ class TreeConfig(Strict):
     one more token. Its depth is at most the round's gamma."""
     rank_acceptance: list[float] = Field(default_factory=lambda: [0.67, 0.12, 0.06, 0.04], min_length=1)
     """How often the verifier's token is this stage's most likely, second most likely, ... token;
-    shapes the tree (the default: a retrieval cache selecting every round at 120K tokens,
-    ``scripts/acceptance.py --ranks``)."""
+    shapes the tree. The default is what a retrieval cache of 4096 tokens selecting every round
+    measured at 120K tokens (rounded; a run's stats report its own as ``rank_acceptance``)."""
 
     @model_validator(mode="after")
     def _shares(self) -> TreeConfig:
