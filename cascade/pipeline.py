@@ -23,7 +23,7 @@ import torch
 from cascade.sampling import draw, token_probs
 from cascade.stage import Stage, device_ids
 from cascade.stats import GenerationStats, StageStats
-from cascade.tree import RANKS_SEEN, TreePlan, choice_ranks
+from cascade.tree import RANKS_SEEN, TokenTree, TreeGrowth, TreePlan, choice_ranks
 from cascade.verification import Verdict, verify, verify_greedy
 from configs.schema import SamplingConfig
 
@@ -227,13 +227,16 @@ class Pipeline:
         """``_speculate`` for a token tree of ``depth`` levels from the lowest stage (``level`` 1):
         the verifier draws its token after the root and after every node as it would alone, and
         keeps the nodes its draws lead through."""
-        plan, nodes, ranked = self._propose_tree(context, depth)  # [N], [R, K]
+        growth = self._propose_tree(context, depth)
+        nodes = torch.cat(growth.tokens)  # [N]
         verifying = self.clock.mark()
-        logits = self.stages[level].extend(context, len(nodes) + 1, nodes, plan.whole)  # [N + 1, V]
+        logits = self.stages[level].extend(context, len(nodes) + 1, nodes, growth.whole())  # [N + 1, V]
         choices, probs = draw(logits, self.sampling, self.generator)  # [N + 1], [N + 1, V] or None
+        ranked = torch.cat(growth.ranked)  # [R, K]: the root's and the fed nodes' most likely tokens
         ranks = choice_ranks(ranked, choices[: len(ranked)])  # [R]
-        node_tokens, choices, ranks = read_together([nodes, choices, ranks])  # the host's one wait
-        path, next_token = plan.tree.follow(node_tokens, choices)
+        node_tokens, choices, ranks, parents, node_ranks = read_together(  # the host's one wait
+            [nodes, choices, ranks, torch.cat(growth.parents), torch.cat(growth.ranks)])
+        path, next_token = TokenTree(tuple(parents), tuple(node_ranks)).follow(node_tokens, choices)
         for lower in self.stages[: level + 1]:
             lower.keep_path(len(context), path)
         ranked_at = [0] + [node + 1 for node in path if node + 1 < len(ranks)]  # the root, the fed nodes
@@ -243,23 +246,19 @@ class Pipeline:
         drawn = Draw.of(tokens, None if probs is None else probs[rows], logits.device)
         return Verdict(len(path), next_token), drawn, verifying
 
-    def _propose_tree(self, context: list[int], depth: int) -> tuple[TreePlan, torch.Tensor, torch.Tensor]:
-        """The lowest stage's tree of ``depth`` levels after ``context``, a pass per level but the
-        last -> (its plan, the nodes' tokens [N], the stage's most likely tokens after the root
-        and after each node it fed [R, K], K = RANKS_SEEN or the vocabulary if smaller)."""
+    def _propose_tree(self, context: list[int], depth: int) -> TreeGrowth:
+        """The lowest stage's tree of ``depth`` levels after ``context``, a pass per level but the last."""
         stage = self.stages[0]
         logits = stage.extend(context, 1)  # [1, V]: after the root
         if depth not in self._tree_plans:
             self._tree_plans[depth] = TreePlan(stage.tree.up_to(depth), logits.device)
         plan = self._tree_plans[depth]
-        levels, ranked = [], []
-        for level in plan.levels:
-            best = logits.topk(min(max(level.width, RANKS_SEEN), logits.shape[-1]), dim=-1).indices  # [rows, K]
-            ranked.append(best[:, :RANKS_SEEN])
-            levels.append(best[level.parent_rows, level.ranks])  # [W]
-            if len(levels) < len(plan.levels):
-                logits = stage.feed(levels[-1], len(levels[-1]), level.feed)  # [W, V]
-        return plan, torch.cat(levels), torch.cat(ranked)
+        growth = TreeGrowth(plan, stage.dynamic_tree, logits.device)
+        for index, level in enumerate(plan.levels):
+            feed = growth.grow(level, logits)
+            if index + 1 < len(plan.levels):
+                logits = stage.feed(growth.tokens[-1], len(level.depths), feed)  # [W, V]
+        return growth
 
     def _verify(self, level: int, proposal: Draw, logits: torch.Tensor):
         """Stage ``level``'s verdict on ``proposal`` given its logits [G + 1, V] -> (verdict, probs)."""

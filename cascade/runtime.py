@@ -149,6 +149,7 @@ class Runtime:
                 self.prompt_caches.get(stage.model),
                 self.capture,
                 stage.tree and TokenTree.best_first(stage.tree.rank_acceptance, stage.tree.nodes, stage.gamma),
+                stage.tree is not None and stage.tree.dynamic,
             )
         return [stages[i] for i in range(last + 1)]
 

@@ -34,13 +34,15 @@ class Stage:
         prompt_cache: PromptCache | None = None,
         capture: Capture | None = None,
         tree: TokenTree | None = None,
+        dynamic_tree: bool = False,
     ) -> None:
         """``schedule``: how many tokens this stage proposes per round (None for the last stage).
         ``source``: the full-cache stage of the same model whose prompt KV this stage's policy
         reads; such a stage gets its cache when the source has prefilled, and no prefill of its own.
         ``prompt_cache``: where a full-cache stage loads and stores its prefilled prompts.
         ``capture``: how short passes are captured as graphs (None: every pass runs eagerly).
-        ``tree``: the token tree this stage proposes (at most gamma levels of it), if it does."""
+        ``tree``: the token tree this stage proposes (at most gamma levels of it), if it does;
+        ``dynamic_tree``: its levels' widths, filled by this stage's path probabilities each round."""
         self.name = name
         self.model = model
         self.cache_config = cache_config
@@ -49,6 +51,7 @@ class Stage:
         self.prompt_cache = prompt_cache if isinstance(cache_config, FullCacheConfig) else None
         self.capture = capture
         self.tree = tree
+        self.dynamic_tree = dynamic_tree
         self.cache: CachePolicy | None = None
         self.graphs: PassGraphs | None = None
         if source is None:

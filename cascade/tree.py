@@ -34,7 +34,7 @@ RANKS_SEEN = 8
 
 @dataclass(frozen=True)
 class TokenTree:
-    """Nodes in breadth-first order: by depth, then by parent, then by rank."""
+    """Nodes in breadth-first order (a shape built here: by depth, then by parent, then by rank)."""
 
     parents: tuple[int, ...]
     """Each node's parent node, or ``ROOT``."""
@@ -99,6 +99,12 @@ class TokenTree:
         """The nodes at ``depth``."""
         return range(self.depths.index(depth), len(self.depths) - self.depths[::-1].index(depth))
 
+    def tree_pass(self, device: torch.device, depth: int | None = None) -> TreePass:
+        """The pass over the nodes at ``depth`` after the earlier levels, or over every node."""
+        nodes = self.level(depth) if depth else range(len(self))
+        depths = torch.tensor(self.depths[nodes.start : nodes.stop], device=device)
+        return TreePass(depths, self.ancestry[nodes.start : nodes.stop, : nodes.stop].to(device))
+
     @cached_property
     def ancestry(self) -> torch.Tensor:
         """[N, N] bool: node i reads node j (j is i or one of its ancestors)."""
@@ -138,25 +144,25 @@ class TokenTree:
 
 @dataclass(frozen=True)
 class TreeLevel:
-    """One level of a tree as the proposing stage builds it, on its device."""
+    """One level of a tree's shape as the proposing stage grows it, on its device."""
 
     parent_rows: torch.Tensor
-    """[W] int64: each node's parent's row among the previous pass's logits."""
+    """[W] int64: each node's parent's row among the previous pass's logits (a fixed shape's)."""
     ranks: torch.Tensor
-    """[W] int64: each node's rank among its parent's next tokens."""
+    """[W] int64: each node's rank among its parent's next tokens (a fixed shape's)."""
     width: int
-    """How many of each parent's most likely tokens the level draws from."""
-    feed: TreePass
-    """The pass that feeds this level's nodes to the proposer (for the next level's logits)."""
+    """How many of each parent's most likely tokens the level draws from (a fixed shape's)."""
+    depths: torch.Tensor
+    """[W] int64: the level's depth, once per node."""
+    first: int
+    """The level's first node."""
 
 
 class TreePlan:
-    """A tree's tensors on one device: its levels and the verifier's pass over all of it."""
+    """A tree shape's tensors on one device, level by level."""
 
     def __init__(self, tree: TokenTree, device: torch.device) -> None:
         self.tree = tree
-        ancestry = tree.ancestry.to(device)
-        depths = torch.tensor(tree.depths, dtype=torch.long, device=device)
         self.levels = []
         for depth in range(1, tree.depth + 1):
             nodes = tree.level(depth)
@@ -165,10 +171,52 @@ class TreePlan:
             ranks = tree.ranks[nodes.start : nodes.stop]
             self.levels.append(TreeLevel(
                 torch.tensor(parent_rows, device=device), torch.tensor(ranks, device=device), max(ranks) + 1,
-                TreePass(depths[nodes.start : nodes.stop], ancestry[nodes.start : nodes.stop, : nodes.stop]),
+                torch.full((len(nodes),), depth, device=device), nodes.start,
             ))
-        self.whole = TreePass(depths, ancestry)
+
+
+class TreeGrowth:
+    """One round's tree as the proposing stage grows it, a level per pass, without reading the
+    device. With ``dynamic`` each level keeps its width but its nodes are the most likely
+    continuations by the proposer's path probabilities (EAGLE-2) instead of the shape's fixed ranks."""
+
+    def __init__(self, plan: TreePlan, dynamic: bool, device: torch.device) -> None:
+        self.plan, self.dynamic = plan, dynamic
+        self.tokens: list[torch.Tensor] = []  # per level [W] int64
+        self.parents: list[torch.Tensor] = []  # per level [W] int64, ROOT for the root's children
+        self.ranks: list[torch.Tensor] = []  # per level [W] int64
+        self.reads: list[torch.Tensor] = []  # per level [W, nodes up to it] bool: each node's ancestry
+        self.ranked: list[torch.Tensor] = []  # per pass [rows, K]: the proposer's most likely tokens
+        self._scores = torch.zeros(1, device=device)  # [rows] log-probability of each fed row's path
+        self._last_reads = torch.zeros(1, 0, dtype=torch.bool, device=device)  # [rows, nodes so far]
+
+    def grow(self, level: TreeLevel, logits: torch.Tensor) -> TreePass:
+        """Add ``level``'s nodes below the rows of ``logits`` [rows, V] (the last level's nodes, or
+        the root) -> the pass that feeds them to the proposer."""
+        width = len(level.depths)
+        draws = width if self.dynamic else level.width
+        best = logits.topk(min(max(draws, RANKS_SEEN), logits.shape[-1]), dim=-1)  # [rows, K]
+        self.ranked.append(best.indices[:, :RANKS_SEEN])
+        if self.dynamic:
+            log_probs = best.values[:, :draws].float() - logits.float().logsumexp(-1, keepdim=True)  # [rows, K]
+            paths = (self._scores[:, None] + log_probs).flatten().topk(width)  # [W]
+            rows, ranks, self._scores = paths.indices // draws, paths.indices % draws, paths.values
+        else:
+            rows, ranks = level.parent_rows, level.ranks
+        self.tokens.append(best.indices[rows, ranks])
+        self.ranks.append(ranks)
+        previous = self.plan.levels[len(self.parents) - 1].first if self.parents else None  # the rows' first node
+        self.parents.append(torch.full_like(rows, ROOT) if previous is None else rows + previous)
+        eye = torch.eye(width, dtype=torch.bool, device=logits.device)
+        self._last_reads = torch.cat([self._last_reads[rows], eye], dim=1)  # [W, nodes up to this level]
+        self.reads.append(self._last_reads)
+        return TreePass(level.depths, self._last_reads)
+
+    def whole(self) -> TreePass:
         """The verifier's pass over every node."""
+        nodes = sum(len(tokens) for tokens in self.tokens)
+        reads = torch.cat([torch.nn.functional.pad(rows, (0, nodes - rows.shape[1])) for rows in self.reads])
+        return TreePass(torch.cat([level.depths for level in self.plan.levels]), reads)  # [N], [N, N]
 
 
 def choice_ranks(ranked: torch.Tensor, choices: torch.Tensor) -> torch.Tensor:

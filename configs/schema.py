@@ -50,6 +50,9 @@ class TreeConfig(Strict):
     """How often the verifier's token is this stage's most likely, second most likely, ... token;
     shapes the tree. The default is what a retrieval cache of 4096 tokens selecting every round
     measured at 120K tokens (rounded; a run's stats report its own as ``rank_acceptance``)."""
+    dynamic: bool = False
+    """Keep each level's width but choose its nodes every round as the most likely continuations by
+    this stage's path probabilities (EAGLE-2), instead of the fixed ranks of the shape."""
 
     @model_validator(mode="after")
     def _shares(self) -> TreeConfig:

@@ -9,11 +9,12 @@ retrieval > H2O > StreamingLLM.
 
     python scripts/acceptance.py [--contexts 8000 16000] [--budgets 0.01 0.03 0.05 0.1]
         [--policies topk_oracle retrieval h2o streaming] [--document lcet10] [--new-tokens 128]
-        [--tree NODES [--tree-ranks P0 P1 ...]]
+        [--tree NODES [--tree-ranks P0 P1 ...] [--tree-dynamic]]
 
 With ``--tree N`` the proposing stage proposes token trees of N nodes (``--tree-ranks`` shapes
 them; ``--tree 6 --tree-ranks 1`` is the chain of 6 run as a tree, which measures how often the
-verifier's token is the proposer's r-th most likely one: each row's ``rank_acceptance``).
+verifier's token is the proposer's r-th most likely one: each row's ``rank_acceptance``);
+``--tree-dynamic`` fills each level by the proposer's path probabilities instead).
 
 A policy may carry settings of its config after a colon, e.g. ``retrieval:refresh.every=16`` or
 ``retrieval:refresh.on_drop=0.6,chunk_size=16`` (values are YAML); the row's policy is that text.
@@ -47,7 +48,7 @@ def measure(args, target: Path, prompt: list[int], policy: str, budget: int) -> 
                 "prompt_cache.dir": args.prompt_cache}
     if args.tree:
         ranks = {"rank_acceptance": args.tree_ranks} if args.tree_ranks else {}
-        settings["stages.0.tree"] = {"nodes": args.tree, **ranks}
+        settings["stages.0.tree"] = {"nodes": args.tree, "dynamic": args.tree_dynamic, **ranks}
     if scaling := yarn_scaling(target, len(prompt) + args.new_tokens):
         settings["target.rope_scaling"] = scaling
     _, config = load_config("self-spec", None, [], settings)
@@ -67,7 +68,7 @@ def finished_rows(out: Path, args: argparse.Namespace) -> list[dict]:
     if not out.exists():
         return []
     earlier = json.loads(out.read_text())
-    same = ("document", "gamma", "schedule", "new_tokens", "dtype", "tree", "tree_ranks")
+    same = ("document", "gamma", "schedule", "new_tokens", "dtype", "tree", "tree_ranks", "tree_dynamic")
     differ = [f"{key}: {earlier['settings'].get(key)}" for key in same
               if earlier["settings"].get(key) != getattr(args, key)]
     if differ:
@@ -110,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="propose token trees of this many nodes (default: 0, one continuation of gamma)")
     parser.add_argument("--tree-ranks", type=float, nargs="+", metavar="P",
                         help="the trees' rank_acceptance (default: the config's)")
+    parser.add_argument("--tree-dynamic", action="store_true",
+                        help="fill each level of the trees by the proposer's path probabilities (tree.dynamic)")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--document", choices=DOCUMENT_NAMES, default="lcet10")
     parser.add_argument("--out", type=Path, default=Path("results/acceptance.json"))

@@ -63,7 +63,7 @@ from cascade.model import CausalLM
 from cascade.models import default_model
 from cascade.rope import Rotary, rope_frequencies
 from cascade.runtime import fused_tokens_for
-from cascade.tree import TokenTree, TreePlan
+from cascade.tree import TokenTree
 from configs.schema import TreeConfig
 
 SHAPES = {  # random-weight models in published shapes (Llama-2-7B and TriForce's 68M draft)
@@ -337,7 +337,7 @@ def context_figures(
         passes[f"retrieval {args.budget}, a tree level of {widest} tokens"] = tree_level = pass_figures(
             model, retrieval, widest, args, bandwidth, peak, tree=level)
         passes[f"full, a tree of {len(tree)} tokens after one (verification)"] = tree_verification = pass_figures(
-            model, full, len(tree) + 1, args, bandwidth, peak, tree=TreePlan(tree, model.device).whole)
+            model, full, len(tree) + 1, args, bandwidth, peak, tree=tree.tree_pass(model.device))
     for index, scoring in enumerate(args.reselect):
         config = RetrievalCacheConfig(budget=args.budget, scoring=scoring, refresh="every_pass")
         selecting = build_policy(config, layout, full)

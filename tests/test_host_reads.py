@@ -67,8 +67,9 @@ TREE = ["stages.0.tree.nodes=10", "stages.0.schedule=fixed"]
 CASES = {"triforce": ("triforce", SMALL_CACHES["triforce"]), "self-spec": ("self-spec", SMALL_CACHES["self-spec"]),
          "self-spec-reselecting": ("self-spec", SMALL_CACHES["self-spec"] + RESELECTING),
          "self-spec-selecting-every-pass": ("self-spec", SMALL_CACHES["self-spec"] + SELECTING_EVERY_PASS),
-         "self-spec-tree": ("self-spec", SMALL_CACHES["self-spec"] + SELECTING_EVERY_PASS + TREE)}
-DECODES = {"self-spec-tree": "_propose_tree"}
+         "self-spec-tree": ("self-spec", SMALL_CACHES["self-spec"] + SELECTING_EVERY_PASS + TREE),
+         "self-spec-dynamic-tree": ("self-spec", SMALL_CACHES["self-spec"] + TREE + ["stages.0.tree.dynamic=true"])}
+DECODES = {"self-spec-tree": "_propose_tree", "self-spec-dynamic-tree": "_propose_tree"}
 """How each case's lowest stage decodes its proposals when not by ``_decode``."""
 
 
@@ -89,10 +90,11 @@ def test_the_lowest_stage_decodes_a_round_without_host_reads(case, temperature, 
     assert counts == [0] * len(counts)
 
 
+@pytest.mark.parametrize("case", ["self-spec-tree", "self-spec-dynamic-tree"])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_a_token_tree_round_reads_the_host_once(temperature, tiny_dir, tiny_draft_dir, monkeypatch):
-    """Its proposals, the verifier's choices and the proposer's ranks of them, in one transfer."""
-    preset, overrides = CASES["self-spec-tree"]
+def test_a_token_tree_round_reads_the_host_once(temperature, case, tiny_dir, tiny_draft_dir, monkeypatch):
+    """Its nodes and their parents, the verifier's choices and the proposer's ranks of them, in one transfer."""
+    preset, overrides = CASES[case]
     runtime = runtime_for(preset, tiny_dir, tiny_draft_dir, overrides, kernels="eager",
                           **{"sampling.temperature": temperature})
     pipeline = runtime.pipeline_for(len(PROMPT), 24)

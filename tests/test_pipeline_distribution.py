@@ -43,6 +43,7 @@ class ToyStage:
         self.committed = 0
         self.captured_passes = 0  # runs nothing as graphs
         self.tree: TokenTree | None = None
+        self.dynamic_tree = False
 
     @property
     def length(self) -> int:
@@ -140,12 +141,13 @@ def test_three_levels_emit_the_target_distribution(schedule):
     assert middle.rounds > 0 and 0 < middle.accepted < middle.proposed
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["fixed-shape", "dynamic"])
 @pytest.mark.parametrize("levels", [2, 3])
 @pytest.mark.parametrize("sampling", SAMPLINGS, ids=["plain", "transformed"])
-def test_token_trees_emit_the_target_distribution(sampling, levels):
+def test_token_trees_emit_the_target_distribution(sampling, levels, dynamic):
     """The lowest stage proposes a tree of its 1-3 most likely tokens per node (of 5 here)."""
     stages = cascade_of([BAD, CLOSE, TARGET][-levels:], [4, 3][:levels - 1])
-    stages[0].tree = TokenTree.best_first([0.5, 0.3, 0.1], nodes=9, depth=4)
+    stages[0].tree, stages[0].dynamic_tree = TokenTree.best_first([0.5, 0.3, 0.1], nodes=9, depth=4), dynamic
     pipeline = Pipeline(stages, sampling, prefill_chunk=16)
     assert total_variation(emitted_transitions(pipeline), token_probs(TARGET, sampling)) < TV_BOUND
     assert stages[0].stats.tree_nodes > stages[0].stats.proposed > stages[0].stats.accepted > 0

@@ -10,14 +10,13 @@ import torch
 from torch._dynamo.testing import CompileCounter
 
 from cache import build_policy
-from cache.base import TreePass
 from cache.full import FullCacheConfig
 from cache.retrieval import RetrievalCacheConfig
 from cache.streaming import StreamingCacheConfig
 from cascade.checkpoint import load_model
 from cascade.errors import CascadeError
 from cascade.graphs import PassGraphs
-from cascade.tree import ROOT, TokenTree, TreePlan, choice_ranks
+from cascade.tree import ROOT, TokenTree, TreeGrowth, TreePlan, choice_ranks
 from configs import load_config
 from tests.conftest import make_checkpoint
 from tests.test_graphs import compiled_capture, eager_capture, fresh_compile_caches  # noqa: F401 (autouse)
@@ -132,10 +131,9 @@ def test_a_tree_pass_gives_each_node_the_logits_of_its_path_fed_in_order(kind, c
     run = (lambda ids, count, tree: graphs(ids, count, tree)) if graphs else (
         lambda ids, count, tree: model(ids, cache, count, tree))
     root_logits = run(tokens[None, 30:40], 1, None)[0]  # the root is token 39
-    plan = TreePlan(TREE, model.device)
     node_logits = torch.cat([run(node_tokens[None, TREE.level(depth).start : TREE.level(depth).stop],
-                                 len(TREE.level(depth)), level.feed)[0]
-                             for depth, level in enumerate(plan.levels, 1)])  # [N, V]
+                                 len(TREE.level(depth)), TREE.tree_pass(model.device, depth))[0]
+                             for depth in (1, 2, 3)])  # [N, V]
     torch.testing.assert_close(root_logits[0], fed_causally(model, tokens, 39, [tokens[39].item()])[0])
     for node, path in enumerate(paths(TREE)):
         expected = fed_causally(model, tokens, 40, node_tokens[path].tolist())[-1]
@@ -157,7 +155,9 @@ SPARQ_EVERY_PASS = ["stages.0.cache.scoring=sparq", "stages.0.cache.query_dims=8
     ("self-spec", [*SMALL_CACHES["self-spec"], *SPARQ_EVERY_PASS]),
     ("speculative", []),
     ("triforce", [*SMALL_CACHES["triforce"], "stages.1.schedule=fixed"]),
-], ids=["self-spec", "self-spec-sparq-every-pass", "speculative", "triforce"])
+    ("self-spec", [*CLOSE_PROPOSER, "stages.0.tree.dynamic=true"]),
+    ("triforce", [*SMALL_CACHES["triforce"], "stages.1.schedule=fixed", "stages.0.tree.dynamic=true"]),
+], ids=["self-spec", "self-spec-sparq-every-pass", "speculative", "triforce", "self-spec-dynamic", "triforce-dynamic"])
 def test_tree_rounds_greedy_equal_autoregressive(preset, overrides, tiny_dir, tiny_draft_dir):
     """With the target itself proposing (a good proposer: long accepted paths) and a random draft."""
     autoregressive = generate(runtime_for("autoregressive", tiny_dir, tiny_draft_dir), PROMPT).token_ids
@@ -169,20 +169,39 @@ def test_tree_rounds_greedy_equal_autoregressive(preset, overrides, tiny_dir, ti
     assert sum(proposer.choice_ranks) >= proposer.rounds  # the root's choice at least, every round
 
 
-def test_a_tree_accepts_what_a_chain_of_its_depth_rejects(tiny_dir, tiny_draft_dir):
+@pytest.mark.parametrize("dynamic", [False, True], ids=["fixed-shape", "dynamic"])
+def test_a_tree_accepts_what_a_chain_of_its_depth_rejects(dynamic, tiny_dir, tiny_draft_dir):
     stats = {}
-    for shape, settings in (("chain", ["stages.0.schedule=fixed"]), ("tree", TREE_SETTINGS)):
+    for shape, settings in (("chain", ["stages.0.schedule=fixed"]),
+                            ("tree", [*TREE_SETTINGS, f"stages.0.tree.dynamic={str(dynamic).lower()}"])):
         runtime = runtime_for("self-spec", tiny_dir, tiny_draft_dir, [*CLOSE_PROPOSER, *settings])
         stats[shape] = generate(runtime, PROMPT).stats.stages[0]
     tree, chain = stats["tree"], stats["chain"]
-    assert sum(tree.choice_ranks[1:3]) > 0  # the verifier chose the proposer's second or third token
+    assert sum(tree.choice_ranks[1:]) > 0  # the verifier chose a token the proposer ranked lower
     assert tree.mean_accepted_run > chain.mean_accepted_run and tree.rounds < chain.rounds
 
 
+def test_a_dynamic_tree_keeps_the_most_likely_paths_of_each_level():
+    """Levels of 2 and 2 nodes: the second level's two are the best of the four root-to-grandchild
+    paths by probability, here both below the root's second token."""
+    plan = TreePlan(TokenTree(parents=(ROOT, ROOT, 0, 1), ranks=(0, 1, 0, 0)), torch.device("cpu"))
+    growth = TreeGrowth(plan, dynamic=True, device=torch.device("cpu"))
+    root = torch.tensor([[0.5, 0.3, 0.2, 0.0]]).log()  # [1, V=4]: tokens 0 and 1 below the root
+    feed = growth.grow(plan.levels[0], root)
+    assert growth.tokens[0].tolist() == [0, 1] and feed.ancestry.tolist() == [[True, False], [False, True]]
+    below = torch.tensor([[0.4, 0.3, 0.2, 0.1], [0.0, 0.05, 0.9, 0.05]]).log()  # after token 0, after token 1
+    feed = growth.grow(plan.levels[1], below)  # paths: 0.2, 0.15 below token 0; 0.27, 0.015 below token 1
+    assert growth.tokens[1].tolist() == [2, 0] and growth.parents[1].tolist() == [1, 0]
+    assert feed.ancestry.tolist() == [[False, True, True, False], [True, False, False, True]]
+    assert growth.whole().ancestry.shape == (4, 4) and growth.whole().depths.tolist() == [1, 1, 2, 2]
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["fixed-shape", "dynamic"])
 @pytest.mark.parametrize("capture", ["eager", "compiled"])
-def test_graphed_tree_rounds_equal_autoregressive_and_compile_once_per_shape(capture, tiny_dir, tiny_draft_dir):
+def test_graphed_tree_rounds_equal_autoregressive_and_compile_once_per_shape(capture, dynamic, tiny_dir,
+                                                                              tiny_draft_dir):
     autoregressive = generate(runtime_for("autoregressive", tiny_dir, tiny_draft_dir), PROMPT).token_ids
-    overrides = [*CLOSE_PROPOSER, *SPARQ_EVERY_PASS, *TREE_SETTINGS]
+    overrides = [*CLOSE_PROPOSER, *SPARQ_EVERY_PASS, *TREE_SETTINGS, f"stages.0.tree.dynamic={str(dynamic).lower()}"]
     runtime = runtime_for("self-spec", tiny_dir, tiny_draft_dir, overrides, kernels="eager")
     counter = CompileCounter()
     runtime.capture = eager_capture if capture == "eager" else compiled_capture(counter)
@@ -204,7 +223,7 @@ def test_keeping_a_path_leaves_the_cache_as_feeding_the_path_would(tiny_model):
     for cache in (tree_cache, path_cache):
         model(tokens[None], cache)
         cache.commit(30)
-    model(node_tokens[None], tree_cache, None, TreePass(TreePlan(TREE, model.device).whole.depths, TREE.ancestry))
+    model(node_tokens[None], tree_cache, None, TREE.tree_pass(model.device))
     tree_cache.keep_path(30, [1, 5, 8])
     model(node_tokens[None, [1, 5, 8]], path_cache)
     assert tree_cache.length == path_cache.length == 33
