@@ -162,7 +162,6 @@ class TreePlan:
     """A tree shape's tensors on one device, level by level."""
 
     def __init__(self, tree: TokenTree, device: torch.device) -> None:
-        self.tree = tree
         self.levels = []
         for depth in range(1, tree.depth + 1):
             nodes = tree.level(depth)
