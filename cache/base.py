@@ -67,6 +67,11 @@ class AttentionView:
     the whole slot buffer, of which the first ``valid_lengths`` slots hold this pass's tokens and
     everything before them (``mask`` hides the rest), so a kernel that takes cache lengths (flash-attn's
     kvcache kernel) can read just those."""
+    masked_tail: int = 0
+    """For an eager token-tree pass (see ``TreePass``): only the view's last ``masked_tail`` keys
+    (the pass's tokens and the tree's earlier nodes) are masked, every earlier key is read by every
+    query (``mask``'s columns before them are zeros), so a kernel need add only the mask's last
+    ``masked_tail`` columns. 0 when the mask may hide any key."""
 
 
 @dataclass(frozen=True)

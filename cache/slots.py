@@ -117,7 +117,8 @@ class SlotCache(CachePolicy):
             return AttentionView(keys, values, None, end - self._start > 1)
         if layer == 0:
             self._mask = tree_mask(self._as_tensor(range(self._start, end)), end, self._tree, self.layout.dtype)
-        return AttentionView(keys, values, self._mask)
+        tree_rows, nodes = self._tree.shape
+        return AttentionView(keys, values, self._mask, masked_tail=end - self._start + nodes - tree_rows)
 
     def _static_update(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> AttentionView:
         """``update`` for a static pass: keys/values [B, H_kv, T, D] go to the slots of the device

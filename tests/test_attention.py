@@ -7,14 +7,19 @@ import pytest
 import torch
 
 from cache.base import AttentionView
-from cache.slots import causal_mask
+from cache.slots import causal_mask, tree_mask
 from cascade import attention
 from cascade.attention import FLASH_ATTN_INSTALLED, KERNELS, resolve_kernels
 from cascade.errors import CascadeError
+from cascade.tree import TokenTree
 from tests.test_pipeline import runtime_for
 
 HEADS, KV_HEADS, HEAD_DIM = 6, 2, 16
 CUDA = torch.cuda.is_available()
+TREE = TokenTree.best_first((0.6, 0.2, 0.1), nodes=19, depth=5)
+TREE_LEVEL = 3
+"""The token tree of the tree shapes: a verification pass reads its root and every node, a
+proposer's pass the nodes of one level after the earlier levels' (already in the cache)."""
 SHAPES = {  # name: (queries, keys, how the view is built)
     "decode": (1, 50, "dynamic"),
     "verify": (7, 300, "dynamic"),
@@ -23,6 +28,8 @@ SHAPES = {  # name: (queries, keys, how the view is built)
     "later-prefill-chunk": (96, 300, "dynamic"),
     "static-decode": (1, 50, "static"),
     "static-verify": (5, 50, "static"),
+    "tree-verify": (1 + len(TREE), 300, "tree"),
+    "tree-level": (len(TREE.level(TREE_LEVEL)), 300, "tree-level"),
 }
 BUFFER_SLOTS = 64
 
@@ -31,7 +38,7 @@ def make_view(num_queries: int, num_keys: int, how: str, dtype: torch.dtype, dev
               buffer_slots: int = BUFFER_SLOTS):
     """Random query [1, H, T, D] and a view whose pass tokens are keys num_keys - T .. num_keys - 1."""
     generator = torch.Generator().manual_seed(num_queries * 1000 + num_keys)
-    size = num_keys if how == "dynamic" else buffer_slots
+    size = buffer_slots if how == "static" else num_keys
     query = torch.randn(1, HEADS, num_queries, HEAD_DIM, generator=generator)
     keys, values = torch.randn(2, 1, KV_HEADS, size, HEAD_DIM, generator=generator)
     query, keys, values = (x.to(device=device, dtype=dtype) for x in (query, keys, values))
@@ -39,6 +46,10 @@ def make_view(num_queries: int, num_keys: int, how: str, dtype: torch.dtype, dev
     if how == "static":  # the whole buffer: slots past the pass hold stale values, hidden by the mask
         valid = torch.tensor([num_keys], dtype=torch.int32, device=device)
         return query, AttentionView(keys, values, causal_mask(slots, size, dtype), valid_lengths=valid)
+    if how.startswith("tree"):  # the pass's last tokens are tree nodes, reading only their ancestors
+        tree_pass = TREE.tree_pass(torch.device(device), TREE_LEVEL if how == "tree-level" else None)
+        mask = tree_mask(slots, num_keys, tree_pass.ancestry, dtype)
+        return query, AttentionView(keys, values, mask, masked_tail=num_queries + tree_pass.earlier_nodes)
     return query, AttentionView(keys, values, None, causal=num_queries > 1)
 
 
@@ -79,6 +90,24 @@ def test_cuda_family_sums_blockwise_products_to_the_reference(monkeypatch):
 
     monkeypatch.setattr(attention, "_blockwise_product", counted_blockwise)
     out = KERNELS["cuda"](query, view, HEAD_DIM**-0.5)
+    assert len(taken) == 1
+    torch.testing.assert_close(out.double(), reference(query, view, HEAD_DIM**-0.5), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", ["tree-verify", "tree-level"])
+def test_cpu_family_runs_tree_passes_as_per_head_products_masking_only_the_tail(shape, monkeypatch):
+    """Whatever its width, a token-tree pass takes the per-KV-head products, which add only the
+    mask's last ``masked_tail`` columns: the keys before the tree are read by every node."""
+    query, view = make_view(*SHAPES[shape], torch.float32, "cpu")
+    assert view.mask[:, : -view.masked_tail].eq(0).all() and view.mask[:, -view.masked_tail:].isinf().any()
+    per_head_matmul, taken = attention._per_head_matmul, []
+
+    def counted_per_head_matmul(*args):
+        taken.append(args)
+        return per_head_matmul(*args)
+
+    monkeypatch.setattr(attention, "_per_head_matmul", counted_per_head_matmul)
+    out = KERNELS["cpu"](query, view, HEAD_DIM**-0.5)
     assert len(taken) == 1
     torch.testing.assert_close(out.double(), reference(query, view, HEAD_DIM**-0.5), rtol=1e-4, atol=1e-5)
 
