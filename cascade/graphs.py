@@ -26,8 +26,9 @@ from cache.base import CachePolicy, TreePass
 from cascade.model import CausalLM
 
 MAX_GRAPH_TOKENS = 16
-"""Passes of up to this many tokens are graphed (proposals and verification up to gamma 15);
-prefill chunks and long catch-ups run eagerly."""
+"""Passes of up to this many tokens are graphed (proposals and verification up to gamma 15), and
+token-tree passes of any width (at most 64 nodes, a few shapes per tree); prefill chunks and long
+catch-ups run eagerly."""
 
 GraphKey = tuple[int, int | None, Hashable, tuple[int, int] | None]
 Replay = Callable[[], torch.Tensor]
@@ -69,7 +70,7 @@ class PassGraphs:
     def __call__(self, token_ids: torch.Tensor, num_logits: int | None, tree: TreePass | None = None) -> torch.Tensor:
         """token_ids [1, T] -> logits [1, N, V], as ``CausalLM.forward`` computes them."""
         num_tokens = token_ids.shape[1]
-        static = num_tokens <= MAX_GRAPH_TOKENS and self.cache.graph_ready
+        static = (num_tokens <= MAX_GRAPH_TOKENS or tree is not None) and self.cache.graph_ready
         self.cache.set_static(static)
         positions = self.cache.allocate(num_tokens) if tree is None else self.cache.allocate_tree(num_tokens, tree)
         if not static:

@@ -15,7 +15,7 @@ from cache.retrieval import RetrievalCacheConfig
 from cache.streaming import StreamingCacheConfig
 from cascade.checkpoint import load_model
 from cascade.errors import CascadeError
-from cascade.graphs import PassGraphs
+from cascade.graphs import MAX_GRAPH_TOKENS, PassGraphs
 from cascade.tree import ROOT, TokenTree, TreeGrowth, TreePlan, choice_ranks
 from configs import load_config
 from tests.conftest import make_checkpoint
@@ -196,12 +196,15 @@ def test_a_dynamic_tree_keeps_the_most_likely_paths_of_each_level():
     assert growth.whole().ancestry.shape == (4, 4) and growth.whole().depths.tolist() == [1, 1, 2, 2]
 
 
-@pytest.mark.parametrize("dynamic", [False, True], ids=["fixed-shape", "dynamic"])
-@pytest.mark.parametrize("capture", ["eager", "compiled"])
-def test_graphed_tree_rounds_equal_autoregressive_and_compile_once_per_shape(capture, dynamic, tiny_dir,
+@pytest.mark.parametrize("capture,dynamic,nodes", [
+    ("eager", False, 12), ("eager", True, 12), ("compiled", False, 12), ("compiled", True, 12), ("compiled", False, 24),
+], ids=["eager-fixed-shape", "eager-dynamic", "compiled-fixed-shape", "compiled-dynamic", "compiled-wider-than-16"])
+def test_graphed_tree_rounds_equal_autoregressive_and_compile_once_per_shape(capture, dynamic, nodes, tiny_dir,
                                                                               tiny_draft_dir):
+    """Tree passes are graphed whatever their width: 24 nodes make a verification pass of 25 tokens."""
     autoregressive = generate(runtime_for("autoregressive", tiny_dir, tiny_draft_dir), PROMPT).token_ids
-    overrides = [*CLOSE_PROPOSER, *SPARQ_EVERY_PASS, *TREE_SETTINGS, f"stages.0.tree.dynamic={str(dynamic).lower()}"]
+    overrides = [*CLOSE_PROPOSER, *SPARQ_EVERY_PASS, *TREE_SETTINGS, f"stages.0.tree.nodes={nodes}",
+                 f"stages.0.tree.dynamic={str(dynamic).lower()}"]
     runtime = runtime_for("self-spec", tiny_dir, tiny_draft_dir, overrides, kernels="eager")
     counter = CompileCounter()
     runtime.capture = eager_capture if capture == "eager" else compiled_capture(counter)
@@ -209,7 +212,8 @@ def test_graphed_tree_rounds_equal_autoregressive_and_compile_once_per_shape(cap
     assert generate(runtime, PROMPT, pipeline=pipeline).token_ids == autoregressive
     proposer, verifier = pipeline.stages
     assert any(key[3] is not None for key in proposer.graphs.graphs)  # tree levels replayed
-    assert any(key[3] is not None for key in verifier.graphs.graphs)  # the verifier's pass over the tree
+    verifier_tree_passes = [key[0] for key in verifier.graphs.graphs if key[3] is not None]  # tokens per pass
+    assert max(verifier_tree_passes, default=0) >= min(nodes, MAX_GRAPH_TOKENS + 1)
     if capture == "compiled":
         assert counter.frame_count == sum(len(stage.graphs.graphs) for stage in pipeline.stages)
 
