@@ -37,8 +37,8 @@ CPU_FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attentio
 MATMUL_MAX_QUERIES = 8
 """Up to this many queries per pass (decode steps, verification of up to 7 proposals) attention
 runs as plain matrix products per KV head; so do token-tree passes (at most 64 nodes, plus the
-tokens fed before them) of any width: 1.1-2.0x faster than grouped SDPA under the tree mask for
-16-64 queries over 4K-120K keys."""
+tokens fed before them) of any width: 1.1-2.4x faster than grouped SDPA under the tree mask for
+16-64 queries over 4K-120K keys (``scripts/attention_bench.py``)."""
 SPLIT_KEYS = 1024
 """On CUDA, a multi-token pass's weights-values product (few rows, thousands of keys, 64 columns)
 over a static view runs as partial products over blocks of at most this many keys: as one product
