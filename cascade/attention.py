@@ -3,10 +3,11 @@
 - ``cpu``: tuned for this project's CPU runs: per-KV-head matrix products for decode, verification
   and token-tree passes, grouped SDPA for other short passes, log-sum-exp-merged halves for prefill chunks;
 - ``sdpa``: PyTorch's scaled_dot_product_attention for every pass (any device);
-- ``cuda``: for PyTorch on CUDA without flash-attn: verification passes (2-8 tokens) as batched
-  matrix products over each KV head's query group, one-token steps and longer passes through SDPA;
+- ``cuda``: for PyTorch on CUDA without flash-attn: verification passes (2-8 tokens) and passes
+  under a mask (static passes, token trees) as batched matrix products over each KV head's query
+  group, one-token steps and longer passes through SDPA;
 - ``flash``: flash-attn on CUDA in bf16/fp16, reading a static pass's cache in place through its
-  kvcache kernel; passes it cannot run (float32, arbitrary masks) go to SDPA.
+  kvcache kernel; token-tree masks go to ``cuda``'s products, float32 to SDPA.
 
 ``auto`` means ``flash`` on CUDA when flash-attn is installed, ``cuda`` on CUDA without it, and
 ``cpu`` on CPU. Each family takes query [B, H, T, D] and an :class:`AttentionView` and returns
@@ -87,18 +88,20 @@ def attend_sdpa(query: torch.Tensor, view: AttentionView, scale: float) -> torch
 
 
 def attend_cuda(query: torch.Tensor, view: AttentionView, scale: float) -> torch.Tensor:
-    """The ``cuda`` family: one-token passes and long ones through SDPA, verification passes as
-    grouped matrix products.
+    """The ``cuda`` family: one-token passes and long unmasked ones through SDPA, verification
+    passes and every pass under a mask (static passes, token trees) as grouped matrix products.
 
     With a handful of query rows and a mask, SDPA's CUDA kernels ran a pass over a long cache on a
     few of the GPU's multiprocessors: a 7-token pass over 120K keys took 18x a one-token step on an
     H100 (SmolLM2, grouped KV heads). As matrix products the score product spreads over the whole
     GPU, and the weights-values product (few rows, a long reduction) runs as partial products over
     blocks of keys (``SPLIT_KEYS``). One-token steps stay with SDPA: 2.8 ms against 7.8 ms as
-    matrix products at 120K keys.
+    matrix products at 120K keys; so do longer causal passes (prefill, catch-up), which SDPA's
+    causal kernels take without a mask. A masked pass of more queries (a token tree's, at most 64
+    nodes) has the 7-token pass's problem in SDPA and takes the products too (unmeasured on a GPU).
     """
     num_kv_heads, num_queries = view.keys.shape[1], query.shape[2]
-    if num_queries == 1 or num_queries > MATMUL_MAX_QUERIES:
+    if num_queries == 1 or (num_queries > MATMUL_MAX_QUERIES and view.mask is None):
         return attend_sdpa(query, view, scale)
     groups = rearrange(query * scale, "b (k g) t d -> b k (g t) d", k=num_kv_heads)  # [B, H_kv, G*T, D]
     weights = _attention_weights(groups, view.keys, view, num_queries)  # [B, H_kv, G*T, S]
@@ -127,14 +130,15 @@ def _blockwise_product(weights: torch.Tensor, values: torch.Tensor, size: int) -
 
 
 def attend_flash(query: torch.Tensor, view: AttentionView, scale: float) -> torch.Tensor:
-    """The ``flash`` family: flash-attn where it applies, SDPA for the rest."""
+    """The ``flash`` family: flash-attn where it applies, ``cuda``'s products under a token
+    tree's mask, SDPA in float32."""
     if query.dtype not in (torch.float16, torch.bfloat16):
         return attend_sdpa(query, view, scale)
     if view.valid_lengths is not None:
         return _flash_kvcache_attend(query, view, scale)
     if view.mask is None or view.causal:
         return _flash_attend(query, view, scale)
-    return attend_sdpa(query, view, scale)
+    return attend_cuda(query, view, scale)
 
 
 KERNELS: dict[str, AttentionKernel] = {

@@ -75,6 +75,18 @@ def test_kernel_families_match_the_reference(family, shape):
     torch.testing.assert_close(out.double(), reference(query, view, HEAD_DIM**-0.5), rtol=1e-4, atol=1e-5)
 
 
+def recorded_calls(monkeypatch, kernel_name: str) -> list:
+    """Wraps ``attention.<kernel_name>`` to record each call's arguments; returns the record."""
+    kernel, calls = getattr(attention, kernel_name), []
+
+    def recording(*args):
+        calls.append(args)
+        return kernel(*args)
+
+    monkeypatch.setattr(attention, kernel_name, recording)
+    return calls
+
+
 def test_cuda_family_sums_blockwise_products_to_the_reference(monkeypatch):
     """Over at least two blocks of aligned keys a static verification pass takes the blockwise
     weights-values product (here 4-slot alignment and blocks of up to 16 keys, on CPU tensors)."""
@@ -82,34 +94,29 @@ def test_cuda_family_sums_blockwise_products_to_the_reference(monkeypatch):
     monkeypatch.setattr(attention, "SLOT_ALIGNMENT", 4)
     query, view = make_view(*SHAPES["static-verify"], torch.float32, "cpu")
     assert attention.block_size(view.keys.shape[2]) < view.keys.shape[2] // 2
-    blockwise, taken = attention._blockwise_product, []
-
-    def counted_blockwise(*args):
-        taken.append(args)
-        return blockwise(*args)
-
-    monkeypatch.setattr(attention, "_blockwise_product", counted_blockwise)
+    taken = recorded_calls(monkeypatch, "_blockwise_product")
     out = KERNELS["cuda"](query, view, HEAD_DIM**-0.5)
     assert len(taken) == 1
     torch.testing.assert_close(out.double(), reference(query, view, HEAD_DIM**-0.5), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("family,products,dtype,tolerance", [
+    ("cpu", "_per_head_matmul", torch.float32, 1e-4),
+    ("cuda", "_attention_weights", torch.float32, 1e-4),
+    ("flash", "_attention_weights", torch.bfloat16, 2e-2),  # no flash-attn call: runs on CPU tensors
+])
 @pytest.mark.parametrize("shape", ["tree-verify", "tree-level"])
-def test_cpu_family_runs_tree_passes_as_per_head_products_masking_only_the_tail(shape, monkeypatch):
-    """Whatever its width, a token-tree pass takes the per-KV-head products, which add only the
-    mask's last ``masked_tail`` columns: the keys before the tree are read by every node."""
-    query, view = make_view(*SHAPES[shape], torch.float32, "cpu")
+def test_tree_passes_of_any_width_run_as_products_masking_only_the_tail(shape, family, products, dtype, tolerance,
+                                                                         monkeypatch):
+    """A token-tree pass (20 queries for the whole tree) takes the family's matrix products, not
+    SDPA, which add only the mask's last ``masked_tail`` columns: the keys before the tree are read
+    by every node."""
+    query, view = make_view(*SHAPES[shape], dtype, "cpu")
     assert view.mask[:, : -view.masked_tail].eq(0).all() and view.mask[:, -view.masked_tail:].isinf().any()
-    per_head_matmul, taken = attention._per_head_matmul, []
-
-    def counted_per_head_matmul(*args):
-        taken.append(args)
-        return per_head_matmul(*args)
-
-    monkeypatch.setattr(attention, "_per_head_matmul", counted_per_head_matmul)
-    out = KERNELS["cpu"](query, view, HEAD_DIM**-0.5)
+    taken = recorded_calls(monkeypatch, products)
+    out = KERNELS[family](query, view, HEAD_DIM**-0.5)
     assert len(taken) == 1
-    torch.testing.assert_close(out.double(), reference(query, view, HEAD_DIM**-0.5), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out.double(), reference(query, view, HEAD_DIM**-0.5), rtol=tolerance, atol=tolerance)
 
 
 def test_blocks_are_the_largest_aligned_divisor_up_to_the_split():
