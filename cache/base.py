@@ -62,11 +62,16 @@ class AttentionView:
     (bottom-right aligned), every earlier key visible to all. Such a view carries no mask: each
     kernel applies the causality its own way (a causal mode, or a mask over just the last T keys),
     so a long prefill chunk never builds a [T, S] mask."""
+    static: bool = False
+    """True for a static pass's view (see ``SlotCache.set_static``): keys and values are the whole
+    slot buffer and ``mask`` [T, buffer] hides every slot a query must not read, so the view's
+    shapes and addresses are the same at every pass of its width and a kernel compiled for them
+    once serves them all."""
     valid_lengths: torch.Tensor | None = None
-    """[B] int32, set for a static pass's view (see ``SlotCache.set_static``): keys and values are
-    the whole slot buffer, of which the first ``valid_lengths`` slots hold this pass's tokens and
-    everything before them (``mask`` hides the rest), so a kernel that takes cache lengths (flash-attn's
-    kvcache kernel) can read just those."""
+    """[B] int32, set for a static pass's causal view: of the whole buffer the first
+    ``valid_lengths`` slots hold this pass's tokens and everything before them (``mask`` hides the
+    rest), so a kernel that takes cache lengths (flash-attn's kvcache kernel) can read just those.
+    None for a token tree's static view, whose mask is not causal."""
     masked_tail: int = 0
     """For an eager token-tree pass (see ``TreePass``): only the view's last ``masked_tail`` keys
     (the pass's tokens and the tree's earlier nodes) are masked, every earlier key is read by every

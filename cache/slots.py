@@ -131,7 +131,7 @@ class SlotCache(CachePolicy):
         self.keys[layer].index_copy_(2, slots, keys)
         self.values[layer].index_copy_(2, slots, values)
         valid = self._valid_slots if self._tree is None else None  # a tree's mask is not causal
-        return AttentionView(self.keys[layer], self.values[layer], self._mask, valid_lengths=valid)
+        return AttentionView(self.keys[layer], self.values[layer], self._mask, static=True, valid_lengths=valid)
 
     def memory_bytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes

@@ -7,7 +7,10 @@
   under a mask (static passes, token trees) as batched matrix products over each KV head's query
   group, one-token steps and longer passes through SDPA;
 - ``flash``: flash-attn on CUDA in bf16/fp16, reading a static pass's cache in place through its
-  kvcache kernel; token-tree masks go to ``cuda``'s products, float32 to SDPA.
+  kvcache kernel; token-tree masks go to ``cuda``'s products, float32 to SDPA;
+- ``flex``: PyTorch's FlexAttention for static passes (every graphed pass: steps, proposals,
+  verifications, token trees), compiled once per pass shape, whose decoding kernel splits the keys
+  across the GPU for a few queries; other passes as ``cuda`` on CUDA, ``cpu`` on CPU.
 
 ``auto`` means ``flash`` on CUDA when flash-attn is installed, ``cuda`` on CUDA without it, and
 ``cpu`` on CPU. Each family takes query [B, H, T, D] and an :class:`AttentionView` and returns
@@ -25,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch.nn.attention.bias import causal_lower_right
+from torch.nn.attention.flex_attention import flex_attention
 
 from cache.base import AttentionView
 from cache.slots import SLOT_ALIGNMENT, causal_mask, visible_keys
@@ -47,6 +51,9 @@ cuBLAS gave it a few blocks of threads, 0.2-0.5 ms per layer over 16K keys on an
 FOLD_MAX_QUERIES = 64
 """Up to this many queries per pass the grouped SDPA layout is used; beyond it (prefill chunks)
 repeating the mask per group costs more than it saves."""
+FLEX_SHAPES = 64
+"""Most static pass shapes (pass width x cache buffer) ``flex`` compiles a kernel for in one
+process: a three-stage cascade has a few dozen (Dynamo's default limit per function is 8)."""
 
 
 AttentionKernel = Callable[[torch.Tensor, AttentionView, float], torch.Tensor]
@@ -141,8 +148,39 @@ def attend_flash(query: torch.Tensor, view: AttentionView, scale: float) -> torc
     return attend_cuda(query, view, scale)
 
 
+def attend_flex(query: torch.Tensor, view: AttentionView, scale: float) -> torch.Tensor:
+    """The ``flex`` family: a static pass's view through FlexAttention compiled for its shape, any
+    other view as ``cuda`` on CUDA and ``cpu`` elsewhere.
+
+    A static view is the whole slot buffer under its [T, buffer] mask, the same shapes at every
+    pass of its width, so one compiled kernel per width and cache serves every replay (inside a
+    compiled pass the call is traced with the rest). With fewer than 128 queries FlexAttention's
+    decoding kernel splits the keys into blocks run in parallel and merges them by log-sum-exp
+    (flash-decoding), so a step or a verification pass over 120K keys occupies the whole GPU,
+    where SDPA runs one block of threads per head; grouped KV heads are read once per group.
+    """
+    if not view.static:
+        return attend_cuda(query, view, scale) if query.is_cuda else attend_cpu(query, view, scale)
+    if torch.compiler.is_compiling():
+        return _flex_under_mask(query, view.keys, view.values, view.mask, scale)
+    with torch._dynamo.config.patch(recompile_limit=FLEX_SHAPES):
+        return _compiled_flex_under_mask(query, view.keys, view.values, view.mask, scale)
+
+
+def _flex_under_mask(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """query [B, H, T, D] over keys/values [B, H_kv, S, D] under an additive mask [T, S] -> [B, H, T, D]."""
+    def add_mask(score, batch, head, query_index, key_index):
+        return score + mask[query_index, key_index]
+
+    return flex_attention(query, keys, values, score_mod=add_mask, scale=scale, enable_gqa=True)
+
+
+_compiled_flex_under_mask = torch.compile(_flex_under_mask, dynamic=False)
+
+
 KERNELS: dict[str, AttentionKernel] = {
-    "cpu": attend_cpu, "sdpa": attend_sdpa, "cuda": attend_cuda, "flash": attend_flash,
+    "cpu": attend_cpu, "sdpa": attend_sdpa, "cuda": attend_cuda, "flash": attend_flash, "flex": attend_flex,
 }
 
 

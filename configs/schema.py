@@ -132,11 +132,12 @@ class PipelineConfig(Strict):
     tokens, verification included, as a few fused Triton kernels per layer instead of some twenty
     (needs Triton). Without a compiler it falls back to eager and says so. Models compile them as
     they load (seconds, cached on disk). eager runs plain PyTorch ops."""
-    attention: Literal["auto", "cpu", "sdpa", "cuda", "flash"] = "auto"
+    attention: Literal["auto", "cpu", "sdpa", "cuda", "flash", "flex"] = "auto"
     """Attention kernels: cpu (tuned for CPU passes), sdpa (PyTorch's scaled_dot_product_attention),
     cuda (few-query passes as matrix products spread over the whole GPU, the rest SDPA), flash
-    (flash-attn; CUDA and bf16/fp16 only). auto: flash on CUDA when flash-attn is installed, else
-    cuda on CUDA, cpu on CPU."""
+    (flash-attn; CUDA and bf16/fp16 only), flex (PyTorch's FlexAttention for graphed passes, compiled
+    per pass shape, the rest as cuda or cpu; for CUDA, runs anywhere). auto: flash on CUDA when
+    flash-attn is installed, else cuda on CUDA, cpu on CPU."""
     cuda_graphs: bool = True
     """On CUDA, replay decode, proposal and verification passes (up to 16 tokens) as CUDA graphs,
     captured per pass shape on first use; ignored on CPU."""

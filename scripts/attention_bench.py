@@ -1,18 +1,26 @@
-"""One layer's attention for a token-tree verification pass, kernel by kernel.
+"""One layer's attention for the passes a cascade runs, kernel by kernel.
 
-The pass is what the verifier runs over a tree of N nodes (N + 1 queries: the root and the nodes)
-after S - N - 1 context keys, in SmolLM2's attention shape (9 query heads sharing 3 KV heads of
-64 dimensions), bf16, random keys and values under the mask a tree's ancestry gives. Each kernel
-is timed side by side in one run (median of ``--repeats``) and checked against a float64
-reference (largest absolute difference):
+Passes, in SmolLM2's attention shape (9 query heads sharing 3 KV heads of 64 dimensions), bf16,
+random keys and values, each over S keys of which its own tokens are the last:
 
-- ``cpu`` / ``sdpa`` / ``cuda`` / ``flash``: the attention families as configs pick them (the
-  ones that can run on the device);
+- ``--queries T``: a causal pass of T tokens (1: a decode step or proposal; 7: the verification
+  of 6 proposals);
+- ``--nodes N``: the verification of a token tree of N nodes (N + 1 queries: the root and the
+  nodes), under the mask its ancestry gives.
+
+``--static`` builds each view as a graphed pass reads it (every pass on a GPU with CUDA graphs):
+the whole slot buffer under a [T, buffer] mask; without it, as an eager pass does (the valid keys,
+causal or masked only in its tail). Each kernel is timed side by side in one run (median of
+``--repeats``; on CUDA each call is captured as a CUDA graph and replayed, as graphed passes run)
+and checked against a float64 reference (largest absolute difference):
+
+- ``cpu`` / ``sdpa`` / ``cuda`` / ``flash`` / ``flex``: the attention families as configs pick them
+  (the ones that can run on the device);
 - ``grouped_sdpa``: SDPA with each KV head's query group folded into rows, which the ``cpu``
   family ran tree passes of 9-64 queries through before they went to per-KV-head products.
 
-    python scripts/attention_bench.py [--keys 4096 32768 120000] [--nodes 15 31 63] [--repeats 10]
-        [--device cpu] [--out results/attention_tree_cpu.json]
+    python scripts/attention_bench.py [--keys 4096 32768 120000] [--queries 1 7] [--nodes 15 31 63]
+        [--static] [--repeats 10] [--device cpu] [--out results/attention_tree_cpu.json]
 """
 
 from __future__ import annotations
@@ -25,9 +33,10 @@ import torch
 from roofline import median_seconds
 
 from cache.base import AttentionView
-from cache.slots import tree_mask
+from cache.slots import SLOT_ALIGNMENT, causal_mask, tree_mask
 from cascade import attention
 from cascade.errors import CascadeError
+from cascade.graphs import cuda_graph
 from cascade.tree import TokenTree
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
@@ -38,33 +47,50 @@ RANK_ACCEPTANCE = (0.67, 0.12, 0.06, 0.04)
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python scripts/attention_bench.py", description=__doc__.split("\n")[0])
     parser.add_argument("--keys", type=int, nargs="+", default=[4096, 32768, 120000])
-    parser.add_argument("--nodes", type=int, nargs="+", default=[15, 31, 63])
+    parser.add_argument("--queries", type=int, nargs="*", default=[], help="causal passes of these many tokens")
+    parser.add_argument("--nodes", type=int, nargs="*", default=[15, 31, 63], help="token trees of these many nodes")
+    parser.add_argument("--static", action="store_true", help="views as graphed passes read them (whole buffers)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--out", type=Path, default=Path("results/attention_tree_cpu.json"))
     args = parser.parse_args(argv)
-    if min(args.keys) <= max(args.nodes) + 1:
-        parser.error(f"--keys must exceed the largest tree's pass ({max(args.nodes) + 1} tokens)")
+    if not args.queries and not args.nodes:
+        parser.error("name at least one pass: --queries T or --nodes N")
+    widest = max([*args.queries, *(nodes + 1 for nodes in args.nodes)])
+    if min(args.keys) <= widest:
+        parser.error(f"--keys must exceed the widest pass ({widest} tokens)")
     return args
 
 
-def tree_pass(num_keys: int, nodes: int, device: torch.device) -> tuple[torch.Tensor, AttentionView]:
-    """Random query [1, H, N + 1, D] and the view of a verification pass over a tree of ``nodes``."""
-    generator = torch.Generator().manual_seed(num_keys + nodes)
-    query = torch.randn(1, HEADS, nodes + 1, HEAD_DIM, generator=generator)
-    keys, values = torch.randn(2, 1, KV_HEADS, num_keys, HEAD_DIM, generator=generator)
+def pass_view(num_keys: int, num_queries: int, tree: TokenTree | None, static: bool,
+              device: torch.device) -> tuple[torch.Tensor, AttentionView]:
+    """Random query [1, H, T, D] and the view of a pass whose T tokens are the last of ``num_keys``:
+    causal among themselves, or the root and the nodes of ``tree``."""
+    generator = torch.Generator().manual_seed(num_keys + num_queries)
+    buffer = -(-num_keys // SLOT_ALIGNMENT) * SLOT_ALIGNMENT if static else num_keys
+    query = torch.randn(1, HEADS, num_queries, HEAD_DIM, generator=generator)
+    keys, values = torch.randn(2, 1, KV_HEADS, buffer, HEAD_DIM, generator=generator)
     query, keys, values = (x.to(device=device, dtype=torch.bfloat16) for x in (query, keys, values))
-    ancestry = TokenTree.best_first(RANK_ACCEPTANCE, nodes, depth=6).ancestry.to(device)  # [N, N]
-    slots = torch.arange(num_keys - nodes - 1, num_keys, device=device)  # [N + 1] the root, the nodes
-    mask = tree_mask(slots, num_keys, ancestry, torch.bfloat16)  # [N + 1, S]
-    return query, AttentionView(keys, values, mask, masked_tail=nodes + 1)
+    slots = torch.arange(num_keys - num_queries, num_keys, device=device)  # [T]
+    if tree is not None:
+        mask = tree_mask(slots, buffer, tree.ancestry.to(device), torch.bfloat16)  # [T, S]
+        return query, AttentionView(keys, values, mask, static=static, masked_tail=0 if static else num_queries)
+    if static:
+        valid = torch.tensor([num_keys], dtype=torch.int32, device=device)
+        return query, AttentionView(keys, values, causal_mask(slots, buffer, torch.bfloat16), static=True,
+                                    valid_lengths=valid)
+    return query, AttentionView(keys, values, None, causal=num_queries > 1)
 
 
 def reference(query: torch.Tensor, view: AttentionView, scale: float) -> torch.Tensor:
-    """float64 attention [1, H, T, D] under the view's whole mask."""
+    """float64 attention [1, H, T, D] under the view's whole mask (a causal view's built here)."""
     group = HEADS // KV_HEADS
     keys, values = (x.double().repeat_interleave(group, 1) for x in (view.keys, view.values))  # [1, H, S, D]
-    scores = query.double() @ keys.transpose(-1, -2) * scale + view.mask.double()  # [1, H, T, S]
+    num_queries, num_keys = query.shape[2], keys.shape[2]
+    mask = view.mask
+    if mask is None:
+        mask = causal_mask(torch.arange(num_keys - num_queries, num_keys, device=query.device), num_keys, torch.float64)
+    scores = query.double() @ keys.transpose(-1, -2) * scale + mask.double()  # [1, H, T, S]
     return scores.softmax(-1) @ values
 
 
@@ -79,26 +105,45 @@ def kernels_for(device: torch.device) -> dict[str, attention.AttentionKernel]:
     return runnable | {"grouped_sdpa": attention._grouped_sdpa}
 
 
+def passes(args: argparse.Namespace) -> list[tuple[str, int, TokenTree | None]]:
+    """(name, queries, tree or None) of every pass the arguments name."""
+    causal = [(f"{queries} causal", queries, None) for queries in args.queries]
+    trees = [(f"tree {nodes}", nodes + 1, TokenTree.best_first(RANK_ACCEPTANCE, nodes, depth=6)) for nodes in args.nodes]
+    return causal + trees
+
+
+def timed(kernel: attention.AttentionKernel, query: torch.Tensor, view: AttentionView, scale: float,
+          repeats: int, device: torch.device) -> tuple[float, torch.Tensor]:
+    """Median seconds of one call (on CUDA a replay of it captured as a graph) and its output."""
+    def call() -> torch.Tensor:
+        return kernel(query, view, scale)
+
+    run = cuda_graph(call) if device.type == "cuda" else call
+    return median_seconds(run, repeats, device), run()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device, scale = torch.device(args.device), HEAD_DIM**-0.5
     kernels = kernels_for(device)
-    print("| keys | tree nodes | " + " | ".join(f"{name} ms (max error)" for name in kernels) + " |")
-    print("|---:|---:|" + "---:|" * len(kernels))
+    print("| keys | pass | " + " | ".join(f"{name} ms (max error)" for name in kernels) + " |")
+    print("|---:|---|" + "---:|" * len(kernels))
     rows = []
     for num_keys in args.keys:
-        for nodes in args.nodes:
-            query, view = tree_pass(num_keys, nodes, device)
+        for name, num_queries, tree in passes(args):
+            query, view = pass_view(num_keys, num_queries, tree, args.static, device)
             expected = reference(query, view, scale)
-            row = {"keys": num_keys, "nodes": nodes, "ms": {}, "max_error": {}}
-            for name, kernel in kernels.items():
-                row["ms"][name] = 1e3 * median_seconds(lambda: kernel(query, view, scale), args.repeats, device)
-                row["max_error"][name] = (kernel(query, view, scale).double() - expected).abs().max().item()
+            row = {"keys": num_keys, "pass": name, "queries": num_queries, "nodes": len(tree) if tree else None,
+                   "kv_bytes": 2 * KV_HEADS * num_keys * HEAD_DIM * 2, "ms": {}, "max_error": {}}
+            for kernel_name, kernel in kernels.items():
+                seconds, out = timed(kernel, query, view, scale, args.repeats, device)
+                row["ms"][kernel_name] = 1e3 * seconds
+                row["max_error"][kernel_name] = (out.double() - expected).abs().max().item()
             rows.append(row)
-            print(f"| {num_keys} | {nodes} | " + " | ".join(
-                f"{row['ms'][name]:.2f} ({row['max_error'][name]:.1e})" for name in kernels) + " |", flush=True)
+            print(f"| {num_keys} | {name} | " + " | ".join(
+                f"{row['ms'][k]:.2f} ({row['max_error'][k]:.1e})" for k in kernels) + " |", flush=True)
     report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "threads": torch.get_num_threads(), "repeats": args.repeats, "rows": rows}
+              "threads": torch.get_num_threads(), "repeats": args.repeats, "static": args.static, "rows": rows}
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     return 0
 

@@ -55,7 +55,7 @@ from cache.chunk_scoring import Scoring
 from cache.full import FullCache
 from cache.retrieval import RetrievalCacheConfig
 from cache.streaming import StreamingCacheConfig
-from cascade.attention import resolve_kernels
+from cascade.attention import KERNELS, resolve_kernels
 from cascade.checkpoint import load_checkpoint, model_spec, yarn_scaling
 from cascade.costs import expected_speedup, expected_tokens
 from cascade.graphs import PassGraphs, cuda_graph
@@ -83,7 +83,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--kernels", choices=["compiled", "eager"], default="compiled",
                         help="short passes through the compiled kernels (as the runtime runs them) or eagerly")
-    parser.add_argument("--attention", choices=["auto", "cpu", "sdpa", "cuda", "flash"], default="auto")
+    parser.add_argument("--attention", choices=["auto", *KERNELS], default="auto")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-graphs", action="store_true", help="on CUDA, run every pass eagerly")
     parser.add_argument("--shape", choices=list(SHAPES), help="a random-weight model of this shape, not SmolLM2")

@@ -30,6 +30,7 @@ SHAPES = {  # name: (queries, keys, how the view is built)
     "static-verify": (5, 50, "static"),
     "tree-verify": (1 + len(TREE), 300, "tree"),
     "tree-level": (len(TREE.level(TREE_LEVEL)), 300, "tree-level"),
+    "static-tree-verify": (1 + len(TREE), 50, "static-tree"),
 }
 BUFFER_SLOTS = 64
 
@@ -38,14 +39,17 @@ def make_view(num_queries: int, num_keys: int, how: str, dtype: torch.dtype, dev
               buffer_slots: int = BUFFER_SLOTS):
     """Random query [1, H, T, D] and a view whose pass tokens are keys num_keys - T .. num_keys - 1."""
     generator = torch.Generator().manual_seed(num_queries * 1000 + num_keys)
-    size = buffer_slots if how == "static" else num_keys
+    size = buffer_slots if how.startswith("static") else num_keys
     query = torch.randn(1, HEADS, num_queries, HEAD_DIM, generator=generator)
     keys, values = torch.randn(2, 1, KV_HEADS, size, HEAD_DIM, generator=generator)
     query, keys, values = (x.to(device=device, dtype=dtype) for x in (query, keys, values))
     slots = torch.arange(num_keys - num_queries, num_keys, device=device)
     if how == "static":  # the whole buffer: slots past the pass hold stale values, hidden by the mask
         valid = torch.tensor([num_keys], dtype=torch.int32, device=device)
-        return query, AttentionView(keys, values, causal_mask(slots, size, dtype), valid_lengths=valid)
+        return query, AttentionView(keys, values, causal_mask(slots, size, dtype), static=True, valid_lengths=valid)
+    if how == "static-tree":  # the whole buffer under a tree's mask, with no valid length
+        mask = tree_mask(slots, size, TREE.tree_pass(torch.device(device)).ancestry, dtype)
+        return query, AttentionView(keys, values, mask, static=True)
     if how.startswith("tree"):  # the pass's last tokens are tree nodes, reading only their ancestors
         tree_pass = TREE.tree_pass(torch.device(device), TREE_LEVEL if how == "tree-level" else None)
         mask = tree_mask(slots, num_keys, tree_pass.ancestry, dtype)
@@ -68,7 +72,7 @@ def reference(query: torch.Tensor, view: AttentionView, scale: float) -> torch.T
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("family", ["cpu", "sdpa", "cuda"])  # cuda's products run on any device
+@pytest.mark.parametrize("family", ["cpu", "sdpa", "cuda", "flex"])  # cuda's products run on any device
 def test_kernel_families_match_the_reference(family, shape):
     query, view = make_view(*SHAPES[shape], torch.float32, "cpu")
     out = KERNELS[family](query, view, HEAD_DIM**-0.5)
@@ -119,6 +123,19 @@ def test_tree_passes_of_any_width_run_as_products_masking_only_the_tail(shape, f
     torch.testing.assert_close(out.double(), reference(query, view, HEAD_DIM**-0.5), rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize("shape,compiled", [
+    ("static-decode", 1), ("static-verify", 1), ("static-tree-verify", 1), ("verify", 0), ("tree-verify", 0),
+])
+def test_flex_compiles_flex_attention_for_static_views_only(shape, compiled, monkeypatch):
+    """Static views (the graphed passes, their shapes fixed) take the compiled FlexAttention;
+    dynamic ones, whose key count moves every pass, would compile anew each time and take the
+    device's products instead."""
+    query, view = make_view(*SHAPES[shape], torch.float32, "cpu")
+    taken = recorded_calls(monkeypatch, "_compiled_flex_under_mask")
+    KERNELS["flex"](query, view, HEAD_DIM**-0.5)
+    assert len(taken) == compiled
+
+
 def test_blocks_are_the_largest_aligned_divisor_up_to_the_split():
     assert attention.block_size(4096) == 1024
     assert attention.block_size(120064) == 896  # 64 * 1876, 1876 = 4 * 7 * 67
@@ -132,6 +149,7 @@ def test_auto_picks_the_cpu_family_on_cpu_and_flash_explains_what_it_needs(tiny_
         resolve_kernels("flash", torch.device("cpu"))
     with pytest.raises(CascadeError, match="cuda needs a CUDA device; this run is on cpu"):
         resolve_kernels("cuda", torch.device("cpu"))
+    assert resolve_kernels("flex", torch.device("cpu")) == "flex"
     with pytest.raises(CascadeError, match="unknown kernels 'xformers'"):
         resolve_kernels("xformers", torch.device("cpu"))
     if not CUDA:
@@ -152,10 +170,11 @@ def test_flash_family_matches_the_reference_on_cuda(shape):
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_cuda_family_matches_the_reference_on_cuda(shape, dtype, tolerance):
+@pytest.mark.parametrize("family", ["cuda", "flex"])
+def test_cuda_and_flex_families_match_the_reference_on_cuda(family, shape, dtype, tolerance):
     assert resolve_kernels("auto", torch.device("cuda")) == ("flash" if FLASH_ATTN_INSTALLED else "cuda")
     query, view = make_view(*SHAPES[shape], dtype, "cuda")
-    out = KERNELS["cuda"](query, view, HEAD_DIM**-0.5)
+    out = KERNELS[family](query, view, HEAD_DIM**-0.5)
     torch.testing.assert_close(out.double(), reference(query, view, HEAD_DIM**-0.5), rtol=tolerance, atol=tolerance)
 
 

@@ -15,6 +15,7 @@ from cache import build_policy
 from cache.full import FullCacheConfig
 from cache.retrieval import RetrievalCacheConfig
 from cache.streaming import StreamingCacheConfig
+from cascade import attention
 from cascade.checkpoint import load_model
 from cascade.graphs import MAX_GRAPH_TOKENS, PassGraphs, cuda_graph
 from tests.conftest import make_checkpoint
@@ -118,15 +119,30 @@ def test_a_static_pass_compiles_once_per_shape_whatever_the_length(kind, fused_t
         assert not selecting and len(graphs.graphs) == len(set(PASSES))  # retrieval's one selection is eager
 
 
+@pytest.mark.parametrize("kind", ["full", "streaming", "retrieval-sparq-every-pass"])
+def test_flex_attention_traces_whole_inside_a_compiled_pass(kind, tiny_model, monkeypatch):
+    """Under ``attention: flex`` a static pass captured whole (fullgraph) traces FlexAttention with
+    the rest of the pass: no graph break, one compile per shape, the dynamic passes' logits."""
+    counter = CompileCounter()
+    dynamic, _ = run_passes(tiny_model, kind)
+    monkeypatch.setattr(tiny_model, "attention", "flex")
+    compiled, graphs = run_passes(tiny_model, kind, compiled_capture(counter))
+    for expected, got in zip(dynamic, compiled, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert counter.frame_count == len(graphs.graphs)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("attention_family", ["auto", "flex"])
 @pytest.mark.parametrize("fused_tokens", [0, MAX_GRAPH_TOKENS], ids=["eager", "fused"])
 @pytest.mark.parametrize("kind", list(CONFIGS))
-def test_cuda_graph_replays_compute_what_dynamic_passes_do(kind, fused_tokens, tiny_checkpoint):
-    """Replays against eager dynamic passes, with the graphed passes eager or as Triton kernels."""
+def test_cuda_graph_replays_compute_what_dynamic_passes_do(kind, fused_tokens, attention_family, tiny_checkpoint):
+    """Replays against eager dynamic passes, with the graphed passes eager or as Triton kernels,
+    their attention the device's default or FlexAttention's."""
     model = load_model(tiny_checkpoint, torch.float32, torch.device("cuda"))
     dynamic, _ = run_passes(model, kind)
-    model.fused_tokens = fused_tokens
+    model.fused_tokens, model.attention = fused_tokens, attention_family
     replayed, _ = run_passes(model, kind, cuda_graph)
     for expected, got in zip(dynamic, replayed, strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
@@ -203,6 +219,27 @@ def test_graphed_self_spec_reselecting_replays_its_selections(selection, tiny_di
     proposer = pipeline.stages[0]
     assert proposer.cache.selections > 5 and any(key[2] is not None for key in proposer.graphs.graphs)
     assert counter.frame_count == sum(len(stage.graphs.graphs) for stage in pipeline.stages)
+
+
+def test_graphed_self_spec_through_flex_attention_equals_autoregressive(tiny_dir, tiny_draft_dir, monkeypatch):
+    """With ``attention: flex`` every static pass of both stages reads its cache through a
+    FlexAttention kernel compiled for its shape (run as a CUDA graph's warm-up runs it), and
+    greedy output stays autoregressive's."""
+    autoregressive = runtime_for("autoregressive", tiny_dir, tiny_draft_dir, kernels="eager")
+    overrides = [*SMALL_CACHES["self-spec"], "stages.0.schedule=fixed", "stages.0.gamma=3"]
+    runtime = runtime_for("self-spec", tiny_dir, tiny_draft_dir, overrides, kernels="eager", attention="flex")
+    runtime.capture = eager_capture
+    compiled, shapes = attention._compiled_flex_under_mask, set()
+
+    def recording(query, keys, values, mask, scale):
+        shapes.add((query.shape[2], keys.shape[2]))
+        return compiled(query, keys, values, mask, scale)
+
+    monkeypatch.setattr(attention, "_compiled_flex_under_mask", recording)
+    pipeline = runtime.pipeline_for(len(PROMPT), 24)
+    assert generate(runtime, PROMPT, 24, pipeline=pipeline).token_ids == generate(autoregressive, PROMPT, 24).token_ids
+    graphed = {(key[0], stage.cache.keys.shape[3]) for stage in pipeline.stages for key in stage.graphs.graphs}
+    assert shapes == graphed and len({keys for _, keys in shapes}) == 2  # the retrieval and the full cache
 
 
 def test_rounds_that_capture_a_graph_are_not_timed(tiny_dir, tiny_draft_dir):

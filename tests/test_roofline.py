@@ -156,16 +156,20 @@ def test_acceptances_must_match_the_contexts_and_scorings():
     assert result.returncode == 2 and "--tree and --tree-accepted go together" in result.stderr
 
 
-def test_attention_bench_times_every_runnable_kernel_on_a_tree_pass_and_checks_it(tmp_path):
+@pytest.mark.parametrize("static", [False, True], ids=["eager-views", "static-views"])
+def test_attention_bench_times_every_runnable_kernel_on_each_pass_and_checks_it(static, tmp_path):
     out = tmp_path / "attention.json"
-    command = [sys.executable, "scripts/attention_bench.py", "--keys", "300", "--nodes", "7", "20", "--repeats", "1",
-               "--out", str(out)]
+    command = [sys.executable, "scripts/attention_bench.py", "--keys", "300", "--queries", "1", "7", "--nodes", "20",
+               "--repeats", "1", "--out", str(out), *(["--static"] if static else [])]
     printed = subprocess.run(command, capture_output=True, text=True, check=True).stdout
     report = json.loads(out.read_text())
-    assert [(row["keys"], row["nodes"]) for row in report["rows"]] == [(300, 7), (300, 20)]
+    assert report["static"] is static
+    assert [(row["pass"], row["queries"]) for row in report["rows"]] == [("1 causal", 1), ("7 causal", 7), ("tree 20", 21)]
     for row in report["rows"]:
-        assert set(row["ms"]) == set(row["max_error"]) == {"cpu", "sdpa", "grouped_sdpa"}  # what runs on CPU
+        assert set(row["ms"]) == set(row["max_error"]) == {"cpu", "sdpa", "flex", "grouped_sdpa"}  # what runs on CPU
         assert all(ms > 0 for ms in row["ms"].values()) and max(row["max_error"].values()) < 2e-2  # bf16 vs float64
-    assert printed.count("\n| 300 |") == 2
+    assert printed.count("\n| 300 |") == 3
     refused = subprocess.run([*command[:2], "--keys", "20", "--nodes", "31"], capture_output=True, text=True)
-    assert refused.returncode == 2 and "--keys must exceed the largest tree's pass (32 tokens)" in refused.stderr
+    assert refused.returncode == 2 and "--keys must exceed the widest pass (32 tokens)" in refused.stderr
+    nothing = subprocess.run([*command[:2], "--nodes"], capture_output=True, text=True)
+    assert nothing.returncode == 2 and "name at least one pass" in nothing.stderr
