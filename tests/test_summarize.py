@@ -81,6 +81,45 @@ def test_a_torn_last_line_is_removed_and_done_ids_follow_the_config_hash(tmp_pat
     assert log.done("h1") == {"a", "c"}
 
 
+NOT_A_LOG = ' is not a result log: line 1 is not a JSON object with an "id"; give another --output'
+RECORD = json.dumps({"id": "a", "summary": "s", "stats": {"config_hash": "h1"}})
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"line one\nline two", NOT_A_LOG),  # a last line without newline: never cut unless the file is a log
+    (b'{"settings": 1}', " is not a result log: line 1 has no newline at its end and is not a record cut short"),
+    (f"{RECORD}\n{RECORD[:20]}\n{RECORD}\n".encode(),
+     ':2 is not a JSON object with an "id", so the result log is damaged; fix or delete that line, or give'),
+    (f"{RECORD}\n\0\0\0\n{RECORD}\n{RECORD[:20]}".encode(), ':2 is not a JSON object with an "id"'),
+])
+def test_a_file_that_is_not_an_intact_result_log_is_refused_as_it_is(tmp_path, capsys, content, message):
+    output = tmp_path / "notes.txt"
+    output.write_bytes(content)
+    assert summarize_main([str(tmp_path / "nope.txt"), "--output", str(output), "--preset", "autoregressive"]) == 2
+    assert f"error: {output}{message}" in capsys.readouterr().err
+    assert output.read_bytes() == content
+
+
+def test_a_record_with_unicode_line_separators_reads_back_whole(tmp_path):
+    log = ResultLog(tmp_path / "out.jsonl")
+    record = {"id": "a", "summary": "one\u2028two\x85three", "stats": {"config_hash": "h1"}}
+    log.append(record)
+    assert ResultLog(log.path).records() == [record]
+
+
+def test_an_output_that_cannot_be_appended_to_is_refused_before_any_model_loads(tmp_path, capsys, monkeypatch):
+    document = tmp_path / "a.txt"
+    document.write_text("The cat sat on the mat.")
+    monkeypatch.setattr("cascade.summarize.local.summarizer_for", lambda job: pytest.fail("a model was loaded"))
+    outputs = {tmp_path: "is a directory; give a file path",
+               document / "out.jsonl": f"cannot create the folder {document} for {document / 'out.jsonl'}"}
+    if Path("/proc/self").is_dir():
+        outputs[Path("/proc/out.jsonl")] = "cannot append to /proc/out.jsonl: No such file or directory"
+    for output, message in outputs.items():
+        assert summarize_main([str(document), "--output", str(output), "--preset", "autoregressive"]) == 2
+        assert message in capsys.readouterr().err
+
+
 # ---- jobs ---------------------------------------------------------------------------------------
 
 
@@ -120,7 +159,23 @@ def test_a_template_without_the_placeholder_is_refused(tiny_dir, tmp_path, capsy
     assert "must contain {document} exactly once (found 0)" in capsys.readouterr().err
 
 
-def test_a_job_killed_mid_document_resumes_with_every_document_exactly_once(tiny_dir, tmp_path):
+def test_zero_new_tokens_reaches_the_config_check(tiny_dir, tmp_path, capsys):
+    settings = [*tiny_settings(tiny_dir), "--max-new-tokens", "0"]  # the last --max-new-tokens counts
+    assert summarize_main([str(tmp_path), "--output", str(tmp_path / "o.jsonl"), *settings]) == 2
+    assert "max_new_tokens: Input should be greater than or equal to 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("workers, message", [
+    ("0", "must be at least 1, not 0"), ("-1", "must be at least 1, not -1"), ("two", "'two' is not a whole number"),
+])
+def test_fewer_than_one_ray_worker_is_refused(tmp_path, capsys, workers, message):
+    with pytest.raises(SystemExit) as exit_info:
+        summarize_main([str(tmp_path), "--output", str(tmp_path / "o.jsonl"), "--backend", "ray", "--workers", workers])
+    assert exit_info.value.code == 2 and f"argument --workers: {message}" in capsys.readouterr().err
+
+
+def start_six_documents(tiny_dir: Path, tmp_path: Path, **popen) -> tuple[list[str], Path, Path, subprocess.Popen]:
+    """Six documents being summarized in a subprocess that has just finished its first one."""
     folder = tmp_path / "docs"
     folder.mkdir()
     for index in range(6):
@@ -128,10 +183,31 @@ def test_a_job_killed_mid_document_resumes_with_every_document_exactly_once(tiny
     output = tmp_path / "out.jsonl"
     command = [sys.executable, "-m", "cascade.summarize", str(folder), "--output", str(output),
                *tiny_settings(tiny_dir, max_new=48)]
-    job = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    job = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, **popen)
     deadline = time.monotonic() + 120
     while (not output.exists() or not output.read_text().count("\n")) and time.monotonic() < deadline:
         time.sleep(0.05)
+    return command, folder, output, job
+
+
+def test_a_job_interrupted_by_ctrl_c_says_how_to_resume_and_keeps_every_line(tiny_dir, tmp_path):
+    sigint_as_from_a_terminal = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # even if pytest's is ignored
+    command, folder, output, job = start_six_documents(tiny_dir, tmp_path, stderr=subprocess.PIPE, text=True,
+                                                       preexec_fn=sigint_as_from_a_terminal)
+    job.send_signal(signal.SIGINT)
+    stderr = job.communicate(timeout=60)[1]
+    finished = output.read_text().count("\n")
+    assert job.returncode == 130 and "Traceback" not in stderr
+    assert stderr.rstrip().endswith(f"cascade.summarize: interrupted; {finished} documents are in {output}, "
+                                    "rerun the same command to resume")
+    assert 1 <= finished < 6 and output.read_text().endswith("\n")
+
+    assert subprocess.run(command, cwd=REPO, capture_output=True).returncode == 0
+    assert ids_in(output) == Counter({str(folder / f"doc{index}.txt"): 1 for index in range(6)})
+
+
+def test_a_job_killed_mid_document_resumes_with_every_document_exactly_once(tiny_dir, tmp_path):
+    command, folder, output, job = start_six_documents(tiny_dir, tmp_path, stderr=subprocess.DEVNULL)
     os.kill(job.pid, signal.SIGKILL)
     job.wait()
     finished_before = output.read_text().count("\n")

@@ -30,16 +30,35 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, help="summary length limit (default: the config's)")
     parser.add_argument("--template", type=Path, help="prompt template file with one {document} placeholder")
     parser.add_argument("--backend", choices=["local", "ray"], default="local")
-    parser.add_argument("--workers", type=int, default=2, help="ray: summarizing workers")
+    parser.add_argument("--workers", type=positive_int, default=2, help="ray: summarizing workers")
     parser.add_argument("--ray-address", help="ray: an existing cluster (default: start one on this machine)")
     parser.add_argument("--quiet", action="store_true", help="log lines instead of a progress bar")
     return parser.parse_args(argv)
 
 
+def positive_int(text: str) -> int:
+    """argparse type for a count of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def lines_in(path: Path) -> int:
+    """Finished lines in ``path`` (0 if it cannot be read)."""
+    try:
+        return path.read_bytes().count(b"\n")
+    except OSError:
+        return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        settings = {"max_new_tokens": args.max_new_tokens} if args.max_new_tokens else {}
+        settings = {"max_new_tokens": args.max_new_tokens} if args.max_new_tokens is not None else {}
         _, config = load_config(args.preset, args.config, args.set, settings)
         job = Job(tuple(args.inputs), args.output, config, read_template(args.template), args.quiet)
         if args.backend == "ray":
@@ -53,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     except CascadeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"\ncascade.summarize: interrupted; {lines_in(args.output)} documents are in {args.output}, "
+              "rerun the same command to resume", file=sys.stderr)
+        return 130
     print(f"cascade.summarize: {outcome.summarized} summarized, {outcome.failed} failed, "
           f"{outcome.skipped} already done -> {args.output}", file=sys.stderr)
     return 1 if outcome.failed else 0

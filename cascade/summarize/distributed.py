@@ -74,19 +74,19 @@ def import_ray():
 def run_ray(job: Job, workers: int, address: str | None = None,
             make_summarizer: Callable[[Job], Summarizer] = summarizer_for) -> Outcome:
     ray = import_ray()
+    log = ResultLog(job.output)  # a bad output is refused before Ray starts
     started_here = not ray.is_initialized()
     if started_here:
         ray.init(address=address, num_cpus=None if address else workers, include_dashboard=False,
                  log_to_driver=not job.quiet)
     try:
-        return drive(ray, job, workers, make_summarizer)
+        return drive(ray, job, log, workers, make_summarizer)
     finally:
         if started_here:
             ray.shutdown()
 
 
-def drive(ray, job: Job, workers: int, make_summarizer: Callable[[Job], Summarizer]) -> Outcome:
-    log = ResultLog(job.output)
+def drive(ray, job: Job, log: ResultLog, workers: int, make_summarizer: Callable[[Job], Summarizer]) -> Outcome:
     shard_dir = job.output.with_name(job.output.name + ".shards")
     merge_shards(shard_dir, log)
     pending, skipped = pending_documents(job, log)
