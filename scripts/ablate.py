@@ -41,6 +41,8 @@ def main() -> int:
     parser.add_argument("--prompt-cache", type=prompt_cache_option, default=str(prompt_cache_dir()),
                         help="where prefilled prompts are stored and reused (default: %(default)s); 'none'")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1 (measured generations per run); got {args.repeats}")
     grid_path = GRIDS / "quick.yaml" if args.quick else args.grid
     out = args.out or Path("results") / ("ablation-quick" if args.quick else "ablation")
     try:

@@ -34,6 +34,7 @@ from pathlib import Path
 from cache.config import budget_for
 from cascade.checkpoint import yarn_scaling
 from cascade.data import DOCUMENT_NAMES, document_ids
+from cascade.errors import CascadeError
 from cascade.home import prompt_cache_dir, prompt_cache_option
 from cascade.models import default_model
 from cascade.runtime import build_runtime
@@ -64,16 +65,30 @@ def measure(args, target: Path, prompt: list[int], policy: str, budget: int) -> 
 
 def finished_rows(out: Path, args: argparse.Namespace) -> list[dict]:
     """Rows an earlier run with the same document, gamma, schedule, length and dtype wrote to
-    ``out``; a file measured with other settings is not overwritten."""
+    ``out``; a file measured with other settings, or not this script's report, is not overwritten."""
     if not out.exists():
         return []
-    earlier = json.loads(out.read_text())
+    earlier = earlier_report(out)
     same = ("document", "gamma", "schedule", "new_tokens", "dtype", "tree", "tree_ranks", "tree_dynamic")
     differ = [f"{key}: {earlier['settings'].get(key)}" for key in same
               if earlier["settings"].get(key) != getattr(args, key)]
     if differ:
-        raise SystemExit(f"{out} holds rows measured with other settings ({', '.join(differ)}); give another --out")
+        raise CascadeError(f"{out} holds rows measured with other settings ({', '.join(differ)}); give another --out")
     return earlier["rows"]
+
+
+def earlier_report(out: Path) -> dict:
+    """The report an earlier run wrote to ``out``: its settings and rows."""
+    try:
+        report = json.loads(out.read_text())
+    except (OSError, ValueError) as exc:
+        raise CascadeError(f"cannot read {out} to continue its rows ({exc}); give another --out, or move the "
+                           "file away to start over") from None
+    if not (isinstance(report, dict) and isinstance(report.get("settings"), dict)
+            and isinstance(report.get("rows"), list)):
+        raise CascadeError(f"{out} is not a report of this script (settings and rows); give another --out, or "
+                           "move the file away to start over")
+    return report
 
 
 def tables(rows: list[dict]) -> str:
@@ -96,7 +111,11 @@ def tables(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def main(argv: list[str] | None = None) -> int:
+RANGES = {"gamma": (1, 64), "new_tokens": (1, 1_000_000), "tree": (0, 63)}
+"""Each option's allowed values, as the config allows them (configs/schema.py); --tree 0: no trees."""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python scripts/acceptance.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[8000, 16000])
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.01, 0.03, 0.05, 0.10])
@@ -119,6 +138,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-cache", type=prompt_cache_option, default=str(prompt_cache_dir()),
                         help="where prefilled prompts are stored and reused (default: %(default)s); 'none'")
     args = parser.parse_args(argv)
+    for option, (least, most) in RANGES.items():
+        value = getattr(args, option)
+        if not least <= value <= most:
+            parser.error(f"--{option.replace('_', '-')} must be from {least} to {most}; got {value}")
+    if min(args.contexts) < 1:
+        parser.error(f"--contexts are prompt lengths in tokens, each >= 1; got {args.contexts}")
+    if not all(0 < fraction <= 1 for fraction in args.budgets):
+        parser.error(f"--budgets are shares of the prompt in (0, 1]; got {args.budgets}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        rows = sweep(args)
+    except CascadeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(tables(rows))
+    return 0
+
+
+def sweep(args: argparse.Namespace) -> list[dict]:
+    """Measure every (context, budget, policy) cell ``--out`` lacks, rewriting it after each -> all its rows."""
     rows = finished_rows(args.out, args)
     done = {(row["context"], row["budget_fraction"], row["policy"]) for row in rows}
     target = default_model("target", log=lambda message: print(message, file=sys.stderr))
@@ -140,8 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.out.parent.mkdir(parents=True, exist_ok=True)
                 args.out.write_text(json.dumps({"settings": vars(args) | {"out": str(args.out)}, "rows": rows},
                                                indent=2) + "\n")
-    print(tables(rows))
-    return 0
+    return rows
 
 
 if __name__ == "__main__":

@@ -74,8 +74,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--store-only", action="store_true", help=argparse.SUPPRESS)  # 2 tokens: store the prompt
     parser.add_argument("--prompt-file", help=argparse.SUPPRESS)  # a transformers case continues from it
     args = parser.parse_args(argv)
-    if args.new_tokens < 2 or args.repeats < 1 or min(args.contexts) < 1:
-        parser.error("--new-tokens must be >= 2, --repeats >= 1 and every context >= 1")
+    least_allowed = {"--new-tokens": (args.new_tokens, 2), "--repeats": (args.repeats, 1),
+                     "--warmups": (args.warmups, 0), "--contexts": (min(args.contexts), 1)}
+    for flag, (value, least) in least_allowed.items():
+        if value < least:
+            parser.error(f"{flag} must be >= {least}; got {value}")
     return args
 
 

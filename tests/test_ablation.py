@@ -38,6 +38,15 @@ def test_a_bad_grid_says_what_is_wrong(tmp_path):
         make_run({"context": 5})
 
 
+def test_zero_repeats_are_refused_before_any_run(tmp_path):
+    command = [sys.executable, "scripts/ablate.py", "--repeats", "0", "--grid", str(tmp_path / "absent.yaml"),
+               "--out", str(tmp_path / "out")]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "--repeats must be >= 1 (measured generations per run); got 0" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_policy_and_budget_share_set_the_sparse_target_stage(smollm2_dir):
     assert (sparse_stage("self-spec"), sparse_stage("triforce")) == (0, 1)
     run = make_run({**BASE, "preset": "triforce", "policy": "h2o", "budget_share": 0.1, "stages.1.gamma": 3})

@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def test_bench_compares_overridden_presets_and_continues_transformers_from_stored_prompts(
         tmp_path, tiny_dir, tiny_draft_dir):
@@ -32,3 +34,15 @@ def test_bench_rejects_overrides_on_transformers():
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 2
     assert "expected one of autoregressive" in result.stderr
+
+
+@pytest.mark.parametrize("option, value, least", [("--warmups", "-1", 0), ("--repeats", "0", 1),
+                                                  ("--new-tokens", "1", 2), ("--contexts", "0", 1)])
+def test_bench_refuses_counts_below_their_least(tmp_path, option, value, least):
+    out = tmp_path / "bench.json"
+    command = [sys.executable, "scripts/bench.py", "--impls", "autoregressive", "--target", str(tmp_path / "absent"),
+               option, value, "--out", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"{option} must be >= {least}; got {value}" in result.stderr
+    assert not out.exists()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import zipfile
 
 import pytest
@@ -73,7 +74,8 @@ def test_a_shipped_model_is_installed_with_its_tokenizer_models_tokenizer(home, 
     monkeypatch.setattr(fetching, "SHIPPED_DIR", shipped)
     target_dir = home / "models" / ENTRY.name  # an installed target: manifest and tokenizer files
     target_dir.mkdir(parents=True)
-    (target_dir / fetching.MANIFEST).write_text('{"name": "%s", "role": "target"}' % ENTRY.name)
+    (target_dir / fetching.MANIFEST).write_text(
+        '{"name": "%s", "role": "target", "parameters": 0, "context_length": 1}' % ENTRY.name)
     (target_dir / "tokenizer.json").write_text('{"tokenizer": "of the target"}')
 
     path = fetching.fetch(draft, log=lambda message: None)
@@ -91,3 +93,13 @@ def test_a_shipped_model_missing_from_the_package_is_reported(home, tmp_path, mo
     with pytest.raises(fetching.CascadeError, match="lacks the shipped weights .*reinstall"):
         fetching.fetch(DEFAULTS["draft"], log=lambda message: None)
     assert installed_path(DEFAULTS["draft"]) is None
+
+
+@pytest.mark.parametrize("text, why", [("[]", "not a JSON object"),
+                                       ('{"name": "smollm2-135m-instruct"}', "it lacks role, parameters, context_length")])
+def test_a_manifest_without_what_the_listing_shows_is_named(home, text, why):
+    manifest = home / "models" / ENTRY.name / fetching.MANIFEST
+    manifest.parent.mkdir(parents=True)
+    manifest.write_text(text)
+    with pytest.raises(fetching.CascadeError, match=re.escape(f"manifest {manifest} is unreadable ({why}); delete ")):
+        installed_models()
