@@ -42,6 +42,7 @@ from cache.config import CachePolicyConfig
 from cache.full import FullCache
 from cache.registry import register_policy
 from cache.slots import SlotCache
+from cascade.errors import CascadeError
 
 
 class EveryRefresh(BaseModel):
@@ -111,8 +112,9 @@ class RetrievalCache(SlotCache):
         if not isinstance(source, FullCache):
             raise ValueError("the retrieval cache reads the prompt from a full cache of the same model")
         if config.scoring == "sparq" and config.query_dims > layout.head_dim:
-            raise ValueError(f"query_dims ({config.query_dims}) must be at most the model's head_dim "
-                             f"({layout.head_dim}) for sparq scoring")
+            raise CascadeError(f"retrieval cache: query_dims ({config.query_dims}) must be at most the model's "
+                               f"head_dim ({layout.head_dim}) for sparq scoring; set query_dims to "
+                               f"{layout.head_dim} or less")
         super().__init__(layout, config.budget + layout.capacity - source.committed, source)
         self.config = config
         self._prompts_taken = 0

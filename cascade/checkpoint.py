@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoTokenizer, PreTrainedConfig, PreTrainedTokenizerBase
 
 from cascade.errors import CascadeError
@@ -84,7 +84,7 @@ def load_checkpoint(
     model = build_model(path, config, dtype, device)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-    except (ValueError, OSError) as exc:
+    except Exception as exc:  # the tokenizers library raises bare Exceptions for malformed files
         raise CascadeError(f"{path} has no usable tokenizer: {str(exc).splitlines()[0]}") from None
     return LoadedModel(path, model, tokenizer, eos_token_ids(path, config))
 
@@ -102,7 +102,10 @@ def build_model(path: Path, config: PreTrainedConfig, dtype: torch.dtype, device
     rotary = Rotary(*rope_frequencies(config), device=device)
     with torch.device("meta"):
         model = CausalLM(spec, rotary)
-    model.load_state_dict(fuse_projections(weights, spec), assign=True, strict=True)
+    try:
+        model.load_state_dict(fuse_projections(weights, spec), assign=True, strict=True)
+    except (KeyError, RuntimeError) as exc:  # a tensor missing, or shaped unlike the config says
+        raise CascadeError(f"{path}: its weights do not match its config.json ({first_problem(exc)})") from None
     if spec.tied_embeddings:
         model.lm_head.weight = model.embed_tokens.weight  # tie before .to() so it stays tied
     return model.to(device=device, dtype=dtype).eval()
@@ -114,9 +117,20 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
         raise CascadeError(f"{path} has no *.safetensors weights (other formats are not read)")
     weights: dict[str, torch.Tensor] = {}
     for file in files:
-        with safe_open(file, framework="pt") as handle:
-            weights.update({name: handle.get_tensor(name) for name in handle.keys()})
+        try:
+            with safe_open(file, framework="pt") as handle:
+                weights.update({name: handle.get_tensor(name) for name in handle.keys()})
+        except (SafetensorError, OSError) as exc:
+            raise CascadeError(f"cannot read weights {file}: {exc} (a partial download or copy? fetch it again)") from None
     return weights
+
+
+def first_problem(exc: KeyError | RuntimeError) -> str:
+    """The first specific line of a state-dict load's error: a missing tensor or a size mismatch."""
+    if isinstance(exc, KeyError):
+        return f"no tensor {exc.args[0]}"
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[1] if len(lines) > 1 else lines[0]
 
 
 def model_spec(config: PreTrainedConfig, weights: dict[str, torch.Tensor]) -> ModelSpec:

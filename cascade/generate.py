@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -107,15 +108,36 @@ def report(preset: str, config: PipelineConfig, prompt_ids, result, runtime: Run
     }
 
 
+def partial_json(path: Path) -> Path:
+    """The temporary file ``write_json`` writes before renaming it to ``path``."""
+    return path.with_name(f".{path.name}.partial-{os.getpid()}")
+
+
+def check_writable(path: Path) -> None:
+    """Fail before any work if ``write_json`` could not write ``path`` (a directory, a missing or
+    read-only folder, a file where a folder should be)."""
+    if path.is_dir():
+        raise CascadeError(f"cannot write {path}: it is a directory; give a file path for --json")
+    partial = partial_json(path)
+    try:
+        partial.touch()
+        partial.unlink()
+    except OSError as exc:
+        raise CascadeError(f"cannot write {path}: {exc.strerror}") from None
+
+
 def write_json(path: Path, data: dict[str, Any]) -> None:
-    """Write atomically: a reader never sees half a file, an old file survives a failed write."""
-    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    """Write atomically: a reader never sees half a file, an old file survives a failed write.
+    If the write fails the report goes to stdout, so a finished generation is never lost."""
+    partial = partial_json(path)
     try:
         partial.write_text(json.dumps(data, indent=2) + "\n")
         partial.replace(path)
     except OSError as exc:
-        partial.unlink(missing_ok=True)
-        raise CascadeError(f"cannot write {path}: {exc.strerror}") from None
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
+        print(json.dumps(data, indent=2))
+        raise CascadeError(f"cannot write {path}: {exc.strerror}; the report is on stdout instead") from None
 
 
 def print_stats(stats: dict[str, Any]) -> None:
@@ -149,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         print(describe_policies())
         return 0
     try:
+        if args.json:
+            check_writable(args.json)
         output = run(args)
         if args.json:
             write_json(args.json, output)

@@ -7,14 +7,16 @@ hashes everything that decides those numbers: the checkpoint's files, dtype, rop
 device type, prefill chunk, the fused-pass setting, the attention kernel family and the
 model code itself, so a loaded prompt is what prefilling it would compute. Files are written to a
 temporary name and renamed (an interrupted write leaves nothing behind); after each write the least
-recently used files beyond ``max_gb`` are deleted; a file that cannot be read is reported, deleted
-and recomputed.
+recently used files beyond ``max_gb`` are deleted (only files named as this cache names them: the
+directory may hold anything else); a file that cannot be read is reported, deleted and recomputed.
+A directory that cannot be written is reported and the prompt computed as without a cache.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +32,9 @@ from cascade import attention, checkpoint, fused, model, rope
 MODEL_CODE = (model, attention, rope, fused, checkpoint, full, slots)
 """Modules whose source decides a prefill's numbers: editing them invalidates stored prompts."""
 
+
+STORED_NAME = re.compile(r"[0-9a-f]{64}\.safetensors")
+"""A stored prompt's file name: the digest of ``PromptCache.path``. Eviction touches nothing else."""
 
 KV_NAMES = ("keys", "values")
 """A stored layer's tensors are named ``keys.{layer}`` and ``values.{layer}``."""
@@ -101,20 +106,22 @@ class PromptCache:
             for name, buffer in zip(KV_NAMES, (cache.keys, cache.values), strict=True):
                 tensors[f"{name}.{layer}"] = buffer[layer, :, :, :length].contiguous()  # [1, H_kv, T, D]
         path = self.path(prompt_ids, chunk)
-        self.directory.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.partial")
         try:
+            self.directory.mkdir(parents=True, exist_ok=True)
             save_file(tensors, partial)
             partial.replace(path)
         except OSError as exc:
-            partial.unlink(missing_ok=True)
-            self.log(f"prompt cache: could not store {path.name} in {self.directory}: {exc.strerror}")
+            if self.directory.is_dir():
+                partial.unlink(missing_ok=True)
+            self.log(f"prompt cache: could not store {path.name} in {self.directory}: {exc.strerror or exc}")
             return
         self._evict(keep=path)
 
     def _evict(self, keep: Path) -> None:
         """Delete the least recently used stored prompts until the rest fit in ``max_bytes``."""
-        stored = sorted(self.directory.glob("*.safetensors"), key=lambda p: p.stat().st_mtime, reverse=True)
+        stored = [path for path in self.directory.iterdir() if STORED_NAME.fullmatch(path.name)]
+        stored.sort(key=lambda p: p.stat().st_mtime, reverse=True)
         total = 0
         for path in stored:
             total += path.stat().st_size

@@ -12,7 +12,7 @@ import torch
 
 from cache.full import FullCache
 from cascade.attention import resolve_kernels
-from cascade.checkpoint import LoadedModel, load_checkpoint
+from cascade.checkpoint import LoadedModel, load_checkpoint, stretch_factor
 from cascade.errors import CascadeError
 from cascade.graphs import MAX_GRAPH_TOKENS, Capture, cuda_graph
 from cascade.model import CausalLM
@@ -103,15 +103,24 @@ class Runtime:
                          f"prompt: {exc}")
                 continue
             kept.append(stage)
-        limit = self.context_limit()
-        if prompt_tokens + max_new_tokens > limit:
+        limit, total = self.context_limit(), prompt_tokens + max_new_tokens
+        if total > limit:
             raise CascadeError(
-                f"prompt ({prompt_tokens} tokens) + max-new-tokens ({max_new_tokens}) = "
-                f"{prompt_tokens + max_new_tokens} exceeds the context limit of {limit} tokens; "
-                "shorten the prompt, lower --max-new-tokens, or stretch the target's context with "
-                "--set target.rope_scaling.kind=yarn --set target.rope_scaling.factor=2"
+                f"prompt ({prompt_tokens} tokens) + max-new-tokens ({max_new_tokens}) = {total} exceeds the "
+                f"context limit of {limit} tokens; shorten the prompt, lower --max-new-tokens, or "
+                f"{self._room_for(total)}"
             )
         return self.config.model_copy(update={"stages": kept})
+
+    def _room_for(self, total: int) -> str:
+        """How to make the context limit hold ``total`` tokens: the setting that binds, raised."""
+        model_limit = self.target.model.spec.max_context
+        if total <= model_limit:
+            return f"raise --set max_context (now {self.config.max_context}) to at least {total}"
+        scaling = self.config.target.rope_scaling
+        factor = (scaling.factor if scaling else 1) * stretch_factor(total, model_limit)
+        return (f"stretch the target's context with --set target.rope_scaling.kind=yarn "
+                f"--set target.rope_scaling.factor={factor:g}")
 
     def pipeline_for(self, prompt_tokens: int, max_new_tokens: int) -> Pipeline:
         """Stages with caches sized for this request (checked against the context limit): the

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cache import POLICIES
 
@@ -33,13 +33,26 @@ class ModelConfig(Strict):
     """Override the checkpoint's rope scaling (e.g. YaRN to run SmolLM2 beyond 8K tokens)."""
 
 
+MIN_TEMPERATURE = 1e-4
+"""Smallest sampling temperature: below it sampling is greedy in effect, and logits divided by it
+overflow float32 (from about 1e-37), which no distribution survives."""
+
+
 class SamplingConfig(Strict):
     temperature: float = Field(0.0, ge=0.0, le=100.0)
-    """0 is greedy decoding; otherwise logits are divided by it before sampling."""
+    """0 is greedy decoding; otherwise logits are divided by it before sampling (at least 1e-4)."""
     top_k: int = Field(0, ge=0)
     """Keep only the k most likely tokens; 0 keeps all."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     """Keep the smallest set of tokens whose probability reaches top_p; 1.0 keeps all."""
+
+    @field_validator("temperature")
+    @classmethod
+    def _greedy_or_sampled(cls, temperature: float) -> float:
+        if 0.0 < temperature < MIN_TEMPERATURE:
+            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE} (below that, sampling is "
+                             f"greedy in effect and logits / temperature overflow float32); got {temperature}")
+        return temperature
 
 
 class TreeConfig(Strict):
@@ -124,7 +137,7 @@ class PipelineConfig(Strict):
     """Prompt tokens per prefill forward pass: bounds the attention working set of long prompts."""
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """Weights and KV dtype; auto picks bfloat16 on CUDA and on CPUs with AVX-512 BF16."""
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, le=2**64 - 1)
     """Seed of the sampling random generator."""
     kernels: Literal["compiled", "eager"] = "compiled"
     """compiled runs short passes through torch.compile'd kernels: on CPU one-token passes (decode

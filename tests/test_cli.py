@@ -12,6 +12,8 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from cascade.errors import CascadeError
+from cascade.generate import write_json
 from tests.conftest import make_checkpoint
 
 
@@ -75,13 +77,41 @@ def test_a_token_tree_run_reports_its_trees(tiny_dir, tmp_path):
         (["--set", "sampling.tempreature=1"], "sampling.tempreature: unknown setting; allowed here: temperature"),
         (["--temperature", "-1"], "sampling.temperature: Input should be greater than or equal to 0"),
         (["--top-p", "0"], "sampling.top_p: Input should be greater than 0"),
+        (["--temperature", "1e-40"], "sampling.temperature: Value error, must be 0 (greedy) or at least 0.0001"),
+        (["--seed", str(2**64)], "seed: Input should be less than or equal to 18446744073709551615"),
         (["--prompt", "   "], "the prompt is empty"),
-        (["--max-new-tokens", "600"], "exceeds the context limit of 512 tokens"),
+        (["--max-new-tokens", "600"], ("exceeds the context limit of 512 tokens; shorten the prompt, lower "
+                                       "--max-new-tokens, or stretch the target's context with --set "
+                                       "target.rope_scaling.kind=yarn --set target.rope_scaling.factor=2")),
+        (["--max-new-tokens", "1500"], "--set target.rope_scaling.factor=4"),
+        (["--max-new-tokens", "200", "--set", "max_context=100"], ("exceeds the context limit of 100 tokens; "
+                                                                   "shorten the prompt, lower --max-new-tokens, "
+                                                                   "or raise --set max_context (now 100) to at "
+                                                                   "least 2")),
         (["--prompt-file", "/nonexistent/prompt.txt"], "cannot read prompt file"),
     ],
 )
 def test_bad_input_gets_a_specific_error(tiny_dir, args, message):
     assert_fails_with(generate("--target", str(tiny_dir), *args), message)
+
+
+@pytest.mark.parametrize("where", ["directory", "below-a-file", "missing-folder"])
+def test_an_unwritable_json_path_fails_before_generating(tiny_dir, tmp_path, where):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("kept")
+    path = {"directory": tmp_path, "below-a-file": a_file / "out.json", "missing-folder": tmp_path / "no" / "o.json"}
+    result = generate("--target", str(tiny_dir), "--json", str(path[where]), "--verbose")
+    assert_fails_with(result, f"cannot write {path[where]}")
+    assert "tokens/s" not in result.stderr  # refused before loading and generating
+    assert a_file.read_text() == "kept" and sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+def test_a_report_that_cannot_be_written_goes_to_stdout(tmp_path, capsys):
+    """The path was writable when checked but is not when the generation ends: the report is not lost."""
+    report = {"text": "the generated text", "token_ids": [1, 2, 3]}
+    with pytest.raises(CascadeError, match="the report is on stdout instead"):
+        write_json(tmp_path / "removed-folder" / "out.json", report)
+    assert json.loads(capsys.readouterr().out) == report
 
 
 def test_undecodable_prompt_file(tiny_dir, tmp_path):
@@ -126,6 +156,18 @@ def test_models_list_and_idempotent_fetch(smollm2_dir):
     target = models["smollm2-135m-instruct"]
     assert target["role"] == "target" and Path(target["path"]) == smollm2_dir
     assert target["parameters"] == 134_515_008 and target["context_length"] == 8192
+
+
+def test_models_list_names_an_unreadable_manifest_and_how_to_reinstall(tmp_path):
+    manifest = tmp_path / "models" / "smollm2-135m-instruct" / "cascade.json"
+    manifest.parent.mkdir(parents=True)
+    manifest.write_text('{"name": "smollm2-135m-instruct", "ro')  # cut off mid-write
+    for listing in (["list"], ["list", "--json"]):
+        result = run("-m", "cascade.models", *listing, env={"CASCADE_HOME": str(tmp_path)})
+        assert_fails_with(result, f"the model manifest {manifest} is unreadable (not JSON: ")
+        assert f"delete {manifest.parent} and fetch it again with `python -m cascade.models fetch " \
+               "smollm2-135m-instruct`" in result.stderr
+    assert manifest.read_text() == '{"name": "smollm2-135m-instruct", "ro'
 
 
 def test_budget_larger_than_the_prompt_is_refused(tiny_dir, tmp_path):

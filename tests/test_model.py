@@ -6,12 +6,16 @@ Tolerance: float32 logits agree within 2e-4 absolute on tiny models (logit scale
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from cache.full import FullCache
 from cascade.checkpoint import load_model, stretch_factor
+from cascade.errors import CascadeError
 from tests.conftest import FAMILIES, make_checkpoint
 
 CPU = torch.device("cpu")
@@ -94,3 +98,21 @@ def test_stretch_factor_is_the_smallest_power_of_two_that_fits():
     assert stretch_factor(8193, 8192) == 2.0
     assert stretch_factor(32_064, 8192) == 4.0
     assert stretch_factor(64_064, 8192) == 8.0
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("vocab_size", "weights do not match its config.json (size mismatch for embed_tokens.weight"),
+    ("num_hidden_layers", "weights do not match its config.json (no tensor model.layers.2."),
+    ("truncated", "cannot read weights"),
+])
+def test_weights_that_do_not_match_the_config_are_refused_by_name(damage, message, tmp_path):
+    path = make_checkpoint(tmp_path / "llama", "llama-gqa-tied")
+    config = json.loads((path / "config.json").read_text())
+    if damage == "truncated":
+        weights = path / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:5000])
+    else:
+        config[damage] += 1
+        (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CascadeError, match=re.escape(message)):
+        load_model(path, torch.float32, torch.device("cpu"))

@@ -12,6 +12,7 @@ from cache.received_attention import received_attention
 from cache.retrieval import RetrievalCache, RetrievalCacheConfig
 from cache.streaming import StreamingCache, StreamingCacheConfig
 from cascade.checkpoint import load_model
+from cascade.errors import CascadeError
 from cascade.rope import Rotary, apply_rotary
 from tests.conftest import make_checkpoint
 
@@ -193,7 +194,7 @@ def test_sparq_reading_every_query_dimension_is_exact_attention():
 
 def test_sparq_reads_no_more_query_dimensions_than_the_model_has(tiny_model):
     source, layout = prefilled_source(tiny_model)  # head_dim 16
-    with pytest.raises(ValueError, match=r"query_dims \(32\) must be at most the model's head_dim \(16\)"):
+    with pytest.raises(CascadeError, match=r"query_dims \(32\) must be at most the model's head_dim \(16\)"):
         RetrievalCache(layout, RetrievalCacheConfig(budget=16, chunk_size=4, scoring="sparq", query_dims=32), source)
 
 

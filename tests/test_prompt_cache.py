@@ -12,8 +12,11 @@ PROMPT = [(7 * i) % 300 + 5 for i in range(40)]
 
 
 def runtime_for(tiny_dir, tiny_draft_dir, cache_dir, logs=None, **settings):
+    """Sampled ``speculative`` with a fixed gamma: a seeded sample repeats token for token (under
+    ``cost_model`` the gammas, so the text, follow measured times)."""
     settings = {"target.path": str(tiny_dir), "draft.path": str(tiny_draft_dir), "dtype": "float32",
-                "prefill_chunk": 16, "sampling.temperature": 0.8, "stages.0.gamma": 3, **settings}
+                "prefill_chunk": 16, "sampling.temperature": 0.8, "stages.0.gamma": 3,
+                "stages.0.schedule": "fixed", **settings}
     if cache_dir is not None:
         settings["prompt_cache.dir"] = str(cache_dir)
     _, config = load_config("speculative", None, [], settings)
@@ -78,8 +81,27 @@ def test_damaged_or_foreign_files_are_reported_deleted_and_recomputed(tmp_path, 
     assert prefilled(runtime_for(tiny_dir, tiny_draft_dir, tmp_path))[0].stats.prefill_loaded  # rewritten whole
 
 
-def test_least_recently_used_prompts_are_deleted_beyond_max_gb(tmp_path, tiny_dir, tiny_draft_dir):
+def test_least_recently_used_prompts_are_deleted_beyond_max_gb_and_nothing_else(tmp_path, tiny_dir, tiny_draft_dir):
+    """Eviction deletes only the files the cache names itself: a directory shared with other files
+    (weights, notes) keeps them, however small ``max_gb``."""
+    others = {"model.safetensors": b"weights", "notes.txt": b"notes", f"{'0' * 63}.safetensors": b"near miss"}
+    for name, data in others.items():
+        (tmp_path / name).write_bytes(data)
     runtime = runtime_for(tiny_dir, tiny_draft_dir, tmp_path, **{"prompt_cache.max_gb": 1e-9})
     for length in (30, 35, 40):
         prefilled(runtime, PROMPT[:length])
-    assert list(tmp_path.glob("*.safetensors")) == [runtime.prompt_caches["target"].path(torch.tensor(PROMPT), 16)]
+    newest = runtime.prompt_caches["target"].path(torch.tensor(PROMPT), 16)
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted([newest.name, *others])
+    assert all((tmp_path / name).read_bytes() == data for name, data in others.items())
+
+
+def test_a_directory_that_cannot_be_written_is_reported_and_the_prompt_computed(tmp_path, tiny_dir, tiny_draft_dir):
+    _, reference_logits = prefilled(runtime_for(tiny_dir, tiny_draft_dir, None))
+    not_a_directory = tmp_path / "file"
+    not_a_directory.write_text("a file where the cache directory should be")
+    for directory in (not_a_directory, not_a_directory / "below"):
+        logs = []
+        stage, logits = prefilled(runtime_for(tiny_dir, tiny_draft_dir, directory, logs))
+        assert not stage.stats.prefill_loaded and torch.equal(logits, reference_logits)
+        assert [line for line in logs if "could not store" in line and str(directory) in line], logs
+    assert not_a_directory.read_text() == "a file where the cache directory should be"
