@@ -6,6 +6,7 @@ embeddings are detected from the weights themselves, so no branch names a ``mode
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from dataclasses import dataclass
@@ -48,6 +49,17 @@ def read_config(path: Path, rope_scaling: dict | None = None) -> PreTrainedConfi
     if rope_scaling is not None:
         apply_rope_scaling(config, **rope_scaling)
     return config
+
+
+def checkpoint_option(value: str) -> Path:
+    """The scripts' ``--target`` / ``--draft``: a Llama-family checkpoint directory, checked while
+    arguments are parsed (argparse prints the reason and exits 2)."""
+    path = Path(value).expanduser()
+    try:
+        read_config(path)
+    except CascadeError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return path
 
 
 def stretch_factor(tokens: int, native_context: int) -> float | None:

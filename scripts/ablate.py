@@ -22,6 +22,7 @@ from cascade.ablation.grid import expand, load_grid
 from cascade.ablation.measure import measure
 from cascade.ablation.plots import plot_sweep, sweep_summary
 from cascade.ablation.store import RunTable
+from cascade.checkpoint import checkpoint_option
 from cascade.errors import CascadeError
 from cascade.home import prompt_cache_dir, prompt_cache_option
 from cascade.models import default_model
@@ -37,7 +38,7 @@ def main() -> int:
                                                  "(default: results/ablation[-quick])")
     parser.add_argument("--repeats", type=int, default=1, help="measured generations per run (median)")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    parser.add_argument("--target", type=Path, help="default: the provisioned SmolLM2")
+    parser.add_argument("--target", type=checkpoint_option, help="default: the provisioned SmolLM2")
     parser.add_argument("--prompt-cache", type=prompt_cache_option, default=str(prompt_cache_dir()),
                         help="where prefilled prompts are stored and reused (default: %(default)s); 'none'")
     args = parser.parse_args()

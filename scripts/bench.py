@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from cascade.checkpoint import yarn_scaling
+from cascade.checkpoint import checkpoint_option, yarn_scaling
 from cascade.data import DOCUMENT_NAMES, document_ids
 from cascade.errors import CascadeError
 from cascade.home import prompt_cache_option
@@ -61,8 +61,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="greedy and/or sample at temperature 0.6 / top-p 0.9 (seeded)")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--document", choices=DOCUMENT_NAMES, default="plrabn12", help="prompt source")
-    parser.add_argument("--target", help="checkpoint directory (default: the provisioned SmolLM2)")
-    parser.add_argument("--draft", help="draft checkpoint directory (default: the provisioned draft)")
+    parser.add_argument("--target", type=checkpoint_option, help="checkpoint directory (default: the provisioned SmolLM2)")
+    parser.add_argument("--draft", type=checkpoint_option, help="draft checkpoint directory (default: the provisioned draft)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="config override for every cascade preset (repeatable)")
     parser.add_argument("--prompt-cache", type=prompt_cache_option, default=None, metavar="DIR",
@@ -103,10 +103,10 @@ def impl_option(value: str) -> str:
 def model_dirs(args: argparse.Namespace, impl: str) -> tuple[Path, Path | None]:
     from cascade.models import default_model
 
-    target = Path(args.target) if args.target else default_model("target", log=log)
+    target = args.target or default_model("target", log=log)
     if split_impl(impl)[0] not in NEEDS_DRAFT:
         return target, None
-    return target, Path(args.draft) if args.draft else default_model("draft", log=log)
+    return target, args.draft or default_model("draft", log=log)
 
 
 def cascade_config(args, impl: str, target: Path, draft: Path | None, prompt: torch.Tensor, mode: str):
@@ -260,8 +260,8 @@ def spawn_case(args: argparse.Namespace, impl: str, context: int, mode: str) -> 
     command = [sys.executable, __file__, "--case", f"{impl}:{context}:{mode}", "--new-tokens", str(args.new_tokens),
                "--dtype", args.dtype, "--document", args.document, "--warmups", str(args.warmups),
                "--contexts", str(context), *(["--store-only"] if args.store_only else []),
-               *(["--target", args.target] if args.target else []),
-               *(["--draft", args.draft] if args.draft else []),
+               *(["--target", str(args.target)] if args.target else []),
+               *(["--draft", str(args.draft)] if args.draft else []),
                *(["--prompt-cache", args.prompt_cache] if args.prompt_cache else []),
                *[arg for setting in args.set for arg in ("--set", setting)]]
     if impl.startswith("transformers") and context in args.prompt_files:

@@ -47,6 +47,14 @@ def test_zero_repeats_are_refused_before_any_run(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_target_that_is_not_a_checkpoint_is_refused_while_parsing(tmp_path):
+    command = [sys.executable, "scripts/ablate.py", "--target", str(tmp_path), "--out", str(tmp_path / "out")]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"argument --target: {tmp_path} is not a Hugging Face checkpoint: it has no config.json" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_policy_and_budget_share_set_the_sparse_target_stage(smollm2_dir):
     assert (sparse_stage("self-spec"), sparse_stage("triforce")) == (0, 1)
     run = make_run({**BASE, "preset": "triforce", "policy": "h2o", "budget_share": 0.1, "stages.1.gamma": 3})

@@ -40,9 +40,19 @@ def test_bench_rejects_overrides_on_transformers():
                                                   ("--new-tokens", "1", 2), ("--contexts", "0", 1)])
 def test_bench_refuses_counts_below_their_least(tmp_path, option, value, least):
     out = tmp_path / "bench.json"
-    command = [sys.executable, "scripts/bench.py", "--impls", "autoregressive", "--target", str(tmp_path / "absent"),
-               option, value, "--out", str(out)]
+    command = [sys.executable, "scripts/bench.py", "--impls", "autoregressive", option, value, "--out", str(out)]
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert f"{option} must be >= {least}; got {value}" in result.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("option", ["--target", "--draft"])
+def test_bench_refuses_a_checkpoint_directory_that_is_not_one_while_parsing(tmp_path, option):
+    out = tmp_path / "bench.json"
+    command = [sys.executable, "scripts/bench.py", "--impls", "speculative", option, str(tmp_path / "absent"),
+               "--out", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"argument {option}: model directory {tmp_path / 'absent'} does not exist" in result.stderr
     assert not out.exists()
