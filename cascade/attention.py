@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch.nn.attention.bias import causal_lower_right
-from torch.nn.attention.flex_attention import flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from cache.base import AttentionView
 from cache.slots import SLOT_ALIGNMENT, causal_mask, visible_keys
@@ -51,6 +51,9 @@ cuBLAS gave it a few blocks of threads, 0.2-0.5 ms per layer over 16K keys on an
 FOLD_MAX_QUERIES = 64
 """Up to this many queries per pass the grouped SDPA layout is used; beyond it (prefill chunks)
 repeating the mask per group costs more than it saves."""
+FLEX_KEY_BLOCK = 128
+"""Keys per block of FlexAttention's block mask (its default), the granule a static pass skips the
+unused end of its buffer by; a pass has fewer queries than this (one block of queries)."""
 FLEX_SHAPES = 64
 """Most static pass shapes (pass width x cache buffer) ``flex`` compiles a kernel for in one
 process: a three-stage cascade has a few dozen (Dynamo's default limit per function is 8)."""
@@ -156,25 +159,57 @@ def attend_flex(query: torch.Tensor, view: AttentionView, scale: float) -> torch
     pass of its width, so one compiled kernel per width and cache serves every replay (inside a
     compiled pass the call is traced with the rest). With fewer than 128 queries FlexAttention's
     decoding kernel splits the keys into blocks run in parallel and merges them by log-sum-exp
-    (flash-decoding), so a step or a verification pass over 120K keys occupies the whole GPU,
-    where SDPA runs one block of threads per head; grouped KV heads are read once per group.
+    (flash-decoding), so a step or a verification pass over 120K keys can occupy the whole GPU;
+    grouped KV heads are read once per group. A causal view's ``valid_lengths`` bounds the blocks
+    of keys read.
     """
     if not view.static:
         return attend_cuda(query, view, scale) if query.is_cuda else attend_cpu(query, view, scale)
-    if torch.compiler.is_compiling():
-        return _flex_under_mask(query, view.keys, view.values, view.mask, scale)
+    compiling = torch.compiler.is_compiling()
+    blocks = None
+    if view.valid_lengths is not None:
+        shape = (view.keys.shape[0], -(-view.keys.shape[2] // FLEX_KEY_BLOCK), query.device)
+        blocks = _block_indices(*shape) if compiling else _kept_block_indices(*shape)
+    arguments = (query, view.keys, view.values, view.mask, view.valid_lengths, blocks, scale)
+    if compiling:
+        return _flex_under_mask(*arguments)
     with torch._dynamo.config.patch(recompile_limit=FLEX_SHAPES):
-        return _compiled_flex_under_mask(query, view.keys, view.values, view.mask, scale)
+        return _compiled_flex_under_mask(*arguments)
 
 
 def _flex_under_mask(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                     valid_lengths: torch.Tensor | None, blocks: tuple[torch.Tensor, torch.Tensor] | None,
                      scale: float) -> torch.Tensor:
-    """query [B, H, T, D] over keys/values [B, H_kv, S, D] under an additive mask [T, S] -> [B, H, T, D]."""
+    """query [B, H, T, D] over keys/values [B, H_kv, S, D] under an additive mask [T, S] -> [B, H, T, D];
+    with ``valid_lengths`` [B] (and ``_block_indices``) only the ``FLEX_KEY_BLOCK``-key blocks holding
+    the first that many keys are read: a buffer kept from a longer request costs no more than its
+    valid part (the mask still hides the rest of the last block)."""
     def add_mask(score, batch, head, query_index, key_index):
         return score + mask[query_index, key_index]
 
-    return flex_attention(query, keys, values, score_mod=add_mask, scale=scale, enable_gqa=True)
+    block_mask = None
+    if valid_lengths is not None:
+        visited = (valid_lengths + FLEX_KEY_BLOCK - 1).div(FLEX_KEY_BLOCK, rounding_mode="floor")
+        visited = visited.to(torch.int32).view(-1, 1, 1)  # [B, 1, 1]: one head, one block of queries
+        block_mask = BlockMask.from_kv_blocks(  # every visited block under the mask, none read without it
+            visited, blocks[0], torch.zeros_like(visited), blocks[1],
+            BLOCK_SIZE=(FLEX_KEY_BLOCK, FLEX_KEY_BLOCK), seq_lengths=(query.shape[2], keys.shape[2]),
+        )
+    return flex_attention(query, keys, values, score_mod=add_mask, block_mask=block_mask, scale=scale,
+                          enable_gqa=True)
 
+
+def _block_indices(batch: int, num_blocks: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key blocks a block mask lists, in order, [B, 1, 1, blocks] int32, twice: for its masked and
+    its unmasked blocks. Passed in, not made inside the compiled kernel: Inductor's CPU template
+    fails to compile a block mask whose indices it folded into constants."""
+    indices = torch.arange(num_blocks, dtype=torch.int32, device=device).expand(batch, 1, 1, num_blocks)
+    return indices, indices.clone()
+
+
+_kept_block_indices = cache(_block_indices)
+"""Per buffer shape, made once: the first call of a pass shape is a CUDA graph's warm-up, never its
+capture, so a kept tensor is never one a capture allocated."""
 
 _compiled_flex_under_mask = torch.compile(_flex_under_mask, dynamic=False)
 

@@ -3,13 +3,15 @@ and the choice of family: auto per device, a clear error for one that cannot run
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from cache.base import AttentionView
 from cache.slots import causal_mask, tree_mask
 from cascade import attention
-from cascade.attention import FLASH_ATTN_INSTALLED, KERNELS, resolve_kernels
+from cascade.attention import FLASH_ATTN_INSTALLED, FLEX_KEY_BLOCK, KERNELS, resolve_kernels
 from cascade.errors import CascadeError
 from cascade.tree import TokenTree
 from tests.test_pipeline import runtime_for
@@ -134,6 +136,19 @@ def test_flex_compiles_flex_attention_for_static_views_only(shape, compiled, mon
     taken = recorded_calls(monkeypatch, "_compiled_flex_under_mask")
     KERNELS["flex"](query, view, HEAD_DIM**-0.5)
     assert len(taken) == compiled
+
+
+@pytest.mark.parametrize("shape", ["static-decode", "static-verify"])
+def test_flex_reads_only_the_key_blocks_a_static_pass_uses(shape):
+    """A static pass over a buffer kept from a longer request: keys and values past the block that
+    holds its last valid key are NaN here, which any read of them would spread into the output."""
+    num_queries, num_keys, _ = SHAPES[shape]
+    query, view = make_view(num_queries, num_keys, "static", torch.float32, "cpu", buffer_slots=4 * FLEX_KEY_BLOCK)
+    view.keys[:, :, FLEX_KEY_BLOCK:] = view.values[:, :, FLEX_KEY_BLOCK:] = float("nan")
+    out = KERNELS["flex"](query, view, HEAD_DIM**-0.5)
+    torch.testing.assert_close(out.double(), reference(query, dataclasses.replace(
+        view, keys=view.keys[:, :, :FLEX_KEY_BLOCK], values=view.values[:, :, :FLEX_KEY_BLOCK],
+        mask=view.mask[:, :FLEX_KEY_BLOCK]), HEAD_DIM**-0.5), rtol=1e-4, atol=1e-5)
 
 
 def test_blocks_are_the_largest_aligned_divisor_up_to_the_split():

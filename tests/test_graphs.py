@@ -231,9 +231,9 @@ def test_graphed_self_spec_through_flex_attention_equals_autoregressive(tiny_dir
     runtime.capture = eager_capture
     compiled, shapes = attention._compiled_flex_under_mask, set()
 
-    def recording(query, keys, values, mask, scale):
+    def recording(query, keys, values, *rest):
         shapes.add((query.shape[2], keys.shape[2]))
-        return compiled(query, keys, values, mask, scale)
+        return compiled(query, keys, values, *rest)
 
     monkeypatch.setattr(attention, "_compiled_flex_under_mask", recording)
     pipeline = runtime.pipeline_for(len(PROMPT), 24)
