@@ -20,7 +20,9 @@ A policy may carry settings of its config after a colon, e.g. ``retrieval:refres
 ``retrieval:refresh.on_drop=0.6,chunk_size=16`` (values are YAML); the row's policy is that text.
 
 Rerunning with the same ``--out`` keeps the rows it already holds (same document, gamma, schedule,
-new tokens and dtype) and measures only the missing ones, so an interrupted sweep continues.
+new tokens and dtype) and measures only the missing ones, so an interrupted sweep continues;
+``--fresh`` measures every cell again and replaces them (after a code change, kept rows would
+describe the code that measured them).
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def measure(args, target: Path, prompt: list[int], policy: str, budget: int) -> 
 def finished_rows(out: Path, args: argparse.Namespace) -> list[dict]:
     """Rows an earlier run with the same document, gamma, schedule, length and dtype wrote to
     ``out``; a file measured with other settings, or not this script's report, is not overwritten."""
-    if not out.exists():
+    if args.fresh or not out.exists():
         return []
     earlier = earlier_report(out)
     same = ("document", "gamma", "schedule", "new_tokens", "dtype", "tree", "tree_ranks", "tree_dynamic")
@@ -135,6 +137,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--document", choices=DOCUMENT_NAMES, default="lcet10")
     parser.add_argument("--out", type=Path, default=Path("results/acceptance.json"))
+    parser.add_argument("--fresh", action="store_true", help="measure every cell again, replacing --out's rows")
     parser.add_argument("--prompt-cache", type=prompt_cache_option, default=str(prompt_cache_dir()),
                         help="where prefilled prompts are stored and reused (default: %(default)s); 'none'")
     args = parser.parse_args(argv)

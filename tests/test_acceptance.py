@@ -52,3 +52,17 @@ def test_an_out_file_it_cannot_continue_is_refused_and_kept(tmp_path, text, mess
     result = acceptance("--out", str(out))
     assert_refused(result, f"error: {message.format(out=out)}")
     assert out.read_text() == text
+
+
+@pytest.mark.slow
+def test_a_rerun_keeps_measured_rows_and_fresh_measures_them_again(smollm2_dir, tmp_path):
+    out = tmp_path / "acceptance.json"
+    assert acceptance("--out", str(out), "--prompt-cache", "none").returncode == 0
+    report = json.loads(out.read_text())
+    report["rows"][0]["acceptance"] = 12345.0  # what the next runs must keep, or replace
+    out.write_text(json.dumps(report))
+    assert acceptance("--out", str(out), "--prompt-cache", "none").returncode == 0
+    assert json.loads(out.read_text())["rows"][0]["acceptance"] == 12345.0
+    assert acceptance("--out", str(out), "--prompt-cache", "none", "--fresh").returncode == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 1 and 0 <= rows[0]["acceptance"] <= 1
