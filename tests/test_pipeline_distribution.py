@@ -26,13 +26,10 @@ from cascade.stats import StageStats
 from cascade.tree import TokenTree
 from cascade.verification import Verdict
 from configs.schema import SamplingConfig
+from tests.goodness_of_fit import P_FLOOR, fit_p_value
 
 VOCAB = 5
 TOKENS = 20_000
-P_FLOOR = 1e-6
-"""Seeded runs: an exact pipeline would fail one seed in a million."""
-MIN_EXPECTED = 5.0
-"""Pearson's statistic needs about this many expected counts per cell; rarer cells are pooled."""
 
 
 class ToyStage:
@@ -120,26 +117,6 @@ def emitted_transitions(pipeline: Pipeline, seed: int = 0) -> torch.Tensor:
     counts = torch.zeros(VOCAB, VOCAB)
     counts.index_put_((sequence[:-1], sequence[1:]), torch.ones(len(sequence) - 1), accumulate=True)
     return counts
-
-
-def fit_p_value(observed: torch.Tensor, expected: torch.Tensor) -> float:
-    """Pearson's test that counts observed [R, C] follow expected [R, C] (each row's expected counts
-    summing to its observed total) -> p-value; 0.0 if a cell expected never to occur holds a count.
-    In each row the least likely cells are pooled until the pool expects MIN_EXPECTED."""
-    if observed[expected == 0].sum() > 0:
-        return 0.0
-    statistic, cells = 0.0, 0
-    for row_observed, row_expected in zip(observed.double(), expected.double(), strict=True):
-        order = row_expected.argsort()
-        pooled = min(int((row_expected[order].cumsum(0) < MIN_EXPECTED).sum()) + 1, len(order))
-        kept_observed = torch.cat([row_observed[order[:pooled]].sum()[None], row_observed[order[pooled:]]])
-        kept_expected = torch.cat([row_expected[order[:pooled]].sum()[None], row_expected[order[pooled:]]])
-        if kept_expected[0] > 0:
-            statistic += float(((kept_observed - kept_expected) ** 2 / kept_expected).sum())
-        cells += len(kept_expected) - 1
-    if cells == 0:
-        return 1.0
-    return float(torch.special.gammaincc(torch.tensor(cells / 2, dtype=torch.float64), torch.tensor(statistic / 2)))
 
 
 def follows_target(counts: torch.Tensor, sampling: SamplingConfig) -> float:
