@@ -162,13 +162,14 @@ def test_sampled_cascade_is_seeded(tiny_dir, tiny_draft_dir):
 
 def test_requests_in_a_row_reuse_the_stages_that_hold_them_and_change_nothing(tiny_dir, tiny_draft_dir):
     """A runtime restarts the last request's stages for a prompt their caches hold and builds new
-    ones for a longer one; either way a request samples what it would on a new runtime."""
+    ones for a longer one, or for one that would fill less than half of them; either way a request
+    samples what it would on a new runtime."""
     runtime = runtime_for("triforce", tiny_dir, tiny_draft_dir, SAMPLED_FIXED)
     stages = []
-    for prompt in (PROMPT[:250], PROMPT, PROMPT[:200]):
+    for prompt in (PROMPT[:250], PROMPT, PROMPT[:200], PROMPT[:120]):
         pipeline = runtime.pipeline_for(len(prompt), 20)
         tokens = generate(runtime, prompt, 20, seed=3, pipeline=pipeline).token_ids
         new_runtime = runtime_for("triforce", tiny_dir, tiny_draft_dir, SAMPLED_FIXED)
         assert tokens == generate(new_runtime, prompt, 20, seed=3).token_ids
         stages.append(pipeline.stages)
-    assert stages[1] != stages[0] and stages[2] == stages[1]
+    assert stages[1] != stages[0] and stages[2] == stages[1] and stages[3] != stages[2]
