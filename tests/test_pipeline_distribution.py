@@ -198,11 +198,11 @@ def output_law(sampling: SamplingConfig, max_new_tokens: int) -> dict[tuple[int,
     while unfinished:
         output, chance = unfinished.popitem()
         for token, token_chance in enumerate(probs[output[-1] if output else 0]):
+            if token_chance == 0:
+                continue
             longer = output + (token,)
-            if token_chance and (token == EOS or len(longer) == max_new_tokens):
-                law[longer] = chance * token_chance
-            elif token_chance:
-                unfinished[longer] = chance * token_chance
+            finished = token == EOS or len(longer) == max_new_tokens
+            (law if finished else unfinished)[longer] = chance * token_chance
     return law
 
 
