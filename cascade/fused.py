@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from cache.base import AttentionView
+from cascade import kernels
 from cascade.attention import AttentionKernel
 from cascade.rope import apply_rotary
 
@@ -38,9 +39,26 @@ matrix products of ``cascade.attention`` are faster on this CPU (4K keys: 18 vs 
 layers; 8K: 40 vs 35 ms)."""
 
 
+weight_kernel = False
+"""Whether bf16 products of up to ``MAX_KERNEL_ROWS`` rows on CPU go through cascade's own kernel
+(``cascade.kernels``; set by ``use_weight_kernel``)."""
+
+
+def use_weight_kernel() -> bool:
+    """Route short bf16 products through ``cascade.kernels`` where it builds and runs at memory
+    speed here; returns whether it does."""
+    global weight_kernel
+    weight_kernel = kernels.weight_kernel_available()
+    return weight_kernel
+
+
 def _project(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """rows [T, I] times weight [O, I] -> [T, O] in float32: one row as a multiply-and-sum (one
-    pass over the weight), several as a matrix product."""
+    """rows [T, I] times weight [O, I] -> [T, O] in float32, reading the weight once: bf16 on CPU
+    through cascade's kernel (up to ``MAX_KERNEL_ROWS`` rows), elsewhere one row as a
+    multiply-and-sum and several as a matrix product."""
+    bf16 = rows.dtype == weight.dtype == torch.bfloat16
+    if weight_kernel and bf16 and rows.device.type == "cpu" and rows.shape[0] <= kernels.MAX_KERNEL_ROWS:
+        return torch.ops.cascade_kernels.rows_times_weight(rows, weight)
     if rows.shape[0] == 1:
         return (weight * rows[:, None]).sum(-1, dtype=torch.float32)  # [1, O, I] summed
     return F.linear(rows, weight).float()

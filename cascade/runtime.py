@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from cache.full import FullCache
+from cascade import fused
 from cascade.attention import resolve_kernels
 from cascade.checkpoint import LoadedModel, load_checkpoint, stretch_factor
 from cascade.errors import CascadeError
@@ -195,7 +196,7 @@ def build_runtime(config: PipelineConfig, log: Callable[[str], None]) -> Runtime
     if uses_draft or config.draft.path is not None:
         draft = load_model(config.draft, "draft", dtype, device, log)
         check_same_vocabulary(target, draft)
-    fused_tokens = fused_tokens_for(device, log) if config.kernels == "compiled" else 0
+    fused_tokens = fused_tokens_for(device, dtype, log) if config.kernels == "compiled" else 0
     attention = resolve_kernels(config.attention, device)
     for loaded in (target, draft):
         if loaded is not None:
@@ -242,10 +243,11 @@ def prompt_cache(config: PipelineConfig, loaded: LoadedModel, model_config: Mode
                        int(config.prompt_cache.max_gb * 2**30), log)
 
 
-def fused_tokens_for(device: torch.device, log: Callable[[str], None]) -> int:
+def fused_tokens_for(device: torch.device, dtype: torch.dtype, log: Callable[[str], None]) -> int:
     """The longest pass the compiled kernels of ``cascade.fused`` take on ``device`` (0 where
-    Inductor cannot build them): one token on CPU (C++); on CUDA (Triton) every pass the graphs
-    capture, ``MAX_GRAPH_TOKENS``."""
+    Inductor cannot build them): on CUDA (Triton) every pass the graphs capture,
+    ``MAX_GRAPH_TOKENS``; on CPU (C++) as many for bf16 weights where cascade's weight kernel runs
+    (a pass of a few tokens then reads each weight once), else one token."""
     if device.type == "cuda":
         if importlib.util.find_spec("triton") is None:
             log("Triton is not installed: short passes run eagerly (kernels: eager)")

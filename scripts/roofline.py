@@ -295,7 +295,7 @@ def load_target(args, path: Path | None, context: int) -> tuple[CausalLM, dict |
     else:
         scaling = yarn_scaling(path, context + 64)
         model = load_checkpoint(path, dtype, device, scaling).model
-    model.fused_tokens = fused_tokens_for(device, print_to_stderr) if args.kernels == "compiled" else 0
+    model.fused_tokens = fused_tokens_for(device, dtype, print_to_stderr) if args.kernels == "compiled" else 0
     model.attention = resolve_kernels(args.attention, device)
     return model, scaling
 

@@ -12,7 +12,7 @@ import torch
 
 from cache.full import FullCache
 from cache.registry import POLICIES, build_policy
-from cascade import fused
+from cascade import fused, kernels
 from cascade.checkpoint import load_model
 from cascade.graphs import MAX_GRAPH_TOKENS
 from cascade.runtime import build_runtime, has_cxx_compiler
@@ -111,21 +111,38 @@ def test_fused_passes_equal_eager_on_cuda(tmp_path, kind):
                                decode(model, kind, 0, SHORT_PASSES), atol=5e-5, rtol=0)
 
 
+@pytest.fixture(params=["weight-kernel", "torch-products"])
+def weight_products(request, monkeypatch):
+    """bf16 weight products through cascade's kernel (skipped where it does not run) or PyTorch's."""
+    if request.param == "weight-kernel" and not kernels.weight_kernel_available():
+        pytest.skip("cascade's weight kernel does not build or lacks AVX512-BF16 here")
+    monkeypatch.setattr(fused, "weight_kernel", request.param == "weight-kernel")
+    return request.param
+
+
 @needs_compiler
-def test_compiled_bfloat16_decode_is_as_close_to_float32_as_eager(tmp_path):
+@pytest.mark.parametrize("widths", [ONE_TOKEN, SHORT_PASSES], ids=["one-token", "short-passes"])
+def test_compiled_bfloat16_passes_are_as_close_to_float32_as_eager(tmp_path, weight_products, widths):
     """In bf16 both paths round; the compiled one must not stray further from float32 logits."""
     checkpoint = make_checkpoint(tmp_path / "m", "qwen2-bias")
-    reference = decode(load_model(checkpoint, torch.float32, CPU), "full", 0)
+    reference = decode(load_model(checkpoint, torch.float32, CPU), "full", 0, widths)
     model = load_model(checkpoint, torch.bfloat16, CPU)
-    compiled_error = (decode(model, "full", 1).float() - reference).abs().mean()
-    eager_error = (decode(model, "full", 0).float() - reference).abs().mean()
+    compiled_error = (decode(model, "full", MAX_GRAPH_TOKENS, widths).float() - reference).abs().mean()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        decode(model, "full", MAX_GRAPH_TOKENS, widths)  # compiled by the first run: only passes here
+    eager_error = (decode(model, "full", 0, widths).float() - reference).abs().mean()
     assert compiled_error <= 1.25 * eager_error, (compiled_error, eager_error)
+    kernel_calls = sum(event.count for event in profile.key_averages()
+                       if event.key == "cascade_kernels::rows_times_weight")
+    # with the kernel: qkv, o, gate/up and down of every layer and the logits, in every pass
+    expected = len(widths) * (4 * model.spec.num_layers + 1) if weight_products == "weight-kernel" else 0
+    assert kernel_calls == expected
 
 
 def runtime_fused_tokens(checkpoint, messages: list[str], **settings) -> list[int]:
     config = PipelineConfig.model_validate({
         "stages": [{"model": "draft", "cache": {"kind": "full"}}, {"model": "target", "cache": {"kind": "full"}}],
-        "target": {"path": str(checkpoint)}, "draft": {"path": str(checkpoint)}, "dtype": "float32", **settings,
+        "target": {"path": str(checkpoint)}, "draft": {"path": str(checkpoint)}, **{"dtype": "float32", **settings},
     })
     runtime = build_runtime(config, log=messages.append)
     return [runtime.target.model.fused_tokens, runtime.draft.model.fused_tokens]
@@ -134,12 +151,19 @@ def runtime_fused_tokens(checkpoint, messages: list[str], **settings) -> list[in
 def test_runtime_sets_the_kernels_the_config_names(tiny_dir, monkeypatch):
     messages: list[str] = []
     monkeypatch.setattr("shutil.which", lambda name: f"/usr/bin/{name}")
-    assert runtime_fused_tokens(tiny_dir, messages) == [1, 1]  # one-token passes, on CPU
+    assert runtime_fused_tokens(tiny_dir, messages) == [1, 1]  # float32 on CPU: one-token passes
     assert runtime_fused_tokens(tiny_dir, messages, kernels="eager") == [0, 0]
     assert messages == []
     monkeypatch.setattr("shutil.which", lambda name: None)
     assert runtime_fused_tokens(tiny_dir, messages) == [0, 0]
     assert any("no C++ compiler" in message for message in messages)
+
+
+def test_bfloat16_passes_of_a_few_tokens_run_fused_where_the_weight_kernel_runs(tiny_dir, monkeypatch):
+    monkeypatch.setattr(kernels, "weight_kernel_available", lambda: True)
+    assert runtime_fused_tokens(tiny_dir, [], dtype="bfloat16") == [MAX_GRAPH_TOKENS] * 2
+    monkeypatch.setattr(kernels, "weight_kernel_available", lambda: False)
+    assert runtime_fused_tokens(tiny_dir, [], dtype="bfloat16") == [1, 1]
 
 
 def test_a_failed_build_of_the_fused_kernels_falls_back_to_eager_and_says_why(tiny_dir, monkeypatch):

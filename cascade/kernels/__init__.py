@@ -1,0 +1,74 @@
+"""Hand-written CPU kernels, built once per machine into ``$CASCADE_HOME/build`` with the C++
+compiler torch.compile already needs.
+
+``rows_times_weight``: 1-16 bf16 activation rows times a bf16 weight matrix, reading the weight
+once at memory speed (see ``rows_times_weight.cpp``). Where the build fails or the CPU lacks
+AVX512-BF16, ``weight_kernel_available()`` is false, a warning says why, and callers keep
+PyTorch's own kernels.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from cascade.home import cascade_home
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("rows_times_weight.cpp")
+MAX_KERNEL_ROWS = 16
+"""Most activation rows per product the kernel takes (decode steps, proposals, verifications of up
+to 15 proposals); wider passes (prefill chunks) are compute-bound and go to oneDNN."""
+
+
+def build_directory() -> Path:
+    """Per source version and CPU (the build uses -march=native)."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + platform.processor().encode() + cpu_model().encode())
+    path = cascade_home() / "build" / f"kernels-{torch.__version__}-{digest.hexdigest()[:12]}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
+@cache
+def weight_kernel_available() -> bool:
+    """Whether ``torch.ops.cascade_kernels.rows_times_weight`` runs at memory speed here (built and
+    loaded on first call; a failure is logged once and leaves PyTorch's kernels in use)."""
+    from torch.utils import cpp_extension
+
+    torch._C._cpu._init_amx()  # ask the kernel for AMX tile state (Linux grants it per process)
+    try:
+        cpp_extension.load(
+            name="cascade_kernels", sources=[str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            build_directory=str(build_directory()), is_python_module=False, verbose=False,
+        )
+    except Exception as error:  # compiler, headers or ninja missing: many exception types
+        first_line = next(iter(str(error).splitlines()), "")
+        log.warning("building cascade's CPU weight kernel failed (%s: %s); weight products use "
+                    "PyTorch's kernels", type(error).__name__, first_line)
+        return False
+    if not torch.ops.cascade_kernels.has_fast_path():
+        log.warning("this CPU lacks AVX512-BF16: weight products use PyTorch's kernels")
+        return False
+    torch.library.register_fake("cascade_kernels::rows_times_weight", _product_shape)
+    return True
+
+
+def _product_shape(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """What the kernel returns, for tracing: [T, I] x [O, I] -> [T, O] float32."""
+    return rows.new_empty((rows.shape[0], weight.shape[0]), dtype=torch.float32)

@@ -1,0 +1,74 @@
+"""cascade's CPU weight kernel: bf16 rows times a bf16 weight equals the float64 product up to
+float32 summation order, on every code path (AMX tiles, AVX512-BF16 blocks, the tails), and refuses
+what it cannot take with a clear error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cascade import kernels
+
+pytestmark = pytest.mark.skipif(not kernels.weight_kernel_available(),
+                                reason="cascade's weight kernel does not build or lacks AVX512-BF16 here")
+
+
+def product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.cascade_kernels.rows_times_weight(rows, weight)
+
+
+@pytest.fixture(params=["amx", "avx512"])
+def path(request):
+    torch.ops.cascade_kernels.set_amx(request.param == "amx")
+    yield request.param
+    torch.ops.cascade_kernels.set_amx(True)
+
+
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 7, 8, 15, 16])
+@pytest.mark.parametrize("outputs, inner", [(960, 576), (96, 1536), (101, 64), (7, 37), (33, 40), (4, 32)])
+def test_product_equals_float64_reference(path, num_rows, outputs, inner):
+    generator = torch.Generator().manual_seed(num_rows * 1000 + outputs + inner)
+    rows = torch.randn(num_rows, inner, generator=generator).bfloat16()
+    weight = torch.randn(outputs, inner, generator=generator).bfloat16()
+    expected = rows.double() @ weight.double().T  # bf16 products are exact in float64
+    got = product(rows, weight)
+    assert got.dtype == torch.float32 and got.shape == (num_rows, outputs)
+    bound = 4 * inner * torch.finfo(torch.float32).eps * (rows.double().abs() @ weight.double().abs().T)
+    assert ((got.double() - expected).abs() <= bound + 1e-30).all()
+
+
+def test_non_contiguous_rows_read_as_their_values():
+    rows = torch.randn(64, 6).bfloat16().T  # [6, 64] with strides (1, 6)
+    weight = torch.randn(40, 64).bfloat16()
+    torch.testing.assert_close(product(rows, weight), product(rows.contiguous(), weight), atol=0, rtol=0)
+
+
+def test_two_threads_and_one_agree():
+    rows, weight = torch.randn(3, 576).bfloat16(), torch.randn(3072, 576).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = product(rows, weight)
+        torch.set_num_threads(2)
+        torch.testing.assert_close(product(rows, weight), single, atol=0, rtol=0)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("rows, weight, message", [
+    (torch.randn(2, 8).bfloat16(), torch.randn(4, 9).bfloat16(), "rows have 8 columns, the weight 9"),
+    (torch.randn(2, 8), torch.randn(4, 8).bfloat16(), "bfloat16 rows and weight"),
+    (torch.randn(2, 2, 8).bfloat16(), torch.randn(4, 8).bfloat16(), "rows [T, I] and weight [O, I]"),
+    (torch.randn(2, 8).bfloat16(), torch.randn(8, 4).bfloat16().T, "the weight must be contiguous"),
+])
+def test_bad_operands_are_refused_by_name(rows, weight, message):
+    with pytest.raises(RuntimeError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        product(rows, weight)
+
+
+def test_the_kernel_traces_inside_compiled_functions():
+    """The fused kernels call it from torch.compile'd code: its fake implementation must give the shape."""
+    compiled = torch.compile(lambda rows, weight: product(rows, weight).relu(), dynamic=True, fullgraph=True)
+    for num_rows in (1, 5):
+        rows, weight = torch.randn(num_rows, 64).bfloat16(), torch.randn(40, 64).bfloat16()
+        torch.testing.assert_close(compiled(rows, weight), product(rows, weight).relu(), atol=0, rtol=0)
