@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedConfig, PreTrained
 
 from cascade.errors import CascadeError
 from cascade.model import CausalLM, ModelSpec
+from cascade.models import checkpoint_path
 from cascade.rope import Rotary, rope_frequencies
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
@@ -52,10 +53,10 @@ def read_config(path: Path, rope_scaling: dict | None = None) -> PreTrainedConfi
 
 
 def checkpoint_option(value: str) -> Path:
-    """The scripts' ``--target`` / ``--draft``: a Llama-family checkpoint directory, checked while
-    arguments are parsed (argparse prints the reason and exits 2)."""
-    path = Path(value).expanduser()
+    """The scripts' ``--target`` / ``--draft``: a provisioned catalog model's name or a Llama-family
+    checkpoint directory, checked while arguments are parsed (argparse prints the reason and exits 2)."""
     try:
+        path = checkpoint_path(value)
         read_config(path)
     except CascadeError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None

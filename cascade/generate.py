@@ -49,8 +49,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--top-k", type=int)
     parser.add_argument("--seed", type=int)
     parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"])
-    parser.add_argument("--target", help="target checkpoint directory (default: provisioned SmolLM2)")
-    parser.add_argument("--draft", help="draft checkpoint directory")
+    parser.add_argument("--target", help="target: a catalog model name (`python -m cascade.models list`) or a "
+                        "checkpoint directory (default: provisioned SmolLM2)")
+    parser.add_argument("--draft", help="draft: a catalog model name or a checkpoint directory")
     parser.add_argument("--json", type=Path, help="write text, token ids, config and stats here")
     parser.add_argument("--verbose", action="store_true", help="print stats to stderr at the end")
     parser.add_argument("--quiet", action="store_true", help="do not stream text to stdout")

@@ -18,6 +18,11 @@ def downloads_dir() -> Path:
     return cascade_home() / "downloads"
 
 
+def peers_dir() -> Path:
+    """Where the benchmarks' peers live: llama.cpp's build and the GGUF files it runs."""
+    return cascade_home() / "peers"
+
+
 def prompt_cache_dir() -> Path:
     """Where the measurement scripts store prefilled prompts (see ``prompt_cache`` in the config)."""
     return cascade_home() / "prompt-cache"

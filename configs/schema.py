@@ -28,7 +28,8 @@ class RopeScalingConfig(Strict):
 
 class ModelConfig(Strict):
     path: str | None = None
-    """Checkpoint directory; null means the default model provisioned for this role."""
+    """Checkpoint directory, or the name of a provisioned catalog model (e.g. qwen2.5-coder-1.5b-instruct);
+    null means the default model provisioned for this role."""
     rope_scaling: RopeScalingConfig | None = None
     """Override the checkpoint's rope scaling (e.g. YaRN to run SmolLM2 beyond 8K tokens)."""
 

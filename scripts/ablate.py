@@ -38,7 +38,7 @@ def main() -> int:
                                                  "(default: results/ablation[-quick])")
     parser.add_argument("--repeats", type=int, default=1, help="measured generations per run (median)")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    parser.add_argument("--target", type=checkpoint_option, help="default: the provisioned SmolLM2")
+    parser.add_argument("--target", type=checkpoint_option, help="name or directory (default: the provisioned SmolLM2)")
     parser.add_argument("--prompt-cache", type=prompt_cache_option, default=str(prompt_cache_dir()),
                         help="where prefilled prompts are stored and reused (default: %(default)s); 'none'")
     args = parser.parse_args()

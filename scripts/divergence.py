@@ -15,6 +15,7 @@ import json
 import sys
 from pathlib import Path
 
+from cascade.checkpoint import checkpoint_option
 from cascade.data import DOCUMENT_NAMES, document_text
 from cascade.runtime import Runtime, build_runtime
 from configs import load_config
@@ -28,7 +29,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--document", choices=DOCUMENT_NAMES, default="lcet10")
-    parser.add_argument("--draft", help="draft checkpoint directory (presets with a draft stage)")
+    parser.add_argument("--draft", type=checkpoint_option,
+                        help="draft checkpoint: name or directory (presets with a draft stage)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="config override for the presets (e.g. stages.0.cache.budget=512)")
     parser.add_argument("--out", type=Path, default=Path("results/divergence.json"))
@@ -38,7 +40,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def preset_runtime(preset: str, args: argparse.Namespace, overrides: list[str]) -> Runtime:
     settings = {"dtype": args.dtype, "max_new_tokens": args.new_tokens}
     if args.draft:
-        settings["draft.path"] = args.draft
+        settings["draft.path"] = str(args.draft)
     _, config = load_config(preset, None, overrides, settings)
     return build_runtime(config, log=lambda message: print(message, file=sys.stderr))
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from cascade.checkpoint import load_model, yarn_scaling
+from cascade.checkpoint import checkpoint_option, load_model, yarn_scaling
 from cascade.data import document_ids
 from cascade.draft.agreement import greedy_agreement
 from cascade.draft.teacher import HELD_OUT
@@ -59,8 +59,8 @@ def triforce_acceptance(target: Path, draft: Path, prompt: torch.Tensor, new_tok
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", type=Path, help="default: the provisioned SmolLM2")
-    parser.add_argument("--draft", type=Path, help="default: the provisioned draft")
+    parser.add_argument("--target", type=checkpoint_option, help="name or directory (default: the provisioned SmolLM2)")
+    parser.add_argument("--draft", type=checkpoint_option, help="name or directory (default: the provisioned draft)")
     parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 16384])
     parser.add_argument("--evaluated", type=int, default=256, help="positions scored per agreement run")
     parser.add_argument("--document", default="lcet10", help="prompt of the acceptance runs (held out)")

@@ -23,6 +23,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
+from cascade.checkpoint import checkpoint_option
 from cascade.draft.architecture import DraftShape, draft_config, initialised_draft, shape_record
 from cascade.draft.teacher import HELD_OUT, HIDDEN_SAMPLE, TeacherPlan, label_all, load_shards
 from cascade.draft.training import StepMetrics, Trainer, TrainPlan
@@ -97,7 +98,8 @@ def main() -> None:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--work", type=Path, required=True, help="labels and checkpoints (resumable)")
     parser.add_argument("--out", type=Path, required=True, help="where the trained draft is saved")
-    parser.add_argument("--target", type=Path, help="target checkpoint (default: the provisioned SmolLM2)")
+    parser.add_argument("--target", type=checkpoint_option,
+                        help="target checkpoint: name or directory (default: the provisioned SmolLM2)")
     add_dataclass_options(parser, TeacherPlan, "labelling")
     add_dataclass_options(parser, TrainPlan, "training")
     add_dataclass_options(parser, DraftShape, "architecture")

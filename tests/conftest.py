@@ -28,6 +28,8 @@ FAMILIES = {
     "llama-linear": (LlamaConfig, dict(rope_parameters={
         "rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})),
     "qwen2-bias": (Qwen2Config, dict(tie_word_embeddings=False)),
+    "qwen2-tied": (Qwen2Config, dict(tie_word_embeddings=True,  # Qwen2.5's published layout: bias, 2 KV heads, theta 1e6
+                                     rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
     "mistral": (MistralConfig, dict(sliding_window=None)),
 }
 
@@ -49,6 +51,13 @@ def make_checkpoint(
             shutil.copy(file, path)
         shutil.copy(tokenizer_dir / "chat_template.jinja", path)
     return path
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    """An empty $CASCADE_HOME: nothing provisioned."""
+    monkeypatch.setenv("CASCADE_HOME", str(tmp_path))
+    return tmp_path
 
 
 @pytest.fixture(scope="session")

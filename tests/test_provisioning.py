@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
+import argparse
 import re
+import shutil
 import zipfile
 
 import pytest
 
 import cascade.models.provision as fetching
-from cascade.models import DEFAULTS, installed_models, installed_path
+from cascade.checkpoint import checkpoint_option
+from cascade.models import DEFAULTS, checkpoint_path, default_model, installed_models, installed_path
 from tests.conftest import make_checkpoint
 
 ENTRY = DEFAULTS["target"]
-
-
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("CASCADE_HOME", str(tmp_path))
-    return tmp_path
 
 
 @pytest.fixture
@@ -103,3 +100,42 @@ def test_a_manifest_without_what_the_listing_shows_is_named(home, text, why):
     manifest.write_text(text)
     with pytest.raises(fetching.CascadeError, match=re.escape(f"manifest {manifest} is unreadable ({why}); delete ")):
         installed_models()
+
+
+def install_fake(home, name: str, checkpoint=None) -> None:
+    """An install of catalog model ``name``: a manifest, and a copy of ``checkpoint`` if given."""
+    path = home / "models" / name
+    if checkpoint is not None:
+        shutil.copytree(checkpoint, path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / fetching.MANIFEST).write_text('{"name": "%s", "role": "target", "parameters": 0, "context_length": 1}' % name)
+
+
+def test_a_catalog_name_or_a_directory_names_a_checkpoint(home, tmp_path):
+    checkpoint = make_checkpoint(tmp_path / "qwen", "qwen2-tied")
+    install_fake(home, "qwen2.5-coder-1.5b-instruct", checkpoint)
+    assert checkpoint_path("qwen2.5-coder-1.5b-instruct") == home / "models" / "qwen2.5-coder-1.5b-instruct"
+    assert checkpoint_option("qwen2.5-coder-1.5b-instruct") == home / "models" / "qwen2.5-coder-1.5b-instruct"
+    assert checkpoint_path(str(checkpoint)) == checkpoint == checkpoint_option(str(checkpoint))
+
+
+@pytest.mark.parametrize("value,message", [
+    ("qwen2.5-coder-0.5b-instruct", "the model qwen2.5-coder-0.5b-instruct is not provisioned yet; fetch it with "
+                                    "`python -m cascade.models fetch qwen2.5-coder-0.5b-instruct`"),
+    ("qwen-coder", "'qwen-coder' is neither a model directory nor a model of the catalog (qwen2.5-coder-0.5b-instruct, "),
+])
+def test_a_name_that_is_not_installed_is_refused_with_what_to_do(home, value, message):
+    with pytest.raises(fetching.CascadeError, match=re.escape(message)):
+        checkpoint_path(value)
+    with pytest.raises(argparse.ArgumentTypeError, match=re.escape(message)):
+        checkpoint_option(value)
+
+
+def test_a_family_target_gets_its_family_draft_by_default(home, tmp_path):
+    for name in ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", "smollm2-135m-draft"):
+        install_fake(home, name)
+    models = home / "models"
+    assert default_model("draft", print, target=models / "qwen2.5-coder-1.5b-instruct") == \
+        models / "qwen2.5-coder-0.5b-instruct"
+    assert default_model("draft", print, target=tmp_path / "some-checkpoint") == models / "smollm2-135m-draft"
+    assert default_model("draft", print) == models / "smollm2-135m-draft"

