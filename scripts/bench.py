@@ -1,5 +1,5 @@
 """Decode and prefill speed of cascade's presets vs transformers' generate() (and its assisted
-generation with the same draft), side by side.
+generation with the same draft) and llama.cpp, side by side.
 
 All run the same checkpoint in the same dtype on the first N tokens of a long document, greedy or
 sampled (temperature 0.6, top-p 0.9); beyond the target's native context its rope is stretched with
@@ -9,10 +9,19 @@ short generations on a shorter prompt, one measured generation), odd rounds in r
 passes are captured as CUDA graphs the warm-ups make the measured request itself, whose caches and
 graphs the measured generation then reuses. A case reports the median over rounds (peak RSS: the
 maximum); every ratio to the baseline implementation is taken within each round, then its median
-reported.
+reported, and so is every ratio to each llama.cpp case.
+
+llama.cpp (``llama.cpp``: a bf16 GGUF of the same checkpoint; ``llama.cpp-q8_0``: q8_0, for
+reference) is a case like the others, run with llama-bench; before the first round llama.cpp is
+built and the GGUFs written (once, under $CASCADE_HOME/peers; see ``cascade.peers``). Its prefill
+is prompt processing of the context's length, its decode generation of --new-tokens after that many
+tokens in the cache, each with flash attention off and on, the faster reported. llama-bench times
+passes over random tokens without sampling, so it generates no text, and --sampling, --dtype and
+--prompt-cache do not change it.
 
     python scripts/bench.py [--impls autoregressive self-spec transformers] [--contexts 1024 8000]
         [--new-tokens 64] [--repeats 3] [--sampling greedy sample] [--dtype bfloat16]
+    python scripts/bench.py --impls autoregressive self-spec llama.cpp llama.cpp-q8_0 --contexts 1024 8000
 """
 
 from __future__ import annotations
@@ -35,9 +44,12 @@ from cascade.checkpoint import checkpoint_option, yarn_scaling
 from cascade.data import DOCUMENT_NAMES, document_ids
 from cascade.errors import CascadeError
 from cascade.home import prompt_cache_option
+from cascade.peers.bench_case import flash_attn_summary
 
 PRESETS = ("autoregressive", "speculative", "self-spec", "triforce")
-IMPLS = (*PRESETS, "transformers", "transformers-assisted")
+PEERS = {"llama.cpp": "bf16", "llama.cpp-q8_0": "q8_0"}
+"""llama.cpp cases: the GGUF type each runs."""
+IMPLS = (*PRESETS, "transformers", "transformers-assisted", *PEERS)
 NEEDS_DRAFT = {"speculative", "triforce", "transformers-assisted"}
 WARMUP_TOKENS = 5000  # warm-up prompts are at most this long: first-touch costs without long prefills
 WARMUP_NEW_TOKENS = 16  # and generate this many: a few rounds of every pass shape, without a long decode
@@ -106,7 +118,7 @@ def model_dirs(args: argparse.Namespace, impl: str) -> tuple[Path, Path | None]:
     target = args.target or default_model("target", log=log)
     if split_impl(impl)[0] not in NEEDS_DRAFT:
         return target, None
-    return target, args.draft or default_model("draft", log=log)
+    return target, args.draft or default_model("draft", log=log, target=target)
 
 
 def cascade_config(args, impl: str, target: Path, draft: Path | None, prompt: torch.Tensor, mode: str):
@@ -237,14 +249,30 @@ def run_transformers(args, impl: str, target: Path, draft: Path | None, prompt: 
             "decode_tokens_per_s": (args.new_tokens - 1) / decode_s}, tokens
 
 
+def run_llamacpp(args, impl: str, target: Path, draft: Path | None, prompt: torch.Tensor,
+                 mode: str) -> tuple[dict, list[int]]:
+    """llama-bench on the target's GGUF of ``impl``'s type, YaRN-stretched as cascade stretches it,
+    with as many threads as torch uses here (its own warm-up run stands for --warmups); its peak RSS
+    is llama-bench's. No tokens: it samples none."""
+    from cascade.peers.bench_case import context_case
+    from cascade.peers.convert import peer_gguf
+    from cascade.peers.llamacpp import ensure_built
+
+    llama = ensure_built(log=log)
+    model = peer_gguf(llama, target, PEERS[impl], prompt.numel() + args.new_tokens, log=log)
+    run = context_case(llama.tool("llama-bench"), model, prompt.numel(), args.new_tokens, torch.get_num_threads())
+    run["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    return run, []
+
+
 def run_case(args: argparse.Namespace) -> dict:
     """One measurement of one case in this process: {"run": figures, "token_ids": generated}."""
     impl, context, mode = args.case.split(":")
     target, draft = model_dirs(args, impl)
     prompt = torch.tensor(document_ids(target, args.document, int(context)))
-    runner = run_transformers if impl.startswith("transformers") else run_cascade
+    runner = run_transformers if impl.startswith("transformers") else run_llamacpp if impl in PEERS else run_cascade
     run, tokens = runner(args, impl, target, draft, prompt, mode)
-    run["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    run.setdefault("peak_rss_mb", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     if torch.cuda.is_available():
         run["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
     return {"run": run, "token_ids": tokens}
@@ -306,8 +334,9 @@ def summarize(args: argparse.Namespace, case: Case, cases: list[dict]) -> dict:
     return {"preset": impl, "context": context, "temperature": SAMPLING[mode]["temperature"], "sampling": mode,
             "tokens_per_s": decode, "ms_per_token": 1000 / decode, "speedup_vs_autoregressive": None,
             "acceptance": {stage["name"]: stage["acceptance_rate"] for stage in stages},
-            "new_tokens": args.new_tokens, "dtype": args.dtype,
+            "new_tokens": args.new_tokens, "dtype": PEERS.get(impl, args.dtype),
             **{key: median_of(run[key] for run in runs) for key in RATES},
+            **(flash_attn_summary(runs) if impl in PEERS else {}),
             "peak_rss_mb": max(run["peak_rss_mb"] for run in runs),
             "runs": runs, "token_ids": cases[0]["token_ids"]}
 
@@ -327,7 +356,8 @@ def ratios(runs: list[dict], baseline: str) -> list[dict]:
         row = {"preset": run["preset"], "baseline": baseline, "context": run["context"], "sampling": run["sampling"],
                **{key: median_of(per_round[key]) for key in RATES},
                "peak_rss_mb": run["peak_rss_mb"] / base["peak_rss_mb"], "per_round": per_round,
-               "same_prefix_tokens": common_prefix(run["token_ids"], base["token_ids"])}
+               "same_prefix_tokens": common_prefix(run["token_ids"], base["token_ids"])
+               if run["token_ids"] and base["token_ids"] else None}  # llama.cpp generates no text
         if baseline == "autoregressive":
             run["speedup_vs_autoregressive"] = row[RATES[0]]
         out.append(row)
@@ -373,13 +403,24 @@ def table(runs: list[dict], ratio_rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def peer_table(peer: str, ratio_rows: list[dict]) -> str:
+    """Every implementation's decode and prefill rates over the llama.cpp case ``peer``'s (medians of
+    per-round ratios)."""
+    lines = [f"| context | sampling | implementation | decode vs {peer} | prefill vs {peer} |",
+             "|---:|---|---|---:|---:|"]
+    for row in ratio_rows:
+        decode, prefill = ("loaded" if row[key] is None else f"**{row[key]:.2f}x**" for key in RATES)
+        lines.append(f"| {row['context']} | {row['sampling']} | {row['preset']} | {decode} | {prefill} |")
+    return "\n".join(lines)
+
+
 def store_prompts(args: argparse.Namespace, cases: list[Case]) -> dict[int, str]:
     """Run each cascade case once, unmeasured, so that every measured one loads its prompt (a first
     prefill and its write would otherwise set the peak RSS of one round) -> {context: the file
     holding its target prefill}, which the transformers cases continue from."""
     files = {}
     for impl, context in dict.fromkeys((impl, context) for impl, context, _ in cases
-                                       if not impl.startswith("transformers")):
+                                       if split_impl(impl)[0] in PRESETS):
         started = time.perf_counter()
         storing = argparse.Namespace(**{**vars(args), "warmups": 0, "store_only": True})
         case = spawn_case(storing, impl, context, args.sampling[0])
@@ -391,31 +432,52 @@ def store_prompts(args: argparse.Namespace, cases: list[Case]) -> dict[int, str]
     return files
 
 
+def prepare_peers(args: argparse.Namespace, cases: list[Case]) -> dict | None:
+    """Build llama.cpp and write the GGUFs its cases run (once; minutes), so that no measured case
+    includes them -> the build's description, or None without llama.cpp cases."""
+    from cascade.peers.convert import peer_gguf
+    from cascade.peers.llamacpp import ensure_built
+
+    peers = dict.fromkeys((impl, context) for impl, context, _ in cases if impl in PEERS)
+    if not peers:
+        return None
+    llama = ensure_built(log=log)
+    for impl, context in peers:
+        peer_gguf(llama, model_dirs(args, impl)[0], PEERS[impl], context + args.new_tokens, log=log)
+    return llama.describe()
+
+
 def drive(args: argparse.Namespace) -> None:
     cases = [(impl, context, mode) for mode in args.sampling for context in args.contexts for impl in args.impls]
+    args.llama_cpp = prepare_peers(args, cases)
     args.prompt_files = store_prompts(args, cases) if args.prompt_cache else {}
     rounds = []
     with tqdm(total=len(cases) * args.repeats, desc="bench", unit="case", file=sys.stderr) as bar:
         for index in range(args.repeats):  # the report is rewritten after each round: a cut-off run keeps its rounds
             rounds.append(run_round(args, cases, index, bar))
-            runs, ratio_rows = write_report(args, cases, rounds)
+            runs, ratio_rows, peer_rows = write_report(args, cases, rounds)
     print(table(runs, ratio_rows))
+    for peer, rows in peer_rows.items():
+        print(f"\nllama.cpp {args.llama_cpp['llama_cpp_commit']}:\n{peer_table(peer, rows)}")
     log(f"wrote {args.out}")
 
 
-def write_report(args: argparse.Namespace, cases: list[Case], rounds: list[dict]) -> tuple[list[dict], list[dict]]:
-    """The JSON report over the rounds done so far -> (its runs, its ratio rows)."""
+def write_report(args: argparse.Namespace, cases: list[Case],
+                 rounds: list[dict]) -> tuple[list[dict], list[dict], dict[str, list[dict]]]:
+    """The JSON report over the rounds done so far -> (its runs, its ratio rows, {llama.cpp case:
+    every other implementation's ratio rows to it})."""
     runs = [summarize(args, case, [measured[case] for measured in rounds]) for case in cases]
     ratio_rows = ratios(runs, args.impls[0])
+    peer_rows = {peer: ratios(runs, peer) for peer in args.impls if peer in PEERS and peer != args.impls[0]}
     settings = {key: getattr(args, key) for key in
                 ("impls", "document", "contexts", "new_tokens", "repeats", "warmups", "sampling", "dtype", "set",
                  "prompt_cache")}
     settings["order"] = "each round runs every case once, in its own process; odd rounds in reverse"
-    report = {"machine": machine(), "settings": settings, "rounds_done": len(rounds), "runs": runs,
-              "ratios": ratio_rows}
+    report = {"machine": {**machine(), "llama_cpp": args.llama_cpp}, "settings": settings,
+              "rounds_done": len(rounds), "runs": runs, "ratios": ratio_rows, "ratios_to_llama_cpp": peer_rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
-    return runs, ratio_rows
+    return runs, ratio_rows, peer_rows
 
 
 def log(message: str) -> None:

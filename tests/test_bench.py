@@ -1,13 +1,18 @@
-"""scripts/bench.py end to end on tiny checkpoints: presets with overrides side by side, and
-transformers continuing from the prompt K/V the cascade cases stored."""
+"""scripts/bench.py end to end on tiny checkpoints: presets with overrides side by side,
+transformers continuing from the prompt K/V the cascade cases stored, and llama.cpp beside them
+(where it is built)."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
+
+from cascade.home import cascade_home
+from cascade.peers.llamacpp import installed_build
 
 
 def test_bench_compares_overridden_presets_and_continues_transformers_from_stored_prompts(
@@ -29,11 +34,36 @@ def test_bench_compares_overridden_presets_and_continues_transformers_from_store
     assert runs["transformers"]["prefill_tokens_per_s"] is None  # not prefilled: loaded
 
 
-def test_bench_rejects_overrides_on_transformers():
-    command = [sys.executable, "scripts/bench.py", "--impls", "transformers+stages.0.gamma=2"]
+@pytest.mark.parametrize("impl", ["transformers", "llama.cpp"])
+def test_bench_rejects_overrides_on_implementations_other_than_presets(impl):
+    command = [sys.executable, "scripts/bench.py", "--impls", f"{impl}+stages.0.gamma=2"]
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 2
     assert "expected one of autoregressive" in result.stderr
+
+
+@pytest.mark.llamacpp
+@pytest.mark.skipif(installed_build() is None, reason="llama.cpp is not built (python -m cascade.peers build)")
+def test_bench_measures_llama_cpp_beside_cascade_and_reports_the_ratios_to_it(tmp_path, tiny_dir):
+    home = tmp_path / "home"  # the built tools and the documents; the tiny checkpoint's GGUF goes here
+    (home / "peers").mkdir(parents=True)
+    (home / "peers" / installed_build().root.name).symlink_to(installed_build().root)
+    (home / "data").symlink_to(cascade_home() / "data")
+    out = tmp_path / "bench.json"
+    command = [sys.executable, "scripts/bench.py", "--impls", "autoregressive", "llama.cpp", "--contexts", "96",
+               "--new-tokens", "8", "--repeats", "1", "--warmups", "0", "--dtype", "float32",
+               "--target", str(tiny_dir), "--out", str(out)]
+    subprocess.run(command, capture_output=True, text=True, check=True, env={**os.environ, "CASCADE_HOME": str(home)})
+    report = json.loads(out.read_text())
+    peer = next(run for run in report["runs"] if run["preset"] == "llama.cpp")
+    assert peer["decode_tokens_per_s"] > 0 and peer["prefill_tokens_per_s"] > 0 and peer["token_ids"] == []
+    assert set(peer["flash_attn"]) == {"off", "on"} and peer["dtype"] == "bf16"
+    assert peer["runs"][0]["build_commit"] == report["machine"]["llama_cpp"]["llama_cpp_commit"]
+    [row] = report["ratios_to_llama_cpp"]["llama.cpp"]
+    assert row["preset"] == "autoregressive" and row["same_prefix_tokens"] is None
+    assert row["decode_tokens_per_s"] == pytest.approx(
+        report["runs"][0]["decode_tokens_per_s"] / peer["decode_tokens_per_s"])
+    assert (home / "peers" / "gguf" / "llama-bf16.gguf").is_file()
 
 
 @pytest.mark.parametrize("option, value, least", [("--warmups", "-1", 0), ("--repeats", "0", 1),

@@ -1,0 +1,40 @@
+"""llama.cpp as one case of ``scripts/bench.py``: a context's prefill and decode speeds, flash
+attention off and on, and the best setting's figures under the names the cascade cases use.
+
+A case at context N runs llama-bench twice, one repetition each (bench.py repeats the case in its
+interleaved rounds): prompt processing of N tokens on an empty cache (prefill), and generation of
+the new tokens after N tokens in the cache (decode). Within the case the faster flash-attention
+setting gives ``prefill_tokens_per_s`` and ``decode_tokens_per_s``, so cascade is compared with
+llama.cpp at its best.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from cascade.peers.llama_bench import FLASH_ATTN, BenchSettings, run_llama_bench
+
+RATES = {"pp": "prefill_tokens_per_s", "tg": "decode_tokens_per_s"}
+
+
+def context_case(tool: Path, model: Path, context: int, new_tokens: int, threads: int) -> dict:
+    """One measurement of llama-bench (``tool``) on ``model`` at ``context`` -> ``prefill_tokens_per_s``,
+    ``decode_tokens_per_s`` (the best setting's), ``flash_attn`` ({setting: both rates}),
+    ``best_flash_attn`` ({rate: setting}), ``build_commit`` and the parsed ``tests``."""
+    prefill = BenchSettings(prompt_tokens=(context,), threads=threads, repetitions=1)
+    decode = BenchSettings(gen_tokens=(new_tokens,), depths=(context,), threads=threads, repetitions=1)
+    tests = [*run_llama_bench(tool, model, prefill), *run_llama_bench(tool, model, decode)]
+    by_setting = {setting: {RATES[test["test"]]: test["tokens_per_s"] for test in tests
+                            if test["flash_attn"] == setting} for setting in FLASH_ATTN}
+    best = {rate: max(FLASH_ATTN, key=lambda setting: by_setting[setting][rate]) for rate in RATES.values()}
+    return {**{rate: by_setting[best[rate]][rate] for rate in RATES.values()}, "flash_attn": by_setting,
+            "best_flash_attn": best, "build_commit": tests[0]["build_commit"], "tests": tests}
+
+
+def flash_attn_summary(runs: list[dict]) -> dict:
+    """A case's rounds -> {setting: {rate: median over rounds}}, and the best setting per rate."""
+    medians = {setting: {rate: statistics.median(run["flash_attn"][setting][rate] for run in runs)
+                         for rate in RATES.values()} for setting in FLASH_ATTN}
+    best = {rate: max(FLASH_ATTN, key=lambda setting: medians[setting][rate]) for rate in RATES.values()}
+    return {"flash_attn": medians, "best_flash_attn": best}
