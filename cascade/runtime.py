@@ -258,7 +258,7 @@ def fused_tokens_for(device: torch.device, dtype: torch.dtype, log: Callable[[st
     if not has_cxx_compiler():
         log("no C++ compiler found: one-token passes run eagerly (kernels: eager), about half as fast")
         return 0
-    return MAX_GRAPH_TOKENS if dtype == torch.bfloat16 and fused.use_weight_kernel() else 1
+    return MAX_GRAPH_TOKENS if dtype == torch.bfloat16 and fused.use_cpu_kernels() else 1
 
 
 def load_model(

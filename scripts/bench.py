@@ -47,10 +47,11 @@ from cascade.home import prompt_cache_option
 from cascade.peers.bench_case import flash_attn_summary
 
 PRESETS = ("autoregressive", "speculative", "self-spec", "triforce")
-PEERS = {"llama.cpp": "bf16", "llama.cpp-q8_0": "q8_0"}
-"""llama.cpp cases: the GGUF type each runs."""
+PEERS = {"llama.cpp": "bf16", "llama.cpp-q8_0": "q8_0", "llama.cpp-speculative": "bf16"}
+"""llama.cpp cases: the GGUF type each runs (``llama.cpp-speculative``: the draft's GGUF proposing
+to the target's in llama-speculative, greedy, its default draft settings)."""
 IMPLS = (*PRESETS, "transformers", "transformers-assisted", *PEERS)
-NEEDS_DRAFT = {"speculative", "triforce", "transformers-assisted"}
+NEEDS_DRAFT = {"speculative", "triforce", "transformers-assisted", "llama.cpp-speculative"}
 WARMUP_TOKENS = 5000  # warm-up prompts are at most this long: first-touch costs without long prefills
 WARMUP_NEW_TOKENS = 16  # and generate this many: a few rounds of every pass shape, without a long decode
 SAMPLING = {"greedy": {"temperature": 0.0, "top_p": 1.0}, "sample": {"temperature": 0.6, "top_p": 0.9}}
@@ -260,9 +261,32 @@ def run_llamacpp(args, impl: str, target: Path, draft: Path | None, prompt: torc
 
     llama = ensure_built(log=log)
     model = peer_gguf(llama, target, PEERS[impl], prompt.numel() + args.new_tokens, log=log)
+    if draft is not None:
+        return run_llamacpp_speculative(args, llama, model, draft, prompt), []
     run = context_case(llama.tool("llama-bench"), model, prompt.numel(), args.new_tokens, torch.get_num_threads())
     run["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     return run, []
+
+
+def run_llamacpp_speculative(args, llama, model: Path, draft: Path, prompt: torch.Tensor) -> dict:
+    """llama-speculative, greedy: the draft's GGUF proposing to ``model`` on the prompt's text (which
+    llama.cpp tokenizes again: the same tokenizer, so the same ids but for merges at the cut)."""
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    from cascade.peers.convert import peer_gguf
+    from cascade.peers.speculative import SpeculativeSettings, run_speculative
+
+    draft_model = peer_gguf(llama, draft, PEERS["llama.cpp-speculative"], prompt.numel() + args.new_tokens, log=log)
+    text = AutoTokenizer.from_pretrained(draft).decode(prompt.tolist())
+    settings = SpeculativeSettings(new_tokens=args.new_tokens, threads=torch.get_num_threads())
+    with tempfile.NamedTemporaryFile("w", suffix=".txt") as prompt_file:
+        prompt_file.write(text)
+        prompt_file.flush()
+        run = run_speculative(llama.tool("llama-speculative"), model, draft_model, Path(prompt_file.name), settings)
+    run["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    return run
 
 
 def run_case(args: argparse.Namespace) -> dict:
@@ -333,10 +357,11 @@ def summarize(args: argparse.Namespace, case: Case, cases: list[dict]) -> dict:
     stages = runs[0].get("stats", {}).get("stages", [])[:-1]
     return {"preset": impl, "context": context, "temperature": SAMPLING[mode]["temperature"], "sampling": mode,
             "tokens_per_s": decode, "ms_per_token": 1000 / decode, "speedup_vs_autoregressive": None,
-            "acceptance": {stage["name"]: stage["acceptance_rate"] for stage in stages},
+            "acceptance": {stage["name"]: stage["acceptance_rate"] for stage in stages}
+            or ({"draft": median_of(run["acceptance"] for run in runs)} if "acceptance" in runs[0] else {}),
             "new_tokens": args.new_tokens, "dtype": PEERS.get(impl, args.dtype),
             **{key: median_of(run[key] for run in runs) for key in RATES},
-            **(flash_attn_summary(runs) if impl in PEERS else {}),
+            **(flash_attn_summary(runs) if "flash_attn" in runs[0] else {}),
             "peak_rss_mb": max(run["peak_rss_mb"] for run in runs),
             "runs": runs, "token_ids": cases[0]["token_ids"]}
 
@@ -443,7 +468,8 @@ def prepare_peers(args: argparse.Namespace, cases: list[Case]) -> dict | None:
         return None
     llama = ensure_built(log=log)
     for impl, context in peers:
-        peer_gguf(llama, model_dirs(args, impl)[0], PEERS[impl], context + args.new_tokens, log=log)
+        for checkpoint in filter(None, model_dirs(args, impl)):
+            peer_gguf(llama, checkpoint, PEERS[impl], context + args.new_tokens, log=log)
     return llama.describe()
 
 

@@ -50,20 +50,22 @@ def test_bench_measures_llama_cpp_beside_cascade_and_reports_the_ratios_to_it(tm
     (home / "peers" / installed_build().root.name).symlink_to(installed_build().root)
     (home / "data").symlink_to(cascade_home() / "data")
     out = tmp_path / "bench.json"
-    command = [sys.executable, "scripts/bench.py", "--impls", "autoregressive", "llama.cpp", "--contexts", "96",
-               "--new-tokens", "8", "--repeats", "1", "--warmups", "0", "--dtype", "float32",
-               "--target", str(tiny_dir), "--out", str(out)]
+    command = [sys.executable, "scripts/bench.py", "--impls", "autoregressive", "llama.cpp", "llama.cpp-speculative",
+               "--contexts", "96", "--new-tokens", "8", "--repeats", "1", "--warmups", "0", "--dtype", "float32",
+               "--target", str(tiny_dir), "--draft", str(tiny_dir), "--out", str(out)]
     subprocess.run(command, capture_output=True, text=True, check=True, env={**os.environ, "CASCADE_HOME": str(home)})
     report = json.loads(out.read_text())
     peer = next(run for run in report["runs"] if run["preset"] == "llama.cpp")
     assert peer["decode_tokens_per_s"] > 0 and peer["prefill_tokens_per_s"] > 0 and peer["token_ids"] == []
     assert set(peer["flash_attn"]) == {"off", "on"} and peer["dtype"] == "bf16"
     assert peer["runs"][0]["build_commit"] == report["machine"]["llama_cpp"]["llama_cpp_commit"]
-    [row] = report["ratios_to_llama_cpp"]["llama.cpp"]
-    assert row["preset"] == "autoregressive" and row["same_prefix_tokens"] is None
+    row = next(row for row in report["ratios_to_llama_cpp"]["llama.cpp"] if row["preset"] == "autoregressive")
+    assert row["same_prefix_tokens"] is None
     assert row["decode_tokens_per_s"] == pytest.approx(
         report["runs"][0]["decode_tokens_per_s"] / peer["decode_tokens_per_s"])
     assert (home / "peers" / "gguf" / "llama-bf16.gguf").is_file()
+    speculative = next(run for run in report["runs"] if run["preset"] == "llama.cpp-speculative")
+    assert speculative["decode_tokens_per_s"] > 0 and speculative["acceptance"]["draft"] == 1.0  # draft = target
 
 
 @pytest.mark.parametrize("option, value, least", [("--warmups", "-1", 0), ("--repeats", "0", 1),

@@ -111,18 +111,25 @@ def test_fused_passes_equal_eager_on_cuda(tmp_path, kind):
                                decode(model, kind, 0, SHORT_PASSES), atol=5e-5, rtol=0)
 
 
-@pytest.fixture(params=["weight-kernel", "torch-products"])
-def weight_products(request, monkeypatch):
-    """bf16 weight products through cascade's kernel (skipped where it does not run) or PyTorch's."""
-    if request.param == "weight-kernel" and not kernels.weight_kernel_available():
+@pytest.fixture(params=["cpu-kernels", "torch-kernels"])
+def kernel_choice(request, monkeypatch):
+    """bf16 weight products and attention through cascade's CPU kernels (skipped where they do not
+    run) or through PyTorch's."""
+    ours = request.param == "cpu-kernels"
+    if ours and not kernels.weight_kernel_available():
         pytest.skip("cascade's weight kernel does not build or lacks AVX512-BF16 here")
-    monkeypatch.setattr(fused, "weight_kernel", request.param == "weight-kernel")
+    monkeypatch.setattr(fused, "weight_kernel", ours)
+    monkeypatch.setattr(fused, "attention_kernel", ours and kernels.attention_kernel_available())
     return request.param
+
+
+def calls_of(profile, op: str) -> int:
+    return sum(event.count for event in profile.key_averages() if event.key == f"cascade_kernels::{op}")
 
 
 @needs_compiler
 @pytest.mark.parametrize("widths", [ONE_TOKEN, SHORT_PASSES], ids=["one-token", "short-passes"])
-def test_compiled_bfloat16_passes_are_as_close_to_float32_as_eager(tmp_path, weight_products, widths):
+def test_compiled_bfloat16_passes_are_as_close_to_float32_as_eager(tmp_path, kernel_choice, widths):
     """In bf16 both paths round; the compiled one must not stray further from float32 logits."""
     checkpoint = make_checkpoint(tmp_path / "m", "qwen2-bias")
     reference = decode(load_model(checkpoint, torch.float32, CPU), "full", 0, widths)
@@ -132,11 +139,10 @@ def test_compiled_bfloat16_passes_are_as_close_to_float32_as_eager(tmp_path, wei
         decode(model, "full", MAX_GRAPH_TOKENS, widths)  # compiled by the first run: only passes here
     eager_error = (decode(model, "full", 0, widths).float() - reference).abs().mean()
     assert compiled_error <= 1.25 * eager_error, (compiled_error, eager_error)
-    kernel_calls = sum(event.count for event in profile.key_averages()
-                       if event.key == "cascade_kernels::rows_times_weight")
-    # with the kernel: qkv, o, gate/up and down of every layer and the logits, in every pass
-    expected = len(widths) * (4 * model.spec.num_layers + 1) if weight_products == "weight-kernel" else 0
-    assert kernel_calls == expected
+    layers = model.spec.num_layers
+    # cascade's kernels: qkv, o, gate/up and down of every layer and the logits, in every pass
+    assert calls_of(profile, "rows_times_weight") == (len(widths) * (4 * layers + 1) if fused.weight_kernel else 0)
+    assert calls_of(profile, "decode_attention") == (len(widths) * layers if fused.attention_kernel else 0)
 
 
 def runtime_fused_tokens(checkpoint, messages: list[str], **settings) -> list[int]:

@@ -72,3 +72,33 @@ def test_the_kernel_traces_inside_compiled_functions():
     for num_rows in (1, 5):
         rows, weight = torch.randn(num_rows, 64).bfloat16(), torch.randn(40, 64).bfloat16()
         torch.testing.assert_close(compiled(rows, weight), product(rows, weight).relu(), atol=0, rtol=0)
+
+
+def reference_attention(query, keys, values, scale, causal):
+    """float64 attention of query [H, T, D] over keys/values [H_kv, S, D], query groups sharing a KV head."""
+    heads, tokens, _ = query.shape
+    group = heads // keys.shape[0]
+    scores = torch.einsum("htd,hsd->hts", query.double(), keys.double().repeat_interleave(group, 0)) * scale
+    if causal:
+        num_keys = keys.shape[1]
+        visible = torch.arange(num_keys)[None, :] <= torch.arange(num_keys - tokens, num_keys)[:, None]  # [T, S]
+        scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hts,hsd->htd", scores.softmax(-1), values.double().repeat_interleave(group, 0))
+
+
+@pytest.mark.parametrize("heads, kv_heads, tokens, num_keys, dim", [
+    (9, 3, 1, 1000, 64), (9, 3, 7, 1000, 64), (12, 2, 1, 4099, 128), (12, 2, 5, 300, 128), (14, 2, 3, 17, 64),
+    (4, 4, 16, 16, 32), (9, 3, 8, 257, 64), (2, 1, 1, 1, 64), (4, 2, 3, 70, 16),
+])
+@pytest.mark.parametrize("causal", [True, False])
+def test_decode_attention_equals_float64_reference(heads, kv_heads, tokens, num_keys, dim, causal):
+    if not torch.ops.cascade_kernels.has_attention_kernel():
+        pytest.skip("no AMX here")
+    generator = torch.Generator().manual_seed(heads * num_keys + tokens)
+    query = torch.randn(heads, tokens, dim, generator=generator).bfloat16()
+    buffer = torch.randn(2, kv_heads, num_keys + 40, dim, generator=generator).bfloat16()  # a longer slot buffer
+    keys, values = buffer[0, :, :num_keys], buffer[1, :, :num_keys]
+    got = torch.ops.cascade_kernels.decode_attention(query, keys, values, dim**-0.5, causal)
+    expected = reference_attention(query, keys, values, dim**-0.5, causal)
+    assert got.dtype == torch.bfloat16 and got.shape == query.shape
+    torch.testing.assert_close(got.double(), expected, atol=1e-2, rtol=1e-2)  # bf16 output rounding: 2^-8

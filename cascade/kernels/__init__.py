@@ -2,7 +2,9 @@
 compiler torch.compile already needs.
 
 ``rows_times_weight``: 1-16 bf16 activation rows times a bf16 weight matrix, reading the weight
-once at memory speed (see ``rows_times_weight.cpp``). Where the build fails or the CPU lacks
+once at memory speed (see ``rows_times_weight.cpp``). ``decode_attention``: a short pass's
+attention over a long bf16 KV cache, each key and value read once for every query head of its
+group and every token of the pass, key blocks split across threads (see ``attention.cpp``). Where the build fails or the CPU lacks
 AVX512-BF16, ``weight_kernel_available()`` is false, a warning says why, and callers keep
 PyTorch's own kernels.
 """
@@ -21,7 +23,8 @@ from cascade.home import cascade_home
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("rows_times_weight.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("rows_times_weight.cpp", "attention.cpp")]
+HEADERS = [Path(__file__).with_name("tiles.h")]
 MAX_KERNEL_ROWS = 16
 """Most activation rows per product the kernel takes (decode steps, proposals, verifications of up
 to 15 proposals); wider passes (prefill chunks) are compute-bound and go to oneDNN."""
@@ -29,7 +32,8 @@ to 15 proposals); wider passes (prefill chunks) are compute-bound and go to oneD
 
 def build_directory() -> Path:
     """Per source version and CPU (the build uses -march=native)."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + platform.processor().encode() + cpu_model().encode())
+    code = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
+    digest = hashlib.sha256(code + platform.processor().encode() + cpu_model().encode())
     path = cascade_home() / "build" / f"kernels-{torch.__version__}-{digest.hexdigest()[:12]}"
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -54,7 +58,7 @@ def weight_kernel_available() -> bool:
     torch._C._cpu._init_amx()  # ask the kernel for AMX tile state (Linux grants it per process)
     try:
         cpp_extension.load(
-            name="cascade_kernels", sources=[str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            name="cascade_kernels", sources=[str(path) for path in SOURCES], extra_cflags=["-O3", "-march=native", "-fopenmp"],
             build_directory=str(build_directory()), is_python_module=False, verbose=False,
         )
     except Exception as error:  # compiler, headers or ninja missing: many exception types
@@ -72,3 +76,12 @@ def weight_kernel_available() -> bool:
 def _product_shape(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """What the kernel returns, for tracing: [T, I] x [O, I] -> [T, O] float32."""
     return rows.new_empty((rows.shape[0], weight.shape[0]), dtype=torch.float32)
+
+
+@cache
+def attention_kernel_available() -> bool:
+    """Whether ``torch.ops.cascade_kernels.decode_attention`` runs here (it needs AMX tiles)."""
+    return weight_kernel_available() and torch.ops.cascade_kernels.has_attention_kernel()
+
+ATTENTION_HEAD_SIZES = (16, 32, 64, 128)
+"""Head sizes ``decode_attention`` takes."""

@@ -18,6 +18,8 @@
 
 #include <cstdint>
 
+#include "tiles.h"
+
 namespace {
 
 bool use_amx = true;
@@ -94,36 +96,11 @@ inline void single_row(const at::BFloat16* rows, const at::BFloat16* weight, flo
 // AMX: a 16 x 32 tile of the weight (16 rows, 32 inputs) times 32 inputs of every activation row,
 // accumulated into a 16 x T float32 tile. The weight tile is loaded straight from the matrix; the
 // activations are repacked once per call into AMX's pair-interleaved layout: [I / 2, T] pairs.
-constexpr int64_t kTileRows = 16;
-constexpr int64_t kTileInputs = 32;
+using cascade_tiles::configure_tiles;
+using cascade_tiles::kTileInputs;
+using cascade_tiles::kTileRows;
+using cascade_tiles::pair_interleave;
 constexpr int64_t kTileBlocks = 2;  // weight tiles in flight (independent accumulators)
-
-struct TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Tiles 0-1: accumulators [16, T] float32; 2-3: weight tiles [16, 32] bf16; 4: activations [16 pairs, T].
-void configure_tiles(int64_t num_rows) {
-  TileConfig config;
-  for (int tile = 0; tile < 2; ++tile) {
-    config.rows[tile] = kTileRows;
-    config.bytes_per_row[tile] = num_rows * 4;
-    config.rows[tile + 2] = kTileRows;
-    config.bytes_per_row[tile + 2] = kTileInputs * 2;
-  }
-  config.rows[4] = kTileInputs / 2;
-  config.bytes_per_row[4] = num_rows * 4;
-  _tile_loadconfig(&config);
-}
-
-// rows [T, I] -> pairs [I / 2, T] (each element two consecutive inputs of one row).
-at::Tensor pair_interleave(const at::Tensor& rows) {
-  return rows.view({rows.size(0), rows.size(1) / 2, 2}).transpose(0, 1).contiguous();
-}
 
 // Weight rows [o, o + 32) times every activation row.
 inline void amx_block(const at::BFloat16* pairs, const at::BFloat16* weight, float* out, float* scratch,
