@@ -63,7 +63,8 @@ def test_a_token_tree_run_reports_its_trees(tiny_dir, tmp_path):
     out = tmp_path / "tree.json"
     result = run("-m", "cascade.generate", "--target", str(tiny_dir), "--draft", str(tiny_dir), "--preset",
                  "speculative", "--prompt", "Hello there", "--max-new-tokens", "12", "--dtype", "float32",
-                 "--set", "stages.0.tree.nodes=6", "--set", "stages.0.schedule=fixed", "--json", str(out), "--verbose")
+                 "--set", "stages.0.tree.nodes=6", "--set", "stages.0.gamma=4", "--set", "stages.0.schedule=fixed",
+                 "--json", str(out), "--verbose")
     assert result.returncode == 0, result.stderr
     draft = json.loads(out.read_text())["stats"]["stages"][0]
     assert draft["proposed"] < draft["tree_nodes"] <= 6 * draft["rounds"]  # the last round's room may cut it

@@ -148,7 +148,7 @@ def test_compiled_bfloat16_passes_are_as_close_to_float32_as_eager(tmp_path, ker
 def runtime_fused_tokens(checkpoint, messages: list[str], **settings) -> list[int]:
     config = PipelineConfig.model_validate({
         "stages": [{"model": "draft", "cache": {"kind": "full"}}, {"model": "target", "cache": {"kind": "full"}}],
-        "target": {"path": str(checkpoint)}, "draft": {"path": str(checkpoint)}, **{"dtype": "float32", **settings},
+        "target": {"path": str(checkpoint)}, "draft": {"path": str(checkpoint)}, "dtype": "float32", **settings,
     })
     runtime = build_runtime(config, log=messages.append)
     return [runtime.target.model.fused_tokens, runtime.draft.model.fused_tokens]
@@ -181,3 +181,14 @@ def test_a_failed_build_of_the_fused_kernels_falls_back_to_eager_and_says_why(ti
     assert runtime_fused_tokens(tiny_dir, messages) == [0, 0]
     assert messages == ["compiling the fused kernels failed (RuntimeError: Python.h: No such file or directory); "
                         "short passes run eagerly (kernels: eager)"] * 2
+
+
+def test_a_failed_build_of_the_cpu_kernels_leaves_pytorchs_kernels_and_says_why(monkeypatch, caplog):
+    def failing_build(**settings):
+        raise RuntimeError("ninja: command not found\nmore")
+
+    monkeypatch.setattr("torch.utils.cpp_extension.load", failing_build)
+    with caplog.at_level("WARNING", logger="cascade.kernels"):
+        assert kernels.weight_kernel_available.__wrapped__() is False
+    assert caplog.messages == ["building cascade's CPU kernels failed (RuntimeError: ninja: command not found); "
+                               "weight products and attention use PyTorch's kernels"]

@@ -3,10 +3,10 @@ compiler torch.compile already needs.
 
 ``rows_times_weight``: 1-16 bf16 activation rows times a bf16 weight matrix, reading the weight
 once at memory speed (see ``rows_times_weight.cpp``). ``decode_attention``: a short pass's
-attention over a long bf16 KV cache, each key and value read once for every query head of its
-group and every token of the pass, key blocks split across threads (see ``attention.cpp``). Where the build fails or the CPU lacks
-AVX512-BF16, ``weight_kernel_available()`` is false, a warning says why, and callers keep
-PyTorch's own kernels.
+attention over a bf16 KV cache, each key and value read once for every query head of its group
+and every token of the pass, key blocks split across threads (see ``attention.cpp``; it needs
+AMX). Where the build fails or the CPU lacks AVX512-BF16, ``weight_kernel_available()`` is false,
+a warning says why, and callers keep PyTorch's own kernels.
 """
 
 from __future__ import annotations
@@ -55,15 +55,16 @@ def weight_kernel_available() -> bool:
     loaded on first call; a failure is logged once and leaves PyTorch's kernels in use)."""
     from torch.utils import cpp_extension
 
-    torch._C._cpu._init_amx()  # ask the kernel for AMX tile state (Linux grants it per process)
     try:
-        cpp_extension.load(
-            name="cascade_kernels", sources=[str(path) for path in SOURCES], extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            build_directory=str(build_directory()), is_python_module=False, verbose=False,
+        torch._C._cpu._init_amx()  # ask the OS for AMX tile state (Linux grants it per process)
+        cpp_extension.load(  # -fopenmp: at::parallel_for is inlined OpenMP, run by torch's own libgomp
+            name="cascade_kernels", sources=[str(path) for path in SOURCES],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"], build_directory=str(build_directory()),
+            is_python_module=False, verbose=False,
         )
     except Exception as error:  # compiler, headers or ninja missing: many exception types
         first_line = next(iter(str(error).splitlines()), "")
-        log.warning("building cascade's CPU weight kernel failed (%s: %s); weight products use "
+        log.warning("building cascade's CPU kernels failed (%s: %s); weight products and attention use "
                     "PyTorch's kernels", type(error).__name__, first_line)
         return False
     if not torch.ops.cascade_kernels.has_fast_path():
@@ -82,6 +83,7 @@ def _product_shape(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def attention_kernel_available() -> bool:
     """Whether ``torch.ops.cascade_kernels.decode_attention`` runs here (it needs AMX tiles)."""
     return weight_kernel_available() and torch.ops.cascade_kernels.has_attention_kernel()
+
 
 ATTENTION_HEAD_SIZES = (16, 32, 64, 128)
 """Head sizes ``decode_attention`` takes."""
