@@ -55,6 +55,7 @@ def use_cpu_kernels() -> bool:
     attention_kernel = kernels.attention_kernel_available()
     return weight_kernel
 
+
 MAX_KERNEL_ATTENTION_WORK = 65536
 """Query rows per KV head (its query heads times the pass's tokens) times keys up to which cascade's
 attention kernel runs a pass; beyond it, the per-KV-head products of ``cascade.attention``, whose

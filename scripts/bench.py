@@ -252,41 +252,41 @@ def run_transformers(args, impl: str, target: Path, draft: Path | None, prompt: 
 
 def run_llamacpp(args, impl: str, target: Path, draft: Path | None, prompt: torch.Tensor,
                  mode: str) -> tuple[dict, list[int]]:
-    """llama-bench on the target's GGUF of ``impl``'s type, YaRN-stretched as cascade stretches it,
-    with as many threads as torch uses here (its own warm-up run stands for --warmups); its peak RSS
+    """llama-bench (``llama.cpp-speculative``: llama-speculative with the draft's GGUF) on the
+    target's GGUF of ``impl``'s type, YaRN-stretched as cascade stretches it, with as many threads as torch uses here (its own warm-up run stands for --warmups); its peak RSS
     is llama-bench's. No tokens: it samples none."""
     from cascade.peers.bench_case import context_case
     from cascade.peers.convert import peer_gguf
     from cascade.peers.llamacpp import ensure_built
 
     llama = ensure_built(log=log)
-    model = peer_gguf(llama, target, PEERS[impl], prompt.numel() + args.new_tokens, log=log)
-    if draft is not None:
-        return run_llamacpp_speculative(args, llama, model, draft, prompt), []
-    run = context_case(llama.tool("llama-bench"), model, prompt.numel(), args.new_tokens, torch.get_num_threads())
+    tokens = prompt.numel() + args.new_tokens
+    model = peer_gguf(llama, target, PEERS[impl], tokens, log=log)
+    if impl == "llama.cpp-speculative":
+        draft_model = peer_gguf(llama, draft, PEERS[impl], tokens, log=log)
+        run = run_llamacpp_speculative(args, llama, model, draft_model, draft, prompt)
+    else:
+        run = context_case(llama.tool("llama-bench"), model, prompt.numel(), args.new_tokens, torch.get_num_threads())
     run["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     return run, []
 
 
-def run_llamacpp_speculative(args, llama, model: Path, draft: Path, prompt: torch.Tensor) -> dict:
-    """llama-speculative, greedy: the draft's GGUF proposing to ``model`` on the prompt's text (which
-    llama.cpp tokenizes again: the same tokenizer, so the same ids but for merges at the cut)."""
+def run_llamacpp_speculative(args, llama, model: Path, draft_model: Path, draft: Path, prompt: torch.Tensor) -> dict:
+    """llama-speculative, greedy: ``draft_model`` (the GGUF of checkpoint ``draft``) proposing to
+    ``model`` on the prompt's text (which llama.cpp tokenizes again: the same tokenizer, so the same
+    ids but for merges at the cut)."""
     import tempfile
 
     from transformers import AutoTokenizer
 
-    from cascade.peers.convert import peer_gguf
     from cascade.peers.speculative import SpeculativeSettings, run_speculative
 
-    draft_model = peer_gguf(llama, draft, PEERS["llama.cpp-speculative"], prompt.numel() + args.new_tokens, log=log)
     text = AutoTokenizer.from_pretrained(draft).decode(prompt.tolist())
     settings = SpeculativeSettings(new_tokens=args.new_tokens, threads=torch.get_num_threads())
     with tempfile.NamedTemporaryFile("w", suffix=".txt") as prompt_file:
         prompt_file.write(text)
         prompt_file.flush()
-        run = run_speculative(llama.tool("llama-speculative"), model, draft_model, Path(prompt_file.name), settings)
-    run["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-    return run
+        return run_speculative(llama.tool("llama-speculative"), model, draft_model, Path(prompt_file.name), settings)
 
 
 def run_case(args: argparse.Namespace) -> dict:

@@ -3,12 +3,14 @@
 // rows [T, I] bf16 x weight [O, I] bf16 -> out [T, O] float32, out[t, o] = sum_i rows[t, i] * weight[o, i].
 // A decode step or a verification pass multiplies 1-16 rows by every weight matrix of the model, so
 // the product is bound by reading the weight once. The weight's rows are split between the threads
-// in contiguous ranges (each thread streams its own part of the matrix); each block of four weight
-// rows is read from memory once and meets every activation row from the core's caches, with
-// AVX512-BF16 dot products (32 bf16 pairs per instruction, float32 accumulation).
+// in contiguous ranges (each thread streams its own part of the matrix). With AMX, 32 weight rows at
+// a time meet every activation row in tiles (the main path); the rest (the last O mod 32 rows, input
+// sizes that are not multiples of 32, or AMX turned off by `set_amx`, which the tests use to check
+// both paths) go as blocks of four weight rows with AVX512-BF16 dot products (32 bf16 pairs per
+// instruction, float32 accumulation).
 //
-// Built with -march=native: on a CPU without AVX512-BF16 `has_fast_path()` is false and the
-// Python side keeps its other kernels (the scalar loop below exists only to keep the op defined).
+// Built with -march=native: on a CPU without AVX512-BF16 `has_fast_path()` is false, the Python
+// side keeps PyTorch's kernels, and the op refuses to run.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -145,30 +147,6 @@ void amx_product(const at::Tensor& rows, const at::BFloat16* weight, float* out,
 
 #endif
 
-#if !defined(__AVX512BF16__)
-
-inline void weight_block(const at::BFloat16* rows, const at::BFloat16* weight, float* out,
-                         int64_t num_rows, int64_t o, int64_t inner, int64_t outputs) {
-  for (int64_t r = 0; r < kWeightRows; ++r) {
-    for (int64_t t = 0; t < num_rows; ++t) {
-      float sum = 0.f;
-      for (int64_t i = 0; i < inner; ++i) sum += float(rows[t * inner + i]) * float(weight[(o + r) * inner + i]);
-      out[t * outputs + o + r] = sum;
-    }
-  }
-}
-
-inline void single_row(const at::BFloat16* rows, const at::BFloat16* weight, float* out,
-                       int64_t num_rows, int64_t o, int64_t inner, int64_t outputs) {
-  for (int64_t t = 0; t < num_rows; ++t) {
-    float sum = 0.f;
-    for (int64_t i = 0; i < inner; ++i) sum += float(rows[t * inner + i]) * float(weight[o * inner + i]);
-    out[t * outputs + o] = sum;
-  }
-}
-
-#endif
-
 at::Tensor rows_times_weight(const at::Tensor& rows, const at::Tensor& weight) {
   TORCH_CHECK(rows.dim() == 2 && weight.dim() == 2, "rows_times_weight: rows [T, I] and weight [O, I]; got ",
               rows.sizes(), " and ", weight.sizes());
@@ -177,6 +155,7 @@ at::Tensor rows_times_weight(const at::Tensor& rows, const at::Tensor& weight) {
   TORCH_CHECK(rows.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
               "rows_times_weight: bfloat16 rows and weight; got ", rows.scalar_type(), " and ", weight.scalar_type());
   TORCH_CHECK(weight.is_contiguous(), "rows_times_weight: the weight must be contiguous");
+#if defined(__AVX512BF16__)
   const at::Tensor packed = rows.contiguous();
   const int64_t num_rows = packed.size(0), inner = packed.size(1), outputs = weight.size(0);
   at::Tensor out = at::empty({num_rows, outputs}, packed.options().dtype(at::kFloat));
@@ -202,6 +181,10 @@ at::Tensor rows_times_weight(const at::Tensor& rows, const at::Tensor& weight) {
     single_row(rows_data, weight_data, out_data, num_rows, o, inner, outputs);
   }
   return out;
+#else
+  TORCH_CHECK(false, "rows_times_weight: this build has no AVX512-BF16 (has_fast_path() is false)");
+  return {};
+#endif
 }
 
 bool has_fast_path() {
