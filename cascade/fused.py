@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from cache.base import AttentionView
 from cascade import kernels
 from cascade.attention import AttentionKernel
+from cascade.quantise import dense_int8_product
 from cascade.rope import apply_rotary
 
 MAX_COMPILED_ATTENTION_KEYS = 6144
@@ -42,16 +43,20 @@ layers; 8K: 40 vs 35 ms)."""
 weight_kernel = False
 """Whether bf16 products of up to ``MAX_KERNEL_ROWS`` rows on CPU go through cascade's own kernel
 (``cascade.kernels``; set by ``use_cpu_kernels``)."""
+int8_kernel = False
+"""Whether those products with int8 weights (``cascade.quantise``) go through cascade's AMX-INT8
+kernel (set by ``use_cpu_kernels``)."""
 attention_kernel = False
 """Whether bf16 attention of these passes over an unmasked or causal view goes through cascade's
 flash-decoding kernel on CPU (set by ``use_cpu_kernels``)."""
 
 
 def use_cpu_kernels() -> bool:
-    """Route short bf16 passes' weight products (and, with AMX, their attention) through
+    """Route short bf16 passes' weight products (and, with AMX, their int8 products and attention) through
     ``cascade.kernels`` where they build and run here; returns whether the weight kernel does."""
-    global weight_kernel, attention_kernel
+    global weight_kernel, int8_kernel, attention_kernel
     weight_kernel = kernels.weight_kernel_available()
+    int8_kernel = kernels.int8_kernel_available()
     attention_kernel = kernels.attention_kernel_available()
     return weight_kernel
 
@@ -65,20 +70,30 @@ oneDNN products read a long cache faster. Measured on SmolLM2 (3 rows per KV hea
 more per key than it reads (its scores, softmax and weighted sum reach 8 GB/s over 32K keys)."""
 
 
-def _project(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """rows [T, I] times weight [O, I] -> [T, O] in float32, reading the weight once: bf16 on CPU
-    through cascade's kernel (up to ``MAX_KERNEL_ROWS`` rows), elsewhere one row as a
-    multiply-and-sum and several as a matrix product."""
-    bf16 = rows.dtype == weight.dtype == torch.bfloat16
-    if weight_kernel and bf16 and rows.device.type == "cpu" and rows.shape[0] <= kernels.MAX_KERNEL_ROWS:
-        return torch.ops.cascade_kernels.rows_times_weight(rows, weight)
+Weight = tuple[torch.Tensor, "torch.Tensor | None"]
+"""A projection's weight [O, I] and, for an int8 one (``cascade.quantise``), its scale per row [O]."""
+
+
+def _project(rows: torch.Tensor, weight: Weight) -> torch.Tensor:
+    """rows [T, I] times weight [O, I] -> [T, O] in float32, reading the weight once: on CPU up to
+    ``MAX_KERNEL_ROWS`` bf16 rows through cascade's kernels (for an int8 weight of
+    ``cascade.quantise`` too, else its dense product); elsewhere one row as a multiply-and-sum and
+    several as a matrix product."""
+    values, scales = weight
+    bf16_rows = rows.dtype == torch.bfloat16 and rows.device.type == "cpu" and rows.shape[0] <= kernels.MAX_KERNEL_ROWS
+    if scales is not None:
+        if int8_kernel and bf16_rows:
+            return torch.ops.cascade_kernels.rows_times_int8(rows, values, scales)
+        return dense_int8_product(rows, values, scales)
+    if weight_kernel and bf16_rows and values.dtype == torch.bfloat16:
+        return torch.ops.cascade_kernels.rows_times_weight(rows, values)
     if rows.shape[0] == 1:
-        return (weight * rows[:, None]).sum(-1, dtype=torch.float32)  # [1, O, I] summed
-    return F.linear(rows, weight).float()
+        return (values * rows[:, None]).sum(-1, dtype=torch.float32)  # [1, O, I] summed
+    return F.linear(rows, values).float()
 
 
 def _pre_attention(
-    x: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: torch.Tensor | None,
+    x: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: Weight, qkv_bias: torch.Tensor | None,
     cos: torch.Tensor, sin: torch.Tensor, eps: float, num_heads: int, num_kv_heads: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Residual stream x [T, C] -> rotated query [1, H, T, D], rotated key and value [1, H_kv, T, D]."""
@@ -93,8 +108,8 @@ def _pre_attention(
 
 
 def _post_attention(
-    x: torch.Tensor, attended: torch.Tensor, o_weight: torch.Tensor, norm_weight: torch.Tensor,
-    gate_up_weight: torch.Tensor, down_weight: torch.Tensor, eps: float,
+    x: torch.Tensor, attended: torch.Tensor, o_weight: Weight, norm_weight: torch.Tensor,
+    gate_up_weight: Weight, down_weight: Weight, eps: float,
 ) -> torch.Tensor:
     """Residual stream x [T, C] and attention output rows [T, H D] -> the block's output [T, C]."""
     x = x + _project(attended, o_weight).to(x.dtype)
@@ -103,7 +118,7 @@ def _post_attention(
     return x + _project(F.silu(gate) * up, down_weight).to(x.dtype)
 
 
-def _logits(x: torch.Tensor, norm_weight: torch.Tensor, head_weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _logits(x: torch.Tensor, norm_weight: torch.Tensor, head_weight: Weight, eps: float) -> torch.Tensor:
     """Final hidden states x [N, C] -> logits [N, V]."""
     normed = F.rms_norm(x, norm_weight.shape, norm_weight, eps)  # [N, C]
     return _project(normed, head_weight).to(x.dtype)

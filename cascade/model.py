@@ -17,6 +17,7 @@ from torch import nn
 from cache.base import CacheLayout, CachePolicy, TreePass
 from cascade import fused
 from cascade.attention import KERNELS, AttentionKernel, resolve_kernels
+from cascade.quantise import projection
 from cascade.rope import Rotary, apply_rotary
 
 
@@ -102,15 +103,15 @@ class Block(nn.Module):
         kernels of ``cascade.fused``."""
         attn, spec = self.self_attn, self.self_attn.spec
         query, key, value = fused.pre_attention(
-            x, self.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, cos, sin,
+            x, self.input_layernorm.weight, projection(attn.qkv_proj), attn.qkv_proj.bias, cos, sin,
             self.input_layernorm.eps, spec.num_heads, spec.num_kv_heads,
         )
         view = cache.update(attn.layer, key, value, query)
         attended = fused.attend(query, view, attn.scale, attend)  # [1, H, T, D]
         mlp = self.mlp
         return fused.post_attention(
-            x, fused.attention_rows(attended), attn.o_proj.weight, self.post_attention_layernorm.weight,
-            mlp.gate_up_proj.weight, mlp.down_proj.weight, self.post_attention_layernorm.eps,
+            x, fused.attention_rows(attended), projection(attn.o_proj), self.post_attention_layernorm.weight,
+            projection(mlp.gate_up_proj), projection(mlp.down_proj), self.post_attention_layernorm.eps,
         )
 
 
@@ -186,4 +187,4 @@ class CausalLM(nn.Module):
             x = block.forward_fused(x, cos, sin, cache, attend)
         if num_logits is not None:
             x = x[-num_logits:]
-        return fused.logits(x, self.norm.weight, self.lm_head.weight, self.norm.eps)[None]
+        return fused.logits(x, self.norm.weight, projection(self.lm_head), self.norm.eps)[None]

@@ -20,6 +20,7 @@ from cascade.model import CausalLM
 from cascade.models import checkpoint_path, default_model
 from cascade.pipeline import GenerationResult, Pipeline, StopRule, TokenCallback
 from cascade.prompt_cache import PromptCache, model_key
+from cascade.quantise import quantise_int8
 from cascade.schedule import SCHEDULES, Schedule
 from cascade.stage import Stage
 from cascade.tree import TokenTree
@@ -238,7 +239,8 @@ def prompt_cache(config: PipelineConfig, loaded: LoadedModel, model_config: Mode
     model = loaded.model
     settings = {"dtype": str(model.dtype), "device": model.device.type, "fused_tokens": model.fused_tokens,
                 "attention": model.attention,
-                "rope_scaling": model_config.rope_scaling.model_dump() if model_config.rope_scaling else None}
+                "rope_scaling": model_config.rope_scaling.model_dump() if model_config.rope_scaling else None,
+                "quantise": model_config.quantise}
     return PromptCache(Path(config.prompt_cache.dir).expanduser(), model_key(loaded.path, settings),
                        int(config.prompt_cache.max_gb * 2**30), log)
 
@@ -268,7 +270,10 @@ def load_model(
     """``config``'s checkpoint, or the role's default (for a draft: the default for ``target``)."""
     path = checkpoint_path(config.path) if config.path else default_model(role, log, target)
     scaling = config.rope_scaling.model_dump() if config.rope_scaling else None
-    return load_checkpoint(path, dtype, device, scaling)
+    loaded = load_checkpoint(path, dtype, device, scaling)
+    if config.quantise == "int8":
+        quantise_int8(loaded.model)
+    return loaded
 
 
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:

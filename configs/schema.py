@@ -32,6 +32,10 @@ class ModelConfig(Strict):
     null means the default model provisioned for this role."""
     rope_scaling: RopeScalingConfig | None = None
     """Override the checkpoint's rope scaling (e.g. YaRN to run SmolLM2 beyond 8K tokens)."""
+    quantise: Literal["none", "int8"] = "none"
+    """Draft only: int8 projections, per output channel (half the bytes a bf16 pass reads). The
+    target verifies every token, so the output is still the target's own; naming the target's own
+    checkpoint as the draft makes a quantised self-draft."""
 
 
 MIN_TEMPERATURE = 1e-4
@@ -167,6 +171,16 @@ class PipelineConfig(Strict):
             raise ValueError(
                 "the last stage must be the target with a full cache (it decides every token); "
                 f"got model={last.model!r}, cache.kind={last.cache.kind!r}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _target_is_unquantised(self) -> PipelineConfig:
+        if self.target.quantise != "none":
+            raise ValueError(
+                f"target.quantise: {self.target.quantise!r} would change the output cascade reproduces (the "
+                "target's own); quantise a draft instead (draft.quantise, with draft.path = the target's "
+                "checkpoint for a quantised self-draft)"
             )
         return self
 

@@ -5,8 +5,10 @@ compiler torch.compile already needs.
 once at memory speed (see ``rows_times_weight.cpp``). ``decode_attention``: a short pass's
 attention over a bf16 KV cache, each key and value read once for every query head of its group
 and every token of the pass, key blocks split across threads (see ``attention.cpp``; it needs
-AMX). Where the build fails or the CPU lacks AVX512-BF16, ``weight_kernel_available()`` is false,
-a warning says why, and callers keep PyTorch's own kernels.
+AMX). ``rows_times_int8``: the same product for an int8 weight packed by ``cascade.quantise``,
+the activations quantised per 64 inputs (see ``rows_times_int8.cpp``; it needs AMX-INT8). Where
+the build fails or the CPU lacks AVX512-BF16, ``weight_kernel_available()`` is false, a warning
+says why, and callers keep PyTorch's own kernels.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from cascade.home import cascade_home
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("rows_times_weight.cpp", "attention.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("rows_times_weight.cpp", "attention.cpp", "rows_times_int8.cpp")]
 HEADERS = [Path(__file__).with_name("tiles.h")]
 MAX_KERNEL_ROWS = 16
 """Most activation rows per product the kernel takes (decode steps, proposals, verifications of up
@@ -71,12 +73,24 @@ def weight_kernel_available() -> bool:
         log.warning("this CPU lacks AVX512-BF16: weight products use PyTorch's kernels")
         return False
     torch.library.register_fake("cascade_kernels::rows_times_weight", _product_shape)
+    torch.library.register_fake("cascade_kernels::rows_times_int8", _int8_product_shape)
     return True
 
 
 def _product_shape(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """What the kernel returns, for tracing: [T, I] x [O, I] -> [T, O] float32."""
     return rows.new_empty((rows.shape[0], weight.shape[0]), dtype=torch.float32)
+
+
+def _int8_product_shape(rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """[T, I] x a packed int8 weight with scales [O] -> [T, O] float32."""
+    return rows.new_empty((rows.shape[0], scales.shape[0]), dtype=torch.float32)
+
+
+@cache
+def int8_kernel_available() -> bool:
+    """Whether ``torch.ops.cascade_kernels.rows_times_int8`` runs here (it needs AMX-INT8)."""
+    return weight_kernel_available() and torch.ops.cascade_kernels.has_int8_kernel()
 
 
 @cache

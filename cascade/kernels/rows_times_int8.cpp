@@ -1,0 +1,172 @@
+// A few activation rows times an int8 weight with AMX, at the speed of memory.
+//
+// rows [T, I] bf16 (T <= 16) x packed int8 weight with scales [O] -> out [T, O] float32, where
+//   out[t, o] = scales[o] * sum_b row_scale[t, b] * sum_{i in block b} q[t, i] * w[o, i]
+// and q[t, block b] = round(rows[t, block b] / row_scale[t, b]), row_scale[t, b] = max |rows[t, block b]| / 127,
+// blocks of 64 inputs (one AMX tile row): the activations are quantised per 64 inputs as llama.cpp's
+// q8_0 quantises them per 32, so an outlier costs precision only in its own block.
+//
+// The weight (int8, one scale per output row) is packed once, when a model is quantised
+// (cascade/quantise.py), in the layout of an AMX int8 product's second operand: for every block of 16
+// output rows and 64 inputs, 16 rows of 64 bytes, row k holding inputs 4k..4k+3 of each of the 16
+// outputs: packed[O / 16, I / 64, 16, 64]. Each 16-output block is one contiguous stream the hardware
+// prefetcher follows; O and I are padded (with zeros) to multiples of 16 and 64 by the packer.
+//
+// Per 64 inputs, one tile product of the quantised activations [T, 64] and a weight block gives
+// [T, 16] int32 sums, which are scaled by that block's activation scales into float32 accumulators.
+// Output blocks are split between the threads in contiguous ranges.
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <torch/torch.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace {
+
+constexpr int64_t kBlockOutputs = 16;  // output rows per packed block (int32 columns of a tile)
+constexpr int64_t kBlockInputs = 64;  // inputs per packed block (int8 bytes of a tile row)
+constexpr int64_t kMaxRows = 16;
+
+#if defined(__AMX_INT8__) && defined(__AVX512BW__)
+
+struct TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tile 0: quantised activations [T, 64] int8; 1: a weight block [16 quads, 16 x 4] int8;
+// 2: the product [T, 16] int32.
+void configure_tiles(int64_t num_rows) {
+  TileConfig config;
+  config.rows[0] = num_rows;
+  config.bytes_per_row[0] = kBlockInputs;
+  config.rows[1] = kBlockInputs / 4;
+  config.bytes_per_row[1] = kBlockOutputs * 4;
+  config.rows[2] = num_rows;
+  config.bytes_per_row[2] = kBlockOutputs * 4;
+  _tile_loadconfig(&config);
+}
+
+// One row's 64-input block (count valid inputs, the rest zero) -> 64 int8 and its scale.
+float quantise_block(const at::BFloat16* source, int64_t count, int8_t* target) {
+  __m512 values[4];
+  __m512 largest = _mm512_setzero_ps();
+  for (int part = 0; part < 4; ++part) {
+    const int64_t valid = std::clamp<int64_t>(count - part * 16, 0, 16);
+    const __mmask16 mask = (__mmask16)((1u << valid) - 1);
+    const __m256i raw = _mm256_maskz_loadu_epi16(mask, source + part * 16);
+    values[part] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));  // bf16 -> float
+    largest = _mm512_max_ps(largest, _mm512_abs_ps(values[part]));
+  }
+  const float scale = _mm512_reduce_max_ps(largest) / 127.0f;
+  const __m512 inverse = _mm512_set1_ps(scale > 0.0f ? 1.0f / scale : 0.0f);
+  for (int part = 0; part < 4; ++part) {
+    const __m512i rounded = _mm512_cvt_roundps_epi32(_mm512_mul_ps(values[part], inverse),
+                                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(target + part * 16), _mm512_cvtsepi32_epi8(rounded));
+  }
+  return scale;
+}
+
+// rows [T, I] -> quantised [T, blocks * 64] int8 and row_scales [blocks, T].
+void quantise_rows(const at::BFloat16* rows, int64_t num_rows, int64_t inner, int64_t blocks,
+                   int8_t* quantised, float* row_scales) {
+  for (int64_t t = 0; t < num_rows; ++t) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      row_scales[b * num_rows + t] = quantise_block(rows + t * inner + b * kBlockInputs, inner - b * kBlockInputs,
+                                                    quantised + (t * blocks + b) * kBlockInputs);
+    }
+  }
+}
+
+// Output rows [16 * block, 16 * block + 16) for every activation row.
+void output_block(const int8_t* quantised, const float* row_scales, const int8_t* weight, const float* scales,
+                  float* out, int64_t num_rows, int64_t blocks, int64_t outputs, int64_t block) {
+  __m512 acc[kMaxRows];
+  for (int64_t t = 0; t < num_rows; ++t) acc[t] = _mm512_setzero_ps();
+  alignas(64) int32_t sums[kMaxRows * kBlockOutputs];
+  const int8_t* stream = weight + block * blocks * kBlockInputs * kBlockOutputs;
+  for (int64_t b = 0; b < blocks; ++b) {
+    _tile_zero(2);
+    _tile_loadd(0, quantised + b * kBlockInputs, blocks * kBlockInputs);
+    _tile_loadd(1, stream + b * kBlockInputs * kBlockOutputs, kBlockOutputs * 4);
+    _tile_dpbssd(2, 0, 1);
+    _tile_stored(2, sums, kBlockOutputs * 4);
+    for (int64_t t = 0; t < num_rows; ++t) {
+      const __m512 block_sums = _mm512_cvtepi32_ps(_mm512_load_si512(sums + t * kBlockOutputs));
+      acc[t] = _mm512_fmadd_ps(block_sums, _mm512_set1_ps(row_scales[b * num_rows + t]), acc[t]);
+    }
+  }
+  const int64_t first = block * kBlockOutputs;
+  const __mmask16 valid = (__mmask16)((1u << std::min<int64_t>(kBlockOutputs, outputs - first)) - 1);
+  const __m512 row_scale = _mm512_maskz_loadu_ps(valid, scales + first);
+  for (int64_t t = 0; t < num_rows; ++t) {
+    _mm512_mask_storeu_ps(out + t * outputs + first, valid, _mm512_mul_ps(acc[t], row_scale));
+  }
+}
+
+#endif
+
+at::Tensor rows_times_int8(const at::Tensor& rows, const at::Tensor& packed, const at::Tensor& scales) {
+  TORCH_CHECK(rows.dim() == 2 && rows.size(0) >= 1 && rows.size(0) <= kMaxRows,
+              "rows_times_int8: rows [T, I] with 1 <= T <= 16; got ", rows.sizes());
+  TORCH_CHECK(rows.scalar_type() == at::kBFloat16, "rows_times_int8: bfloat16 rows; got ", rows.scalar_type());
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kChar && packed.is_contiguous() &&
+                  packed.size(2) == kBlockInputs / 4 && packed.size(3) == kBlockOutputs * 4,
+              "rows_times_int8: a packed int8 weight [O / 16, I / 64, 16, 64]; got ", packed.sizes(), " ",
+              packed.scalar_type());
+  const int64_t blocks = packed.size(1), inner = rows.size(1);
+  TORCH_CHECK((inner + kBlockInputs - 1) / kBlockInputs == blocks, "rows_times_int8: rows have ", inner,
+              " columns, the packed weight ", blocks * kBlockInputs, " (padded)");
+  TORCH_CHECK(scales.dim() == 1 && scales.scalar_type() == at::kFloat && scales.is_contiguous(),
+              "rows_times_int8: float32 scales [O]; got ", scales.sizes(), " ", scales.scalar_type());
+  const int64_t outputs = scales.numel();
+  TORCH_CHECK(outputs > 0 && (outputs + kBlockOutputs - 1) / kBlockOutputs == packed.size(0), "rows_times_int8: ",
+              outputs, " scales (output rows) do not fit a packed weight of ", packed.size(0), " 16-row blocks");
+#if defined(__AMX_INT8__) && defined(__AVX512BW__)
+  const at::Tensor source = rows.contiguous();
+  const int64_t num_rows = source.size(0);
+  at::Tensor quantised = at::empty({num_rows, blocks * kBlockInputs}, source.options().dtype(at::kChar));
+  at::Tensor row_scales = at::empty({blocks, num_rows}, source.options().dtype(at::kFloat));
+  quantise_rows(source.data_ptr<at::BFloat16>(), num_rows, inner, blocks, quantised.data_ptr<int8_t>(),
+                row_scales.data_ptr<float>());
+  at::Tensor out = at::empty({num_rows, outputs}, source.options().dtype(at::kFloat));
+  const int64_t output_blocks = packed.size(0), threads = at::get_num_threads();
+  at::parallel_for(0, output_blocks, (output_blocks + threads - 1) / threads, [&](int64_t begin, int64_t end) {
+    configure_tiles(num_rows);
+    for (int64_t block = begin; block < end; ++block) {
+      output_block(quantised.data_ptr<int8_t>(), row_scales.data_ptr<float>(), packed.data_ptr<int8_t>(),
+                   scales.data_ptr<float>(), out.data_ptr<float>(), num_rows, blocks, outputs, block);
+    }
+    _tile_release();
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "rows_times_int8: this build has no AMX-INT8 (has_int8_kernel() is false)");
+  return {};
+#endif
+}
+
+bool has_int8_kernel() {
+#if defined(__AMX_INT8__) && defined(__AVX512BW__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(cascade_kernels, m) {
+  m.def("rows_times_int8(Tensor rows, Tensor packed, Tensor scales) -> Tensor");
+  m.def("has_int8_kernel() -> bool", &has_int8_kernel);
+}
+
+TORCH_LIBRARY_IMPL(cascade_kernels, CPU, m) { m.impl("rows_times_int8", &rows_times_int8); }

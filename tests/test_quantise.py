@@ -1,0 +1,121 @@
+"""Int8 drafts: the packed weight holds the rounded weight; the AMX kernel computes exactly the
+integer sums of per-64-input quantised activations; fused int8 passes run the kernel and stay as
+close to the bf16 model as the eager int8 passes; a speculative run with an int8 draft (a separate
+draft, or the target's own weights) decodes exactly the target's greedy output; the target itself
+cannot be quantised."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from cascade import fused, kernels
+from cascade.checkpoint import load_model
+from cascade.graphs import MAX_GRAPH_TOKENS
+from cascade.quantise import Int8Linear, pack, quantise_int8, unpack
+from configs.schema import PipelineConfig
+from tests.conftest import make_checkpoint
+from tests.test_fused import CPU, SHORT_PASSES, calls_of, decode
+from tests.test_pipeline import PROMPT, generate, runtime_for
+
+needs_int8_kernel = pytest.mark.skipif(not kernels.int8_kernel_available(),
+                                       reason="cascade's int8 kernel needs AMX-INT8 and a C++ compiler")
+SHAPES = [(960, 576), (96, 1536), (101, 64), (7, 37), (33, 130), (16, 64)]
+
+
+def linear(outputs: int, inputs: int, seed: int) -> torch.nn.Linear:
+    layer = torch.nn.Linear(inputs, outputs, bias=False)
+    layer.weight.data = torch.randn(outputs, inputs, generator=torch.Generator().manual_seed(seed)).bfloat16()
+    return layer
+
+
+@pytest.mark.parametrize("outputs, inputs", SHAPES)
+def test_packing_keeps_every_weight_and_rounding_stays_within_half_a_step(outputs, inputs):
+    layer = linear(outputs, inputs, seed=outputs + inputs)
+    quantised = Int8Linear(layer)
+    rounded = unpack(quantised.weight, outputs, inputs)
+    assert torch.equal(unpack(pack(rounded), outputs, inputs), rounded)
+    scales = quantised.scales.double()[:, None]
+    error = (rounded.double() * scales - layer.weight.double()).abs()
+    assert (error <= scales / 2 * (1 + 1e-5)).all()
+    assert rounded.abs().amax(dim=1).eq(127).all()  # each row's largest weight sets its scale
+
+
+def reference_int8_product(rows: torch.Tensor, quantised: Int8Linear) -> torch.Tensor:
+    """The kernel's arithmetic: activations rounded per 64 inputs as it rounds them (times the
+    float32 inverse of their scale, ties to even), then integer block sums in float64."""
+    outputs, inputs = quantised.scales.shape[0], rows.shape[1]
+    weight = unpack(quantised.weight, outputs, inputs).double()  # [O, I]
+    blocks = torch.nn.functional.pad(rows.float(), (0, -inputs % 64)).view(rows.shape[0], -1, 64)  # [T, B, 64]
+    row_scales = blocks.abs().amax(dim=-1, keepdim=True) / 127  # [T, B, 1] float32
+    inverse = torch.where(row_scales > 0, 1 / row_scales, 0)
+    levels = torch.round(blocks * inverse).double()
+    padded = torch.nn.functional.pad(weight, (0, -inputs % 64)).view(outputs, -1, 64)  # [O, B, 64]
+    sums = torch.einsum("tbi,obi->tob", levels, padded)  # exact integers
+    return (sums * row_scales.double().squeeze(-1)[:, None, :]).sum(-1) * quantised.scales.double()
+
+
+@needs_int8_kernel
+@pytest.mark.parametrize("num_rows", [1, 2, 5, 16])
+@pytest.mark.parametrize("outputs, inputs", SHAPES)
+def test_int8_kernel_equals_its_arithmetic_in_float64(num_rows, outputs, inputs):
+    quantised = Int8Linear(linear(outputs, inputs, seed=num_rows))
+    rows = torch.randn(num_rows, inputs, generator=torch.Generator().manual_seed(inputs)).bfloat16()
+    rows[0, :3] = 0  # a block's zeros stay zero
+    got = torch.ops.cascade_kernels.rows_times_int8(rows, quantised.weight, quantised.scales)
+    assert got.dtype == torch.float32 and got.shape == (num_rows, outputs)
+    expected = reference_int8_product(rows, quantised)
+    torch.testing.assert_close(got.double(), expected, atol=1e-4 * expected.abs().max().item(), rtol=1e-5)
+    exact = rows.double() @ linear(outputs, inputs, seed=num_rows).weight.double().T
+    assert (got.double() - exact).abs().max() <= 0.02 * exact.abs().max()  # int8 keeps ~2 digits
+
+
+@needs_int8_kernel
+def test_int8_kernel_refuses_what_it_cannot_take():
+    quantised = Int8Linear(linear(32, 128, seed=0))
+    with pytest.raises(RuntimeError, match="rows have 64 columns, the packed weight 128"):
+        torch.ops.cascade_kernels.rows_times_int8(torch.randn(1, 64).bfloat16(), quantised.weight, quantised.scales)
+    with pytest.raises(RuntimeError, match="1 <= T <= 16"):
+        torch.ops.cascade_kernels.rows_times_int8(torch.randn(17, 128).bfloat16(), quantised.weight,
+                                                  quantised.scales)
+    with pytest.raises(RuntimeError, match="bfloat16 rows"):
+        torch.ops.cascade_kernels.rows_times_int8(torch.randn(1, 128), quantised.weight, quantised.scales)
+
+
+@needs_int8_kernel
+def test_fused_int8_passes_run_the_kernel_and_stay_as_close_to_bf16_as_eager_int8(tmp_path):
+    checkpoint = make_checkpoint(tmp_path / "m", "qwen2-bias")
+    reference = decode(load_model(checkpoint, torch.bfloat16, CPU), "full", 0, SHORT_PASSES).float()
+    model = quantise_int8(load_model(checkpoint, torch.bfloat16, CPU))
+    fused.use_cpu_kernels()
+    eager_error = (decode(model, "full", 0, SHORT_PASSES).float() - reference).abs().mean()
+    decode(model, "full", MAX_GRAPH_TOKENS, SHORT_PASSES)  # compiles
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        fused_error = (decode(model, "full", MAX_GRAPH_TOKENS, SHORT_PASSES).float() - reference).abs().mean()
+    assert fused_error <= 2 * eager_error + 0.01 * reference.abs().mean(), (fused_error, eager_error)
+    layers = model.spec.num_layers  # qkv, o, gate/up and down of every layer and the logits, every pass
+    assert calls_of(profile, "rows_times_int8") == len(SHORT_PASSES) * (4 * layers + 1)
+    assert calls_of(profile, "rows_times_weight") == 0
+
+
+@pytest.mark.parametrize("self_draft", [False, True], ids=["int8-draft", "int8-self-draft"])
+def test_speculation_with_an_int8_draft_decodes_the_targets_greedy_output(self_draft, tiny_dir, tiny_draft_dir):
+    expected = generate(runtime_for("autoregressive", tiny_dir, tiny_draft_dir), PROMPT).token_ids
+    draft = tiny_dir if self_draft else tiny_draft_dir
+    runtime = runtime_for("speculative", tiny_dir, draft, ["draft.quantise=int8"])
+    assert isinstance(runtime.draft.model.lm_head, Int8Linear)
+    result = generate(runtime, PROMPT)
+    assert result.token_ids == expected
+    draft_stage = result.stats.stages[0]
+    assert draft_stage.rounds > 0
+    if self_draft:  # the target's own weights, rounded, agree with it far more often than chance (the
+        assert draft_stage.acceptance_rate > 0.5  # tiny model's near-uniform logits flip under rounding)
+
+
+def test_the_target_cannot_be_quantised():
+    stages = [{"model": "target", "cache": {"kind": "full"}}]
+    with pytest.raises(ValidationError, match="target.quantise: 'int8' would change the output"):
+        PipelineConfig.model_validate({"stages": stages, "target": {"quantise": "int8"}})
+    with pytest.raises(ValidationError, match="quantise"):
+        PipelineConfig.model_validate({"stages": stages, "draft": {"quantise": "int4"}})
