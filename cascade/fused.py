@@ -40,25 +40,26 @@ matrix products of ``cascade.attention`` are faster on this CPU (4K keys: 18 vs 
 layers; 8K: 40 vs 35 ms)."""
 
 
-weight_kernel = False
-"""Whether bf16 products of up to ``MAX_KERNEL_ROWS`` rows on CPU go through cascade's own kernel
-(``cascade.kernels``; set by ``use_cpu_kernels``)."""
+cpu_layers = False
+"""Whether bf16 passes of up to ``MAX_KERNEL_ROWS`` tokens on CPU run each layer's work around
+attention (and the logits) as cascade's C++ ops (``cascade.kernels``, ``layer.cpp``) instead of the
+compiled graphs: no graph guards, wrappers or small kernels per layer (set by ``use_cpu_kernels``)."""
 int8_kernel = False
-"""Whether those products with int8 weights (``cascade.quantise``) go through cascade's AMX-INT8
-kernel (set by ``use_cpu_kernels``)."""
+"""Whether those ops take int8 weights (``cascade.quantise``) too, with cascade's AMX-INT8 kernel
+(set by ``use_cpu_kernels``); without it an int8 model's passes run the compiled graphs."""
 attention_kernel = False
 """Whether bf16 attention of these passes over an unmasked or causal view goes through cascade's
 flash-decoding kernel on CPU (set by ``use_cpu_kernels``)."""
 
 
 def use_cpu_kernels() -> bool:
-    """Route short bf16 passes' weight products (and, with AMX, their int8 products and attention) through
-    ``cascade.kernels`` where they build and run here; returns whether the weight kernel does."""
-    global weight_kernel, int8_kernel, attention_kernel
-    weight_kernel = kernels.weight_kernel_available()
+    """Route short bf16 passes' layers (and, with AMX, their int8 products and attention) through
+    ``cascade.kernels`` where they build and run here; returns whether the layer ops do."""
+    global cpu_layers, int8_kernel, attention_kernel
+    cpu_layers = kernels.weight_kernel_available()
     int8_kernel = kernels.int8_kernel_available()
     attention_kernel = kernels.attention_kernel_available()
-    return weight_kernel
+    return cpu_layers
 
 
 MAX_KERNEL_ATTENTION_WORK = 65536
@@ -75,18 +76,11 @@ Weight = tuple[torch.Tensor, "torch.Tensor | None"]
 
 
 def _project(rows: torch.Tensor, weight: Weight) -> torch.Tensor:
-    """rows [T, I] times weight [O, I] -> [T, O] in float32, reading the weight once: on CPU up to
-    ``MAX_KERNEL_ROWS`` bf16 rows through cascade's kernels (for an int8 weight of
-    ``cascade.quantise`` too, else its dense product); elsewhere one row as a multiply-and-sum and
-    several as a matrix product."""
+    """rows [T, I] times weight [O, I] -> [T, O] in float32, reading the weight once: one row as a
+    multiply-and-sum, several as a matrix product, an int8 weight (``cascade.quantise``) unpacked."""
     values, scales = weight
-    bf16_rows = rows.dtype == torch.bfloat16 and rows.device.type == "cpu" and rows.shape[0] <= kernels.MAX_KERNEL_ROWS
     if scales is not None:
-        if int8_kernel and bf16_rows:
-            return torch.ops.cascade_kernels.rows_times_int8(rows, values, scales)
         return dense_int8_product(rows, values, scales)
-    if weight_kernel and bf16_rows and values.dtype == torch.bfloat16:
-        return torch.ops.cascade_kernels.rows_times_weight(rows, values)
     if rows.shape[0] == 1:
         return (values * rows[:, None]).sum(-1, dtype=torch.float32)  # [1, O, I] summed
     return F.linear(rows, values).float()
@@ -137,10 +131,41 @@ def _attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sc
     return out.to(query.dtype).reshape(1, -1, 1, head_dim)
 
 
-pre_attention = torch.compile(_pre_attention, dynamic=True)
-post_attention = torch.compile(_post_attention, dynamic=True)
-logits = torch.compile(_logits, dynamic=True)
+_compiled_pre_attention = torch.compile(_pre_attention, dynamic=True)
+_compiled_post_attention = torch.compile(_post_attention, dynamic=True)
+_compiled_logits = torch.compile(_logits, dynamic=True)
 _compiled_attention = torch.compile(_attention, dynamic=True)
+
+
+def _on_cpu_layers(x: torch.Tensor, *weights: Weight) -> bool:
+    """Whether a pass with residual stream x [T, C] and these weights runs on cascade's layer ops."""
+    short_bf16 = x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.shape[0] <= kernels.MAX_KERNEL_ROWS
+    return cpu_layers and short_bf16 and (int8_kernel or all(scales is None for _, scales in weights))
+
+
+def pre_attention(x: torch.Tensor, norm_weight: torch.Tensor, qkv: Weight, qkv_bias: torch.Tensor | None,
+                  cos: torch.Tensor, sin: torch.Tensor, eps: float, num_heads: int, num_kv_heads: int,
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Residual stream x [T, C] -> rotated query [1, H, T, D], rotated key and value [1, H_kv, T, D]."""
+    if _on_cpu_layers(x, qkv):
+        return torch.ops.cascade_kernels.pre_attention(x, norm_weight, *qkv, qkv_bias, cos, sin, eps, num_heads,
+                                                       num_kv_heads)
+    return _compiled_pre_attention(x, norm_weight, qkv, qkv_bias, cos, sin, eps, num_heads, num_kv_heads)
+
+
+def post_attention(x: torch.Tensor, attended: torch.Tensor, o: Weight, norm_weight: torch.Tensor,
+                   gate_up: Weight, down: Weight, eps: float) -> torch.Tensor:
+    """Residual stream x [T, C] and attention output [1, H, T, D] -> the block's output [T, C]."""
+    if _on_cpu_layers(x, o, gate_up, down):
+        return torch.ops.cascade_kernels.post_attention(x, attended, *o, norm_weight, *gate_up, *down, eps)
+    return _compiled_post_attention(x, attention_rows(attended), o, norm_weight, gate_up, down, eps)
+
+
+def logits(x: torch.Tensor, norm_weight: torch.Tensor, head: Weight, eps: float) -> torch.Tensor:
+    """Final hidden states x [N, C] -> logits [N, V]."""
+    if _on_cpu_layers(x, head):
+        return torch.ops.cascade_kernels.logits(x, norm_weight, *head, eps)
+    return _compiled_logits(x, norm_weight, head, eps)
 
 
 def attention_rows(attended: torch.Tensor) -> torch.Tensor:

@@ -110,7 +110,7 @@ class Block(nn.Module):
         attended = fused.attend(query, view, attn.scale, attend)  # [1, H, T, D]
         mlp = self.mlp
         return fused.post_attention(
-            x, fused.attention_rows(attended), projection(attn.o_proj), self.post_attention_layernorm.weight,
+            x, attended, projection(attn.o_proj), self.post_attention_layernorm.weight,
             projection(mlp.gate_up_proj), projection(mlp.down_proj), self.post_attention_layernorm.eps,
         )
 

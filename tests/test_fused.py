@@ -113,18 +113,30 @@ def test_fused_passes_equal_eager_on_cuda(tmp_path, kind):
 
 @pytest.fixture(params=["cpu-kernels", "torch-kernels"])
 def kernel_choice(request, monkeypatch):
-    """bf16 weight products and attention through cascade's CPU kernels (skipped where they do not
-    run) or through PyTorch's."""
+    """bf16 passes' layers and attention through cascade's CPU ops (skipped where they do not run) or
+    through the compiled graphs and PyTorch's kernels."""
     ours = request.param == "cpu-kernels"
     if ours and not kernels.weight_kernel_available():
         pytest.skip("cascade's weight kernel does not build or lacks AVX512-BF16 here")
-    monkeypatch.setattr(fused, "weight_kernel", ours)
+    monkeypatch.setattr(fused, "cpu_layers", ours)
     monkeypatch.setattr(fused, "attention_kernel", ours and kernels.attention_kernel_available())
     return request.param
 
 
-def calls_of(profile, op: str) -> int:
-    return sum(event.count for event in profile.key_averages() if event.key == f"cascade_kernels::{op}")
+LAYER_OPS = ("pre_attention", "decode_attention", "post_attention", "logits")
+
+
+def layer_op_calls(profile) -> dict[str, int]:
+    """Calls of cascade's per-layer CPU ops in a profile."""
+    counts = {event.key: event.count for event in profile.key_averages()}
+    return {op: counts.get(f"cascade_kernels::{op}", 0) for op in LAYER_OPS}
+
+
+def layer_op_calls_expected(model, widths) -> dict[str, int]:
+    """Every layer of every pass on cascade's ops (attention where its kernel runs), and the logits."""
+    layers = len(widths) * model.spec.num_layers
+    return {"pre_attention": layers, "decode_attention": layers if fused.attention_kernel else 0,
+            "post_attention": layers, "logits": len(widths)}
 
 
 @needs_compiler
@@ -139,10 +151,8 @@ def test_compiled_bfloat16_passes_are_as_close_to_float32_as_eager(tmp_path, ker
         decode(model, "full", MAX_GRAPH_TOKENS, widths)  # compiled by the first run: only passes here
     eager_error = (decode(model, "full", 0, widths).float() - reference).abs().mean()
     assert compiled_error <= 1.25 * eager_error, (compiled_error, eager_error)
-    layers = model.spec.num_layers
-    # cascade's kernels: qkv, o, gate/up and down of every layer and the logits, in every pass
-    assert calls_of(profile, "rows_times_weight") == (len(widths) * (4 * layers + 1) if fused.weight_kernel else 0)
-    assert calls_of(profile, "decode_attention") == (len(widths) * layers if fused.attention_kernel else 0)
+    expected = layer_op_calls_expected(model, widths)
+    assert layer_op_calls(profile) == (expected if fused.cpu_layers else dict.fromkeys(expected, 0))
 
 
 def runtime_fused_tokens(checkpoint, messages: list[str], **settings) -> list[int]:

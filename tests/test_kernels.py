@@ -66,12 +66,17 @@ def test_bad_operands_are_refused_by_name(rows, weight, message):
         product(rows, weight)
 
 
-def test_the_kernel_traces_inside_compiled_functions():
-    """The fused kernels call it from torch.compile'd code: its fake implementation must give the shape."""
-    compiled = torch.compile(lambda rows, weight: product(rows, weight).relu(), dynamic=True, fullgraph=True)
-    for num_rows in (1, 5):
-        rows, weight = torch.randn(num_rows, 64).bfloat16(), torch.randn(40, 64).bfloat16()
-        torch.testing.assert_close(compiled(rows, weight), product(rows, weight).relu(), atol=0, rtol=0)
+def test_layer_ops_refuse_what_they_cannot_take():
+    x, norm = torch.randn(2, 64).bfloat16(), torch.ones(64).bfloat16()
+    weight, cos = torch.randn(6 * 16, 64).bfloat16(), torch.ones(2, 16).bfloat16()
+    with pytest.raises(RuntimeError, match=r"a contiguous bf16 residual stream \[T, C\]"):
+        torch.ops.cascade_kernels.pre_attention(x.float(), norm, weight, None, None, cos, cos, 1e-6, 4, 1)
+    with pytest.raises(RuntimeError, match="96 projections do not split into 7 heads"):
+        torch.ops.cascade_kernels.pre_attention(x, norm, weight, None, None, cos, cos, 1e-6, 5, 1)
+    with pytest.raises(RuntimeError, match=r"cos and sin \[T, D\] = \[2, 16\]"):
+        torch.ops.cascade_kernels.pre_attention(x, norm, weight, None, None, cos[:1], cos[:1], 1e-6, 4, 1)
+    with pytest.raises(RuntimeError, match="a bf16 norm weight of 64 values"):
+        torch.ops.cascade_kernels.logits(x, norm[:32], weight, None, 1e-6)
 
 
 def reference_attention(query, keys, values, scale, causal):

@@ -13,9 +13,11 @@ says why, and callers keep PyTorch's own kernels.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import platform
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
@@ -25,8 +27,9 @@ from cascade.home import cascade_home
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("rows_times_weight.cpp", "attention.cpp", "rows_times_int8.cpp")]
-HEADERS = [Path(__file__).with_name("tiles.h")]
+SOURCES = [Path(__file__).with_name(name) for name in ("rows_times_weight.cpp", "attention.cpp", "rows_times_int8.cpp",
+                                                        "layer.cpp")]
+HEADERS = [Path(__file__).with_name(name) for name in ("tiles.h", "products.h", "vector_math.h")]
 MAX_KERNEL_ROWS = 16
 """Most activation rows per product the kernel takes (decode steps, proposals, verifications of up
 to 15 proposals); wider passes (prefill chunks) are compute-bound and go to oneDNN."""
@@ -51,6 +54,17 @@ def cpu_model() -> str:
     return platform.machine()
 
 
+@contextmanager
+def _exclusive(handle):
+    """Hold an OS lock on the open file ``handle``: one build at a time per directory, released by
+    the OS if the process dies (torch's own lock file would then be left behind and waited on)."""
+    fcntl.flock(handle, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 @cache
 def weight_kernel_available() -> bool:
     """Whether ``torch.ops.cascade_kernels.rows_times_weight`` runs at memory speed here (built and
@@ -59,11 +73,14 @@ def weight_kernel_available() -> bool:
 
     try:
         torch._C._cpu._init_amx()  # ask the OS for AMX tile state (Linux grants it per process)
-        cpp_extension.load(  # -fopenmp: at::parallel_for is inlined OpenMP, run by torch's own libgomp
-            name="cascade_kernels", sources=[str(path) for path in SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"], build_directory=str(build_directory()),
-            is_python_module=False, verbose=False,
-        )
+        directory = build_directory()
+        with open(directory / "build.flock", "w") as held, _exclusive(held):
+            (directory / "lock").unlink(missing_ok=True)  # a build killed midway leaves torch's lock file
+            cpp_extension.load(  # -fopenmp: at::parallel_for is inlined OpenMP, run by torch's own libgomp
+                name="cascade_kernels", sources=[str(path) for path in SOURCES],
+                extra_cflags=["-O3", "-march=native", "-fopenmp"], build_directory=str(directory),
+                is_python_module=False, verbose=False,
+            )
     except Exception as error:  # compiler, headers or ninja missing: many exception types
         first_line = next(iter(str(error).splitlines()), "")
         log.warning("building cascade's CPU kernels failed (%s: %s); weight products and attention use "
@@ -72,19 +89,7 @@ def weight_kernel_available() -> bool:
     if not torch.ops.cascade_kernels.has_fast_path():
         log.warning("this CPU lacks AVX512-BF16: weight products use PyTorch's kernels")
         return False
-    torch.library.register_fake("cascade_kernels::rows_times_weight", _product_shape)
-    torch.library.register_fake("cascade_kernels::rows_times_int8", _int8_product_shape)
     return True
-
-
-def _product_shape(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """What the kernel returns, for tracing: [T, I] x [O, I] -> [T, O] float32."""
-    return rows.new_empty((rows.shape[0], weight.shape[0]), dtype=torch.float32)
-
-
-def _int8_product_shape(rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """[T, I] x a packed int8 weight with scales [O] -> [T, O] float32."""
-    return rows.new_empty((rows.shape[0], scales.shape[0]), dtype=torch.float32)
 
 
 @cache

@@ -25,6 +25,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "products.h"
+
 namespace {
 
 constexpr int64_t kBlockOutputs = 16;  // output rows per packed block (int32 columns of a tile)
@@ -114,6 +116,10 @@ void output_block(const int8_t* quantised, const float* row_scales, const int8_t
 
 #endif
 
+}  // namespace
+
+namespace cascade_kernels {
+
 at::Tensor rows_times_int8(const at::Tensor& rows, const at::Tensor& packed, const at::Tensor& scales) {
   TORCH_CHECK(rows.dim() == 2 && rows.size(0) >= 1 && rows.size(0) <= kMaxRows,
               "rows_times_int8: rows [T, I] with 1 <= T <= 16; got ", rows.sizes());
@@ -154,6 +160,10 @@ at::Tensor rows_times_int8(const at::Tensor& rows, const at::Tensor& packed, con
 #endif
 }
 
+}  // namespace cascade_kernels
+
+namespace {
+
 bool has_int8_kernel() {
 #if defined(__AMX_INT8__) && defined(__AVX512BW__)
   return true;
@@ -169,4 +179,4 @@ TORCH_LIBRARY_FRAGMENT(cascade_kernels, m) {
   m.def("has_int8_kernel() -> bool", &has_int8_kernel);
 }
 
-TORCH_LIBRARY_IMPL(cascade_kernels, CPU, m) { m.impl("rows_times_int8", &rows_times_int8); }
+TORCH_LIBRARY_IMPL(cascade_kernels, CPU, m) { m.impl("rows_times_int8", &cascade_kernels::rows_times_int8); }

@@ -20,6 +20,7 @@
 
 #include <cstdint>
 
+#include "products.h"
 #include "tiles.h"
 
 namespace {
@@ -147,6 +148,10 @@ void amx_product(const at::Tensor& rows, const at::BFloat16* weight, float* out,
 
 #endif
 
+}  // namespace
+
+namespace cascade_kernels {
+
 at::Tensor rows_times_weight(const at::Tensor& rows, const at::Tensor& weight) {
   TORCH_CHECK(rows.dim() == 2 && weight.dim() == 2, "rows_times_weight: rows [T, I] and weight [O, I]; got ",
               rows.sizes(), " and ", weight.sizes());
@@ -187,6 +192,10 @@ at::Tensor rows_times_weight(const at::Tensor& rows, const at::Tensor& weight) {
 #endif
 }
 
+}  // namespace cascade_kernels
+
+namespace {
+
 bool has_fast_path() {
 #if defined(__AVX512BF16__)
   return true;
@@ -203,4 +212,4 @@ TORCH_LIBRARY(cascade_kernels, m) {
   m.def("set_amx(bool on) -> ()", &set_amx);
 }
 
-TORCH_LIBRARY_IMPL(cascade_kernels, CPU, m) { m.impl("rows_times_weight", &rows_times_weight); }
+TORCH_LIBRARY_IMPL(cascade_kernels, CPU, m) { m.impl("rows_times_weight", &cascade_kernels::rows_times_weight); }

@@ -1,0 +1,189 @@
+// A decoder layer's work around attention, for a short bf16 pass on CPU, as one call each side.
+//
+// A decode step of a small model is mostly host time when each layer is a chain of framework ops:
+// SmolLM2's 30 layers as compiled graphs spent ~14 ms of a 27 ms step outside the weight products
+// (graph guards, wrappers, small elementwise kernels). Here each side of attention is one op:
+//
+//   pre_attention:  x [T, C] -> RMSNorm -> qkv product (+ bias) -> rotary on queries and keys
+//                   -> query [1, H, T, D], key [1, H_kv, T, D], value [1, H_kv, T, D]
+//   post_attention: x, attended [1, H, T, D] -> x + o product -> RMSNorm -> gate/up product
+//                   -> SiLU(gate) * up -> down product -> + residual
+//   logits:         x [N, C] -> RMSNorm -> head product -> [N, V]
+//
+// The products are cascade's kernels (products.h): bf16 weights, or int8 ones packed by
+// cascade.quantise where a scales tensor comes with them. Elementwise work runs in float32 and
+// rounds to bf16 where the model's other passes round: after each norm, each projection, the
+// rotation, the SiLU product and each residual sum.
+
+#include <torch/library.h>
+#include <torch/torch.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <tuple>
+
+#include "products.h"
+#include "vector_math.h"
+
+namespace {
+
+using at::BFloat16;
+
+at::Tensor product(const at::Tensor& rows, const at::Tensor& weight, const std::optional<at::Tensor>& scales) {
+  return scales.has_value() ? cascade_kernels::rows_times_int8(rows, weight, *scales)
+                            : cascade_kernels::rows_times_weight(rows, weight);
+}
+
+// x [T, C] bf16 -> x / rms(x) * weight, bf16.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const int64_t rows = x.size(0), width = x.size(1);
+  at::Tensor out = at::empty_like(x);
+  const auto* source = x.data_ptr<BFloat16>();
+  const auto* gain = weight.data_ptr<BFloat16>();
+  auto* target = out.data_ptr<BFloat16>();
+  for (int64_t t = 0; t < rows; ++t) {
+    const BFloat16* row = source + t * width;
+    float squares = 0.0f;
+    for (int64_t c = 0; c < width; ++c) squares += static_cast<float>(row[c]) * static_cast<float>(row[c]);
+    const float inverse = 1.0f / std::sqrt(squares / width + static_cast<float>(eps));
+    for (int64_t c = 0; c < width; ++c) {
+      target[t * width + c] = BFloat16(static_cast<float>(row[c]) * inverse * static_cast<float>(gain[c]));
+    }
+  }
+  return out;
+}
+
+void check_pass(const at::Tensor& x, const at::Tensor& norm_weight) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "cascade layer kernels: a contiguous bf16 residual stream [T, C]; got ", x.sizes(), " ", x.scalar_type());
+  TORCH_CHECK(norm_weight.scalar_type() == at::kBFloat16 && norm_weight.numel() == x.size(1),
+              "cascade layer kernels: a bf16 norm weight of ", x.size(1), " values; got ", norm_weight.sizes());
+}
+
+// projections [T, (H + 2 H_kv) D] float32 (+ bias) -> [H + 2 H_kv, T, D] bf16, the first H + H_kv heads
+// (queries, keys) rotated by cos / sin [T, D] (half-split convention).
+at::Tensor rotate_heads(const at::Tensor& projections, const std::optional<at::Tensor>& bias, const at::Tensor& cos,
+                        const at::Tensor& sin, int64_t rotated_heads, int64_t total_heads) {
+  const int64_t tokens = projections.size(0), dim = projections.size(1) / total_heads, half = dim / 2;
+  at::Tensor out = at::empty({total_heads, tokens, dim}, projections.options().dtype(at::kBFloat16));
+  const float* source = projections.data_ptr<float>();
+  const BFloat16* offsets = bias.has_value() ? bias->data_ptr<BFloat16>() : nullptr;
+  const BFloat16* cosines = cos.data_ptr<BFloat16>();
+  const BFloat16* sines = sin.data_ptr<BFloat16>();
+  auto* target = out.data_ptr<BFloat16>();
+  float head[512];
+  for (int64_t h = 0; h < total_heads; ++h) {
+    for (int64_t t = 0; t < tokens; ++t) {
+      const float* row = source + t * projections.size(1) + h * dim;
+      for (int64_t d = 0; d < dim; ++d) {  // rounded as the projection's output is
+        head[d] = static_cast<float>(BFloat16(row[d] + (offsets ? static_cast<float>(offsets[h * dim + d]) : 0.0f)));
+      }
+      BFloat16* out_row = target + (h * tokens + t) * dim;
+      if (h >= rotated_heads) {
+        for (int64_t d = 0; d < dim; ++d) out_row[d] = BFloat16(head[d]);
+        continue;
+      }
+      const BFloat16* c = cosines + t * dim;
+      const BFloat16* s = sines + t * dim;
+      for (int64_t d = 0; d < dim; ++d) {
+        const float partner = d < half ? -head[d + half] : head[d - half];
+        out_row[d] = BFloat16(head[d] * static_cast<float>(c[d]) + partner * static_cast<float>(s[d]));
+      }
+    }
+  }
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> pre_attention(
+    const at::Tensor& x, const at::Tensor& norm_weight, const at::Tensor& qkv_weight,
+    const std::optional<at::Tensor>& qkv_scales, const std::optional<at::Tensor>& qkv_bias, const at::Tensor& cos,
+    const at::Tensor& sin, double eps, int64_t heads, int64_t kv_heads) {
+  check_pass(x, norm_weight);
+  const int64_t total_heads = heads + 2 * kv_heads;
+  const at::Tensor projections = product(rms_norm(x, norm_weight, eps), qkv_weight, qkv_scales);  // [T, (H + 2 H_kv) D]
+  const int64_t dim = projections.size(1) / total_heads;
+  TORCH_CHECK(dim * total_heads == projections.size(1) && dim % 2 == 0 && dim <= 512,
+              "pre_attention: ", projections.size(1), " projections do not split into ", total_heads,
+              " heads of an even size up to 512");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == x.size(0) && cos.size(1) == dim,
+              "pre_attention: cos and sin [T, D] = [", x.size(0), ", ", dim, "]; got ", cos.sizes());
+  const at::Tensor heads_out = rotate_heads(projections, qkv_bias, cos.contiguous(), sin.contiguous(),
+                                            heads + kv_heads, total_heads);  // [H + 2 H_kv, T, D]
+  return {heads_out.narrow(0, 0, heads).unsqueeze(0), heads_out.narrow(0, heads, kv_heads).unsqueeze(0),
+          heads_out.narrow(0, heads + kv_heads, kv_heads).unsqueeze(0)};
+}
+
+// residual [T, C] bf16 + update [T, C] float32 (rounded to bf16 first) -> bf16.
+at::Tensor add_rounded(const at::Tensor& residual, const at::Tensor& update) {
+  at::Tensor out = at::empty_like(residual);
+  const auto* base = residual.data_ptr<BFloat16>();
+  const float* delta = update.data_ptr<float>();
+  auto* target = out.data_ptr<BFloat16>();
+  for (int64_t i = 0; i < residual.numel(); ++i) {
+    target[i] = BFloat16(static_cast<float>(base[i]) + static_cast<float>(BFloat16(delta[i])));
+  }
+  return out;
+}
+
+// gate and up [T, 2F] float32 -> SiLU(gate) * up [T, F] bf16, each rounded first as a projection is.
+at::Tensor gated(const at::Tensor& gate_up) {
+  const int64_t tokens = gate_up.size(0), width = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({tokens, width}, gate_up.options().dtype(at::kBFloat16));
+#if defined(__AVX512BF16__)
+  using cascade_vector::exp16;
+  const auto rounded = [](__m512 values) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(values)); };
+  const float* source = gate_up.data_ptr<float>();
+  auto* target = out.data_ptr<BFloat16>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t f = 0; f < width; f += 16) {
+      const __mmask16 lanes = (__mmask16)((1u << std::min<int64_t>(16, width - f)) - 1);
+      const __m512 gate = rounded(_mm512_maskz_loadu_ps(lanes, source + t * 2 * width + f));
+      const __m512 up = rounded(_mm512_maskz_loadu_ps(lanes, source + t * 2 * width + width + f));
+      const __m512 silu = _mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate))));
+      _mm256_mask_storeu_epi16(target + t * width + f, lanes, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(silu, up)));
+    }
+  }
+#else
+  TORCH_CHECK(false, "post_attention: this build has no AVX512-BF16");
+#endif
+  return out;
+}
+
+at::Tensor post_attention(const at::Tensor& x, const at::Tensor& attended, const at::Tensor& o_weight,
+                          const std::optional<at::Tensor>& o_scales, const at::Tensor& norm_weight,
+                          const at::Tensor& gate_up_weight, const std::optional<at::Tensor>& gate_up_scales,
+                          const at::Tensor& down_weight, const std::optional<at::Tensor>& down_scales, double eps) {
+  check_pass(x, norm_weight);
+  TORCH_CHECK(attended.dim() == 4 && attended.size(0) == 1 && attended.size(2) == x.size(0),
+              "post_attention: attention output [1, H, T, D] for T = ", x.size(0), "; got ", attended.sizes());
+  const at::Tensor rows = attended[0].transpose(0, 1).reshape({x.size(0), -1}).contiguous();  // [T, H D]
+  const at::Tensor mixed = add_rounded(x, product(rows, o_weight, o_scales));  // [T, C]
+  const at::Tensor gate_up = product(rms_norm(mixed, norm_weight, eps), gate_up_weight, gate_up_scales);
+  return add_rounded(mixed, product(gated(gate_up), down_weight, down_scales));
+}
+
+at::Tensor logits(const at::Tensor& x, const at::Tensor& norm_weight, const at::Tensor& head_weight,
+                  const std::optional<at::Tensor>& head_scales, double eps) {
+  check_pass(x, norm_weight);
+  return product(rms_norm(x, norm_weight, eps), head_weight, head_scales).to(at::kBFloat16);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(cascade_kernels, m) {
+  m.def("pre_attention(Tensor x, Tensor norm_weight, Tensor qkv_weight, Tensor? qkv_scales, Tensor? qkv_bias, "
+        "Tensor cos, Tensor sin, float eps, int heads, int kv_heads) -> (Tensor, Tensor, Tensor)");
+  m.def("post_attention(Tensor x, Tensor attended, Tensor o_weight, Tensor? o_scales, Tensor norm_weight, "
+        "Tensor gate_up_weight, Tensor? gate_up_scales, Tensor down_weight, Tensor? down_scales, float eps) -> Tensor");
+  m.def("logits(Tensor x, Tensor norm_weight, Tensor head_weight, Tensor? head_scales, float eps) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(cascade_kernels, CPU, m) {
+  m.impl("pre_attention", &pre_attention);
+  m.impl("post_attention", &post_attention);
+  m.impl("logits", &logits);
+}

@@ -1,0 +1,15 @@
+// The weight products of cascade's CPU kernels, for the other kernels that call them directly.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace cascade_kernels {
+
+// rows [T, I] bf16 (T <= 16) x weight [O, I] bf16 -> [T, O] float32 (rows_times_weight.cpp).
+at::Tensor rows_times_weight(const at::Tensor& rows, const at::Tensor& weight);
+
+// rows [T, I] bf16 (T <= 16) x an int8 weight packed by cascade.quantise, scales [O] -> [T, O]
+// float32 (rows_times_int8.cpp).
+at::Tensor rows_times_int8(const at::Tensor& rows, const at::Tensor& packed, const at::Tensor& scales);
+
+}  // namespace cascade_kernels
