@@ -202,3 +202,16 @@ def test_a_failed_build_of_the_cpu_kernels_leaves_pytorchs_kernels_and_says_why(
         assert kernels.weight_kernel_available.__wrapped__() is False
     assert caplog.messages == ["building cascade's CPU kernels failed (RuntimeError: ninja: command not found); "
                                "weight products and attention use PyTorch's kernels"]
+
+
+@pytest.mark.skipif(not kernels.attention_kernel_available(), reason="cascade's CPU layer and attention ops do not run here")
+@pytest.mark.parametrize("family", ["qwen2-bias", "llama-gqa-tied"])
+def test_bfloat16_passes_of_any_width_equal_one_token_steps_bit_for_bit(tmp_path, family):
+    """Row-independent products and layer ops, and attention that scores every key alike however many
+    follow it: a verification pass computes what the steps it replaces would have, so a bf16 greedy
+    speculative run emits exactly the bf16 autoregressive tokens."""
+    model = load_model(make_checkpoint(tmp_path / "m", family), torch.bfloat16, CPU)
+    fused.use_cpu_kernels()
+    steps = decode(model, "full", MAX_GRAPH_TOKENS, ONE_TOKEN)
+    assert torch.equal(decode(model, "full", MAX_GRAPH_TOKENS, SHORT_PASSES), steps)
+    assert torch.equal(decode(model, "full", MAX_GRAPH_TOKENS, (GENERATED,)), steps)

@@ -46,30 +46,48 @@ struct Operands {
 };
 
 // Scores [keys, rows] of keys [k0, k1) against a chunk of `rows` query rows (pairs: the chunk's
-// rows pair-interleaved, [D / 2, rows]) into `scores`, unscaled. Tiles of 16 keys go through AMX
-// (head sizes that are multiples of 32); the other keys through AVX-512 dot products of the
-// chunk's float rows.
+// rows pair-interleaved, [D / 2, rows]) into `scores`, unscaled. With head sizes that are multiples
+// of 32 every key goes through AMX, tiles of 16 keys; the last few keys of the cache are copied into a
+// zero-padded tile first, so a key's score never depends on how many keys follow it (a verification
+// pass scores each key as the decode step before it did, bit for bit). Other head sizes go through
+// AVX-512 dot products of the chunk's float rows.
 void block_scores(const Operands& op, const at::BFloat16* pairs, const float* query_rows, int64_t rows,
                   int64_t k0, int64_t k1, float* scores) {
-  const int64_t tiled = op.dim % kTileInputs == 0 ? (k1 - k0) / kTileRows * kTileRows : 0;  // AMX reads 32 per row
-  const int64_t full = k0 + tiled;
-  for (int64_t k = k0; k < full; k += kTileRows) {
+  if (op.dim % kTileInputs != 0) {
+    for (int64_t k = k0; k < k1; ++k) {
+      for (int64_t r = 0; r < rows; ++r) {
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t d = 0; d < op.dim; d += 16) {
+          const __m512 key = bf16_to_float(_mm256_loadu_si256((const __m256i*)(op.keys + k * op.key_stride + d)));
+          sum = _mm512_fmadd_ps(_mm512_loadu_ps(query_rows + r * op.dim + d), key, sum);
+        }
+        scores[(k - k0) * rows + r] = _mm512_reduce_add_ps(sum);
+      }
+    }
+    return;
+  }
+  alignas(64) at::BFloat16 padded[kTileRows * 128] = {};  // the last keys, head size <= 128
+  alignas(64) float tail_scores[kTileRows * kTileRows];
+  for (int64_t k = k0; k < k1; k += kTileRows) {
+    const int64_t count = std::min(kTileRows, k1 - k);
+    const at::BFloat16* source = op.keys + k * op.key_stride;
+    int64_t stride = op.key_stride;
+    if (count < kTileRows) {
+      for (int64_t j = 0; j < count; ++j) std::copy_n(op.keys + (k + j) * op.key_stride, op.dim, padded + j * op.dim);
+      source = padded;
+      stride = op.dim;
+    }
     _tile_zero(0);
     for (int64_t d = 0; d < op.dim; d += kTileInputs) {
-      _tile_loadd(2, op.keys + k * op.key_stride + d, op.key_stride * 2);
+      _tile_loadd(2, source + d, stride * 2);
       _tile_loadd(4, pairs + d * rows, rows * 4);
       _tile_dpbf16ps(0, 2, 4);
     }
-    _tile_stored(0, scores + (k - k0) * rows, rows * 4);
-  }
-  for (int64_t k = full; k < k1; ++k) {
-    for (int64_t r = 0; r < rows; ++r) {
-      __m512 sum = _mm512_setzero_ps();
-      for (int64_t d = 0; d < op.dim; d += 16) {
-        const __m512 key = bf16_to_float(_mm256_loadu_si256((const __m256i*)(op.keys + k * op.key_stride + d)));
-        sum = _mm512_fmadd_ps(_mm512_loadu_ps(query_rows + r * op.dim + d), key, sum);
-      }
-      scores[(k - k0) * rows + r] = _mm512_reduce_add_ps(sum);
+    if (count == kTileRows) {
+      _tile_stored(0, scores + (k - k0) * rows, rows * 4);
+    } else {
+      _tile_stored(0, tail_scores, rows * 4);
+      std::copy_n(tail_scores, count * rows, scores + (k - k0) * rows);
     }
   }
 }

@@ -26,6 +26,7 @@
 #include <cstdint>
 
 #include "products.h"
+#include "tiles.h"
 
 namespace {
 
@@ -35,13 +36,7 @@ constexpr int64_t kMaxRows = 16;
 
 #if defined(__AMX_INT8__) && defined(__AVX512BW__)
 
-struct TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
+using cascade_tiles::TileConfig;
 
 // Tile 0: quantised activations [T, 64] int8; 1: a weight block [16 quads, 16 x 4] int8;
 // 2: the product [T, 16] int32.

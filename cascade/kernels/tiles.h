@@ -5,13 +5,9 @@
 
 #include <cstdint>
 
-#if defined(__AMX_BF16__)
-
 namespace cascade_tiles {
 
-constexpr int64_t kTileRows = 16;  // rows of a tile
-constexpr int64_t kTileInputs = 32;  // bf16 values in a tile row (64 bytes)
-
+// The 64-byte block _tile_loadconfig reads: palette 1, each tile's rows and bytes per row.
 struct TileConfig {
   uint8_t palette = 1;
   uint8_t start_row = 0;
@@ -19,6 +15,15 @@ struct TileConfig {
   uint16_t bytes_per_row[16] = {};
   uint8_t rows[16] = {};
 };
+
+}  // namespace cascade_tiles
+
+#if defined(__AMX_BF16__)
+
+namespace cascade_tiles {
+
+constexpr int64_t kTileRows = 16;  // rows of a tile
+constexpr int64_t kTileInputs = 32;  // bf16 values in a tile row (64 bytes)
 
 // Tiles 0-1: accumulators [16, columns] float32; 2-3: row-major operands [16, 32] bf16 read from
 // memory; 4: the pair-interleaved operand [16 pairs, columns].
