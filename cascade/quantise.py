@@ -77,6 +77,10 @@ def quantise_int8(model: CausalLM) -> CausalLM:
     return model
 
 
+def is_quantised(model: CausalLM) -> bool:
+    return isinstance(model.lm_head, Int8Linear)
+
+
 def projection(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A projection's (weight, per-row scales), the scales None for an unquantised one."""
     return (linear.weight, linear.scales) if isinstance(linear, Int8Linear) else (linear.weight, None)

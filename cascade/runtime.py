@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from cache.full import FullCache
-from cascade import fused
+from cascade import fused, kernels
 from cascade.attention import resolve_kernels
 from cascade.checkpoint import LoadedModel, load_checkpoint, stretch_factor
 from cascade.errors import CascadeError
@@ -20,7 +20,7 @@ from cascade.model import CausalLM
 from cascade.models import checkpoint_path, default_model
 from cascade.pipeline import GenerationResult, Pipeline, StopRule, TokenCallback
 from cascade.prompt_cache import PromptCache, model_key
-from cascade.quantise import quantise_int8
+from cascade.quantise import is_quantised, quantise_int8
 from cascade.schedule import SCHEDULES, Schedule
 from cascade.stage import Stage
 from cascade.tree import TokenTree
@@ -240,7 +240,7 @@ def prompt_cache(config: PipelineConfig, loaded: LoadedModel, model_config: Mode
     settings = {"dtype": str(model.dtype), "device": model.device.type, "fused_tokens": model.fused_tokens,
                 "attention": model.attention,
                 "rope_scaling": model_config.rope_scaling.model_dump() if model_config.rope_scaling else None,
-                "quantise": model_config.quantise}
+                "quantise": "int8" if is_quantised(model) else "none"}
     return PromptCache(Path(config.prompt_cache.dir).expanduser(), model_key(loaded.path, settings),
                        int(config.prompt_cache.max_gb * 2**30), log)
 
@@ -271,9 +271,16 @@ def load_model(
     path = checkpoint_path(config.path) if config.path else default_model(role, log, target)
     scaling = config.rope_scaling.model_dump() if config.rope_scaling else None
     loaded = load_checkpoint(path, dtype, device, scaling)
-    if config.quantise == "int8":
+    if int8_weights(config.quantise, dtype, device):
         quantise_int8(loaded.model)
     return loaded
+
+
+def int8_weights(setting: str, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a model whose config says ``quantise: setting`` gets int8 weights here."""
+    if setting == "auto":
+        return device.type == "cpu" and dtype == torch.bfloat16 and kernels.int8_kernel_available()
+    return setting == "int8"
 
 
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:

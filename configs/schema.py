@@ -32,10 +32,12 @@ class ModelConfig(Strict):
     null means the default model provisioned for this role."""
     rope_scaling: RopeScalingConfig | None = None
     """Override the checkpoint's rope scaling (e.g. YaRN to run SmolLM2 beyond 8K tokens)."""
-    quantise: Literal["none", "int8"] = "none"
+    quantise: Literal["none", "int8", "auto"] = "none"
     """Draft only: int8 projections, per output channel (half the bytes a bf16 pass reads). The
     target verifies every token, so the output is still the target's own; naming the target's own
-    checkpoint as the draft makes a quantised self-draft."""
+    checkpoint as the draft makes a quantised self-draft. auto: int8 where cascade's int8 kernel
+    runs (bf16 on a CPU with AMX-INT8), elsewhere the weights as loaded (unpacking int8 weights for
+    every product would be slower than bf16)."""
 
 
 MIN_TEMPERATURE = 1e-4

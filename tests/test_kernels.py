@@ -97,7 +97,7 @@ def reference_attention(query, keys, values, scale, causal):
 ])
 @pytest.mark.parametrize("causal", [True, False])
 def test_decode_attention_equals_float64_reference(heads, kv_heads, tokens, num_keys, dim, causal):
-    if not torch.ops.cascade_kernels.has_attention_kernel():
+    if not kernels.attention_kernel_available():
         pytest.skip("no AMX here")
     generator = torch.Generator().manual_seed(heads * num_keys + tokens)
     query = torch.randn(heads, tokens, dim, generator=generator).bfloat16()

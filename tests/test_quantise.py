@@ -117,3 +117,14 @@ def test_the_target_cannot_be_quantised():
         PipelineConfig.model_validate({"stages": stages, "target": {"quantise": "int8"}})
     with pytest.raises(ValidationError, match="quantise"):
         PipelineConfig.model_validate({"stages": stages, "draft": {"quantise": "int4"}})
+
+
+def test_the_speculative_preset_quantises_its_draft_where_the_int8_kernel_runs(tiny_dir, tiny_draft_dir, monkeypatch):
+    assert not isinstance(runtime_for("speculative", tiny_dir, tiny_draft_dir).draft.model.lm_head, Int8Linear)
+    for name in ("cpu_layers", "int8_kernel", "attention_kernel"):  # the runtime sets them: restore them after
+        monkeypatch.setattr(fused, name, getattr(fused, name))
+    for available in (True, False):
+        monkeypatch.setattr(kernels, "int8_kernel_available", lambda: available)
+        runtime = runtime_for("speculative", tiny_dir, tiny_draft_dir, dtype="bfloat16")
+        assert isinstance(runtime.draft.model.lm_head, Int8Linear) == available  # auto: bf16 on AMX-INT8
+        assert not isinstance(runtime.target.model.lm_head, Int8Linear)

@@ -86,22 +86,28 @@ def weight_kernel_available() -> bool:
         log.warning("building cascade's CPU kernels failed (%s: %s); weight products and attention use "
                     "PyTorch's kernels", type(error).__name__, first_line)
         return False
-    if not torch.ops.cascade_kernels.has_fast_path():
+    if "avx512_bf16" not in compiled_features():
         log.warning("this CPU lacks AVX512-BF16: weight products use PyTorch's kernels")
         return False
     return True
 
 
 @cache
+def compiled_features() -> frozenset[str]:
+    """What the loaded build compiled for: avx512_bf16, amx_bf16, amx_int8 (see ``features()``)."""
+    return frozenset(torch.ops.cascade_kernels.features())
+
+
+@cache
 def int8_kernel_available() -> bool:
     """Whether ``torch.ops.cascade_kernels.rows_times_int8`` runs here (it needs AMX-INT8)."""
-    return weight_kernel_available() and torch.ops.cascade_kernels.has_int8_kernel()
+    return weight_kernel_available() and "amx_int8" in compiled_features()
 
 
 @cache
 def attention_kernel_available() -> bool:
     """Whether ``torch.ops.cascade_kernels.decode_attention`` runs here (it needs AMX tiles)."""
-    return weight_kernel_available() and torch.ops.cascade_kernels.has_attention_kernel()
+    return weight_kernel_available() and "amx_bf16" in compiled_features()
 
 
 ATTENTION_HEAD_SIZES = (16, 32, 64, 128)

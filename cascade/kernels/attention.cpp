@@ -251,24 +251,15 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, con
   }
   out.copy_(merged.view({heads, tokens, dim}));
 #else
-  TORCH_CHECK(false, "decode_attention: this build has no AMX (has_attention_kernel() is false)");
+  TORCH_CHECK(false, "decode_attention: this build has no AMX (see features())");
 #endif
   return out;
-}
-
-bool has_attention_kernel() {
-#if defined(__AMX_BF16__)
-  return true;
-#else
-  return false;
-#endif
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(cascade_kernels, m) {
   m.def("decode_attention(Tensor query, Tensor keys, Tensor values, float scale, bool causal) -> Tensor");
-  m.def("has_attention_kernel() -> bool", &has_attention_kernel);
 }
 
 TORCH_LIBRARY_IMPL(cascade_kernels, CPU, m) { m.impl("decode_attention", &decode_attention); }

@@ -150,28 +150,15 @@ at::Tensor rows_times_int8(const at::Tensor& rows, const at::Tensor& packed, con
   });
   return out;
 #else
-  TORCH_CHECK(false, "rows_times_int8: this build has no AMX-INT8 (has_int8_kernel() is false)");
+  TORCH_CHECK(false, "rows_times_int8: this build has no AMX-INT8 (see features())");
   return {};
 #endif
 }
 
 }  // namespace cascade_kernels
 
-namespace {
-
-bool has_int8_kernel() {
-#if defined(__AMX_INT8__) && defined(__AVX512BW__)
-  return true;
-#else
-  return false;
-#endif
-}
-
-}  // namespace
-
 TORCH_LIBRARY_FRAGMENT(cascade_kernels, m) {
   m.def("rows_times_int8(Tensor rows, Tensor packed, Tensor scales) -> Tensor");
-  m.def("has_int8_kernel() -> bool", &has_int8_kernel);
 }
 
 TORCH_LIBRARY_IMPL(cascade_kernels, CPU, m) { m.impl("rows_times_int8", &cascade_kernels::rows_times_int8); }

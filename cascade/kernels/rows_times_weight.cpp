@@ -9,7 +9,7 @@
 // both paths) go as blocks of four weight rows with AVX512-BF16 dot products (32 bf16 pairs per
 // instruction, float32 accumulation).
 //
-// Built with -march=native: on a CPU without AVX512-BF16 `has_fast_path()` is false, the Python
+// Built with -march=native: on a CPU without AVX512-BF16 `features()` lacks it, the Python
 // side keeps PyTorch's kernels, and the op refuses to run.
 
 #include <ATen/Parallel.h>
@@ -19,6 +19,8 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include "products.h"
 #include "tiles.h"
@@ -187,7 +189,7 @@ at::Tensor rows_times_weight(const at::Tensor& rows, const at::Tensor& weight) {
   }
   return out;
 #else
-  TORCH_CHECK(false, "rows_times_weight: this build has no AVX512-BF16 (has_fast_path() is false)");
+  TORCH_CHECK(false, "rows_times_weight: this build has no AVX512-BF16 (see features())");
   return {};
 #endif
 }
@@ -196,19 +198,27 @@ at::Tensor rows_times_weight(const at::Tensor& rows, const at::Tensor& weight) {
 
 namespace {
 
-bool has_fast_path() {
+// The instruction sets this build compiled its kernels for (-march=native): "avx512_bf16" (the weight
+// product and the layer ops), "amx_bf16" (attention), "amx_int8" (the int8 product).
+std::vector<std::string> features() {
+  std::vector<std::string> compiled;
 #if defined(__AVX512BF16__)
-  return true;
-#else
-  return false;
+  compiled.push_back("avx512_bf16");
 #endif
+#if defined(__AMX_BF16__)
+  compiled.push_back("amx_bf16");
+#endif
+#if defined(__AMX_INT8__) && defined(__AVX512BW__)
+  compiled.push_back("amx_int8");
+#endif
+  return compiled;
 }
 
 }  // namespace
 
 TORCH_LIBRARY(cascade_kernels, m) {
   m.def("rows_times_weight(Tensor rows, Tensor weight) -> Tensor");
-  m.def("has_fast_path() -> bool", &has_fast_path);
+  m.def("features() -> str[]", &features);
   m.def("set_amx(bool on) -> ()", &set_amx);
 }
 
