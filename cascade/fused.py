@@ -5,7 +5,7 @@ A short pass multiplies a few rows by every weight matrix: it is bound by readin
 and each layer also pays for a dozen small ops. On a CPU with AVX512-BF16, bf16 passes run each
 layer's work before attention (RMSNorm, the QKV product, bias, rotary) and after it (the output
 product, residual, RMSNorm, gate/up product, SiLU, down product, residual) as one C++ op each, and
-the logits as a third (``cascade.kernels``, ``layer.cpp``): the products are cascade's AMX kernels,
+the logits as a third (``cascade.kernels``, ``layer.cpp``): the products are cascade's kernels (AMX or AVX-512),
 for bf16 weights or the int8 ones of ``cascade.quantise``, and no graph guard or wrapper runs per
 layer (a SmolLM2 step at 1K: 20 ms, against 25 ms as compiled graphs around the same kernels).
 
@@ -50,15 +50,15 @@ cpu_layers = False
 attention (and the logits) as cascade's C++ ops (``cascade.kernels``, ``layer.cpp``) instead of the
 compiled graphs: no graph guards, wrappers or small kernels per layer (set by ``use_cpu_kernels``)."""
 int8_kernel = False
-"""Whether those ops take int8 weights (``cascade.quantise``) too, with cascade's AMX-INT8 kernel
-(set by ``use_cpu_kernels``); without it an int8 model's passes run the compiled graphs."""
+"""Whether those ops take int8 weights (``cascade.quantise``) too, with cascade's int8 kernel
+(AMX-INT8 or AVX512-VNNI; set by ``use_cpu_kernels``); without it an int8 model's passes run the compiled graphs."""
 attention_kernel = False
 """Whether bf16 attention of these passes over an unmasked or causal view goes through cascade's
 flash-decoding kernel on CPU (set by ``use_cpu_kernels``)."""
 
 
 def use_cpu_kernels() -> bool:
-    """Route short bf16 passes' layers (and, with AMX, their int8 products and attention) through
+    """Route short bf16 passes' layers (and, where their kernels build, their int8 products and attention) through
     ``cascade.kernels`` where they build and run here; returns whether the layer ops do."""
     global cpu_layers, int8_kernel, attention_kernel
     cpu_layers = kernels.weight_kernel_available()

@@ -6,9 +6,9 @@ projection's weight becomes int8 per output row, symmetric (scale = the row's la
 127), as QuantSpec drafts with the target's own quantised weights. The embedding stays as loaded
 (a pass reads one row of it); a tied output projection is quantised apart from it.
 
-The int8 weight is kept packed for cascade's AMX kernel (``rows_times_int8.cpp``, which also
+The int8 weight is kept packed for cascade's int8 kernel (``rows_times_int8.cpp``, which also
 quantises the activations, per 64 inputs): the fused passes of ``cascade.fused`` go through it on a
-CPU with AMX-INT8. Everything else (prefill chunks, eager passes, other devices) unpacks the weight
+CPU with AMX-INT8 or AVX512-VNNI. Everything else (prefill chunks, eager passes, other devices) unpacks the weight
 and takes the dense product with unquantised activations (``dense_int8_product``).
 """
 

@@ -36,7 +36,7 @@ class ModelConfig(Strict):
     """Draft only: int8 projections, per output channel (half the bytes a bf16 pass reads). The
     target verifies every token, so the output is still the target's own; naming the target's own
     checkpoint as the draft makes a quantised self-draft. auto: int8 where cascade's int8 kernel
-    runs (bf16 on a CPU with AMX-INT8), elsewhere the weights as loaded (unpacking int8 weights for
+    runs (bf16 on a CPU with AMX-INT8 or AVX512-VNNI), elsewhere the weights as loaded (unpacking int8 weights for
     every product would be slower than bf16)."""
 
 

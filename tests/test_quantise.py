@@ -20,7 +20,7 @@ from tests.test_fused import CPU, SHORT_PASSES, decode, layer_op_calls, layer_op
 from tests.test_pipeline import PROMPT, generate, runtime_for
 
 needs_int8_kernel = pytest.mark.skipif(not kernels.int8_kernel_available(),
-                                       reason="cascade's int8 kernel needs AMX-INT8 and a C++ compiler")
+                                       reason="cascade's int8 kernel needs AMX-INT8 or AVX512-VNNI and a C++ compiler")
 SHAPES = [(960, 576), (96, 1536), (101, 64), (7, 37), (33, 130), (16, 64)]
 
 
@@ -69,6 +69,22 @@ def test_int8_kernel_equals_its_arithmetic_in_float64(num_rows, outputs, inputs)
     torch.testing.assert_close(got.double(), expected, atol=1e-4 * expected.abs().max().item(), rtol=1e-5)
     exact = rows.double() @ linear(outputs, inputs, seed=num_rows).weight.double().T
     assert (got.double() - exact).abs().max() <= 0.02 * exact.abs().max()  # int8 keeps ~2 digits
+
+
+@needs_int8_kernel
+@pytest.mark.parametrize("num_rows", [1, 3, 16])
+def test_int8_kernel_amx_and_vnni_paths_compute_the_same_sums(num_rows):
+    if "amx_int8" not in kernels.compiled_features():
+        pytest.skip("this CPU has no AMX-INT8: only the AVX512-VNNI path runs")
+    quantised = Int8Linear(linear(960, 576, seed=num_rows))
+    rows = torch.randn(num_rows, 576, generator=torch.Generator().manual_seed(1)).bfloat16()
+    tiles = torch.ops.cascade_kernels.rows_times_int8(rows, quantised.weight, quantised.scales)
+    try:
+        torch.ops.cascade_kernels.set_amx(False)
+        vectors = torch.ops.cascade_kernels.rows_times_int8(rows, quantised.weight, quantised.scales)
+    finally:
+        torch.ops.cascade_kernels.set_amx(True)
+    assert torch.equal(tiles, vectors)  # exact int32 block sums either way
 
 
 @needs_int8_kernel
@@ -126,5 +142,5 @@ def test_the_speculative_preset_quantises_its_draft_where_the_int8_kernel_runs(t
     for available in (True, False):
         monkeypatch.setattr(kernels, "int8_kernel_available", lambda: available)
         runtime = runtime_for("speculative", tiny_dir, tiny_draft_dir, dtype="bfloat16")
-        assert isinstance(runtime.draft.model.lm_head, Int8Linear) == available  # auto: bf16 on AMX-INT8
+        assert isinstance(runtime.draft.model.lm_head, Int8Linear) == available  # auto: int8 where the int8 kernel runs
         assert not isinstance(runtime.target.model.lm_head, Int8Linear)

@@ -4,9 +4,9 @@ compiler torch.compile already needs.
 ``rows_times_weight``: 1-16 bf16 activation rows times a bf16 weight matrix, reading the weight
 once at memory speed (see ``rows_times_weight.cpp``). ``decode_attention``: a short pass's
 attention over a bf16 KV cache, each key and value read once for every query head of its group
-and every token of the pass, key blocks split across threads (see ``attention.cpp``; it needs
-AMX). ``rows_times_int8``: the same product for an int8 weight packed by ``cascade.quantise``,
-the activations quantised per 64 inputs (see ``rows_times_int8.cpp``; it needs AMX-INT8). Where
+and every token of the pass, key blocks split across threads (see ``attention.cpp``; scores from
+AMX tiles where the CPU has them, else from AVX512-BF16 products). ``rows_times_int8``: the same product for an int8 weight packed by ``cascade.quantise``,
+the activations quantised per 64 inputs (see ``rows_times_int8.cpp``; AMX-INT8 or AVX512-VNNI). Where
 the build fails or the CPU lacks AVX512-BF16, ``weight_kernel_available()`` is false, a warning
 says why, and callers keep PyTorch's own kernels.
 """
@@ -94,20 +94,21 @@ def weight_kernel_available() -> bool:
 
 @cache
 def compiled_features() -> frozenset[str]:
-    """What the loaded build compiled for: avx512_bf16, amx_bf16, amx_int8 (see ``features()``)."""
+    """What the loaded build compiled for: avx512_bf16, amx_bf16, avx512_vnni, amx_int8 (see ``features()``)."""
     return frozenset(torch.ops.cascade_kernels.features())
 
 
 @cache
 def int8_kernel_available() -> bool:
-    """Whether ``torch.ops.cascade_kernels.rows_times_int8`` runs here (it needs AMX-INT8)."""
-    return weight_kernel_available() and "amx_int8" in compiled_features()
+    """Whether ``torch.ops.cascade_kernels.rows_times_int8`` runs here (AMX-INT8 or AVX512-VNNI)."""
+    return weight_kernel_available() and not {"amx_int8", "avx512_vnni"}.isdisjoint(compiled_features())
 
 
 @cache
 def attention_kernel_available() -> bool:
-    """Whether ``torch.ops.cascade_kernels.decode_attention`` runs here (it needs AMX tiles)."""
-    return weight_kernel_available() and "amx_bf16" in compiled_features()
+    """Whether ``torch.ops.cascade_kernels.decode_attention`` runs here (it needs AVX512-BF16, as the
+    weight kernel does; AMX only speeds its scores up)."""
+    return weight_kernel_available()
 
 
 ATTENTION_HEAD_SIZES = (16, 32, 64, 128)

@@ -5,9 +5,11 @@
 // of a longer slot buffer) -> out [H, T, D] bf16. The H / H_kv query heads of a KV head and the T
 // tokens of the pass are the R = G * T rows (g, t) that meet each key block once: each key and
 // value is read from memory once per pass. With `causal`, token t sees keys up to S - T + t (the
-// pass's own tokens are the last T keys). Scores come from AMX tiles (a block of 16 keys against
-// 16 query rows, float32 accumulation); the softmax and the weighted sum of the values run in
-// float32 (AVX-512).
+// pass's own tokens are the last T keys). Scores come from AMX tiles where the CPU has them (a block
+// of 16 keys against 16 query rows, float32 accumulation), else from AVX512-BF16 dot products (16 keys
+// at a time, their float32 lanes summed together); the softmax and the weighted sum of the values run
+// in float32 (AVX-512). Either way a key's score is computed the same way whatever the pass's width
+// and however many keys follow it, so a verification pass equals the decode steps it replaces.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -26,14 +28,13 @@
 
 namespace {
 
-#if defined(__AMX_BF16__)
+#if defined(__AVX512BF16__)
 
 using cascade_vector::bf16_to_float;
 using cascade_vector::exp16;
 
-using cascade_tiles::kTileInputs;
-using cascade_tiles::kTileRows;
-
+constexpr int64_t kChunkRows = 16;  // query rows scored together (an AMX tile's columns)
+constexpr int64_t kPairInputs = 32;  // bf16 inputs of one AMX tile row or one AVX512-BF16 product
 constexpr int64_t kBlockKeys = 256;  // keys per task
 constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
 
@@ -45,29 +46,96 @@ struct Operands {
   float scale;
 };
 
-// Scores [keys, rows] of keys [k0, k1) against a chunk of `rows` query rows (pairs: the chunk's
-// rows pair-interleaved, [D / 2, rows]) into `scores`, unscaled. With head sizes that are multiples
-// of 32 every key goes through AMX, tiles of 16 keys; the last few keys of the cache are copied into a
-// zero-padded tile first, so a key's score never depends on how many keys follow it (a verification
-// pass scores each key as the decode step before it did, bit for bit). Other head sizes go through
-// AVX-512 dot products of the chunk's float rows.
-void block_scores(const Operands& op, const at::BFloat16* pairs, const float* query_rows, int64_t rows,
-                  int64_t k0, int64_t k1, float* scores) {
-  if (op.dim % kTileInputs != 0) {
-    for (int64_t k = k0; k < k1; ++k) {
-      for (int64_t r = 0; r < rows; ++r) {
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t d = 0; d < op.dim; d += 16) {
-          const __m512 key = bf16_to_float(_mm256_loadu_si256((const __m256i*)(op.keys + k * op.key_stride + d)));
-          sum = _mm512_fmadd_ps(_mm512_loadu_ps(query_rows + r * op.dim + d), key, sum);
-        }
-        scores[(k - k0) * rows + r] = _mm512_reduce_add_ps(sum);
-      }
-    }
-    return;
+constexpr int64_t kPrefetchKeys = 16;  // how far ahead of its reads a block asks for keys and values
+
+// Ask for a bf16 row of `dim` values (whole cache lines) ahead of its use; past the cache's end the
+// hint is dropped (prefetches never fault).
+inline void prefetch_row(const at::BFloat16* row, int64_t dim) {
+  for (int64_t d = 0; d < dim; d += 32) _mm_prefetch(reinterpret_cast<const char*>(row + d), _MM_HINT_T0);
+}
+
+inline __mmask16 first_lanes(int64_t count) {
+  return count >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1);
+}
+
+// A chunk of up to 16 query rows of one KV head, in the layouts the score paths read.
+struct QueryChunk {
+  const at::BFloat16* pairs;  // AMX's pair-interleaved operand [D / 2, rows, 2] (null without AMX)
+  const at::BFloat16* rows;  // [rows, D]
+  const float* floats;  // [rows, D]
+  int64_t count;
+};
+
+// Lane j of the result = the sum of v[j]'s 16 lanes: four rounds of folding pairs of vectors together,
+// then a fixed permutation. Each lane's sum is added in the same order whatever the other vectors hold.
+inline __m512 sum_each(const __m512 (&v)[16]) {
+  __m512 halves[8], quarters[4], eighths[2];
+  for (int i = 0; i < 8; ++i) {  // 128-bit quarters q0 + q2, q1 + q3 of v[i] (low half) and v[i + 8]
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44), _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
   }
+  for (int i = 0; i < 4; ++i) {  // quarter j: 4 partial sums of v[i], v[i + 8], v[i + 4], v[i + 12]
+    quarters[i] = _mm512_add_ps(_mm512_shuffle_f32x4(halves[i], halves[i + 4], 0x88),
+                                _mm512_shuffle_f32x4(halves[i], halves[i + 4], 0xDD));
+  }
+  for (int i = 0; i < 2; ++i) {
+    eighths[i] = _mm512_add_ps(_mm512_unpacklo_ps(quarters[i], quarters[i + 2]),
+                               _mm512_unpackhi_ps(quarters[i], quarters[i + 2]));
+  }
+  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(eighths[0], eighths[1], 0x44),
+                                    _mm512_shuffle_ps(eighths[0], eighths[1], 0xEE));
+  // lane L holds the sum of v[order[L]]; the order is its own inverse
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15), sums);
+}
+
+// Scores of 16 keys at a time from AVX512-BF16 dot products (head size a multiple of 32): per query
+// row, each key's 32-input pairs accumulate in its own float32 vector, and the 16 keys' vectors are
+// summed together (sum_each). A key past k1 contributes an unused zero lane.
+void vector_scores(const Operands& op, const QueryChunk& chunk, int64_t k0, int64_t k1, float* scores) {
+  for (int64_t k = k0; k < k1; k += 16) {
+    const int64_t count = std::min<int64_t>(16, k1 - k);
+    for (int64_t j = 0; j < 16; ++j) prefetch_row(op.keys + (k + kPrefetchKeys + j) * op.key_stride, op.dim);
+    for (int64_t r = 0; r < chunk.count; ++r) {
+      const at::BFloat16* query = chunk.rows + r * op.dim;
+      __m512 partial[16];
+      for (int64_t j = 0; j < 16; ++j) {
+        partial[j] = _mm512_setzero_ps();
+        if (j >= count) continue;
+        const at::BFloat16* key = op.keys + (k + j) * op.key_stride;
+        for (int64_t d = 0; d < op.dim; d += kPairInputs) {
+          partial[j] = _mm512_dpbf16_ps(partial[j], (__m512bh)_mm512_loadu_si512(query + d),
+                                        (__m512bh)_mm512_loadu_si512(key + d));
+        }
+      }
+      _mm512_mask_storeu_ps(scores + r * kBlockKeys + (k - k0), first_lanes(count), sum_each(partial));
+    }
+  }
+}
+
+// Scores of head sizes that are not multiples of 32 (16): float32 dot products, one key at a time.
+void float_scores(const Operands& op, const QueryChunk& chunk, int64_t k0, int64_t k1, float* scores) {
+  for (int64_t k = k0; k < k1; ++k) {
+    for (int64_t r = 0; r < chunk.count; ++r) {
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t d = 0; d < op.dim; d += 16) {
+        const __m512 key = bf16_to_float(_mm256_loadu_si256((const __m256i*)(op.keys + k * op.key_stride + d)));
+        sum = _mm512_fmadd_ps(_mm512_loadu_ps(chunk.floats + r * op.dim + d), key, sum);
+      }
+      scores[r * kBlockKeys + (k - k0)] = _mm512_reduce_add_ps(sum);
+    }
+  }
+}
+
+#if defined(__AMX_BF16__)
+
+using cascade_tiles::kTileRows;
+
+// Scores from AMX tiles of 16 keys (a tile [16 keys, rows], transposed into the rows); the last few
+// keys of the cache are copied into a zero-padded tile first, so a key's score never depends on how
+// many keys follow it.
+void tile_scores(const Operands& op, const QueryChunk& chunk, int64_t k0, int64_t k1, float* scores) {
+  const int64_t rows = chunk.count;
   alignas(64) at::BFloat16 padded[kTileRows * 128] = {};  // the last keys, head size <= 128
-  alignas(64) float tail_scores[kTileRows * kTileRows];
+  alignas(64) float tile[kTileRows * kTileRows];  // [keys, rows]
   for (int64_t k = k0; k < k1; k += kTileRows) {
     const int64_t count = std::min(kTileRows, k1 - k);
     const at::BFloat16* source = op.keys + k * op.key_stride;
@@ -78,59 +146,93 @@ void block_scores(const Operands& op, const at::BFloat16* pairs, const float* qu
       stride = op.dim;
     }
     _tile_zero(0);
-    for (int64_t d = 0; d < op.dim; d += kTileInputs) {
+    for (int64_t d = 0; d < op.dim; d += kPairInputs) {
       _tile_loadd(2, source + d, stride * 2);
-      _tile_loadd(4, pairs + d * rows, rows * 4);
+      _tile_loadd(4, chunk.pairs + d * rows, rows * 4);
       _tile_dpbf16ps(0, 2, 4);
     }
-    if (count == kTileRows) {
-      _tile_stored(0, scores + (k - k0) * rows, rows * 4);
-    } else {
-      _tile_stored(0, tail_scores, rows * 4);
-      std::copy_n(tail_scores, count * rows, scores + (k - k0) * rows);
+    _tile_stored(0, tile, rows * 4);
+    for (int64_t j = 0; j < count; ++j) {
+      for (int64_t r = 0; r < rows; ++r) scores[r * kBlockKeys + (k - k0) + j] = tile[j * rows + r];
     }
   }
 }
 
-// Softmax weights of a block in place (per row, over its visible keys; rows are the vector lanes)
-// -> the rows' block maximum (scaled scores) and sum of weights.
+#endif  // __AMX_BF16__
+
+// The AMX operand of each chunk of up to 16 query rows, [H_kv, D / 2, rows, 2]; none where the
+// scores come from AVX-512 (no AMX in this build, AMX turned off, or a head size tiles do not take).
+std::vector<at::Tensor> tile_operands(const at::Tensor& grouped, int64_t dim) {
+  std::vector<at::Tensor> pairs;
+#if defined(__AMX_BF16__)
+  if (!cascade_tiles::use_amx || dim % kPairInputs != 0) return pairs;
+  const int64_t kv_heads = grouped.size(0), rows = grouped.size(1);
+  for (int64_t c0 = 0; c0 < rows; c0 += kChunkRows) {
+    const at::Tensor chunk = grouped.narrow(1, c0, std::min(kChunkRows, rows - c0));
+    pairs.push_back(chunk.reshape({kv_heads, chunk.size(1), dim / 2, 2}).transpose(1, 2).contiguous());
+  }
+#endif
+  return pairs;
+}
+
+// Set the tiles up for `rows` query rows -> rows (only called with AMX operands).
+int64_t configure_tiles(int64_t rows) {
+#if defined(__AMX_BF16__)
+  cascade_tiles::configure_tiles(rows);
+#endif
+  return rows;
+}
+
+void release_tiles() {
+#if defined(__AMX_BF16__)
+  _tile_release();
+#endif
+}
+
+// Scores [rows, kBlockKeys] of keys [k0, k1) against a chunk of query rows into `scores`, unscaled.
+void block_scores(const Operands& op, const QueryChunk& chunk, int64_t k0, int64_t k1, float* scores) {
+  if (op.dim % kPairInputs != 0) return float_scores(op, chunk, k0, k1, scores);
+#if defined(__AMX_BF16__)
+  if (chunk.pairs != nullptr) return tile_scores(op, chunk, k0, k1, scores);
+#endif
+  vector_scores(op, chunk, k0, k1, scores);
+}
+
+// Softmax weights of a block in place, row by row (keys in the vector lanes): a row's keys past its
+// last visible one get weight 0 -> the rows' block maxima (scaled scores; -inf for a row that sees
+// no key here) and sums of weights. Keys a row cannot see add exact zeros, so a row's figures are
+// those of a pass that ends at its last visible key.
 void block_weights(const Operands& op, const int32_t* last_visible, int64_t rows, int64_t k0, int64_t k1,
                    float* scores, float* maximum, float* total) {
-  const __mmask16 lanes = (__mmask16)((1u << rows) - 1);
-  const __m512i limits = _mm512_maskz_loadu_epi32(lanes, last_visible);
   const __m512 scale = _mm512_set1_ps(op.scale);
-  __m512 best = _mm512_set1_ps(kNegativeInfinity);
-  const int64_t seen_by_all = std::min<int64_t>(k1, *std::min_element(last_visible, last_visible + rows) + 1);
-  for (int64_t k = k0; k < seen_by_all; ++k) {
-    float* row = scores + (k - k0) * rows;
-    const __m512 scaled = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, row), scale);
-    _mm512_mask_storeu_ps(row, lanes, scaled);
-    best = _mm512_max_ps(best, scaled);  // lanes past `rows` hold 0 and are never stored
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = scores + r * kBlockKeys;
+    const int64_t keys = k1 - k0, visible = std::clamp<int64_t>(last_visible[r] + 1 - k0, 0, keys);
+    __m512 best = _mm512_set1_ps(kNegativeInfinity);
+    for (int64_t k = 0; k < visible; k += 16) {
+      const __mmask16 lanes = first_lanes(visible - k);
+      const __m512 scaled = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, row + k), scale);
+      _mm512_mask_storeu_ps(row + k, lanes, scaled);
+      best = _mm512_mask_max_ps(best, lanes, best, scaled);
+    }
+    const float largest = _mm512_reduce_max_ps(best);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t k = 0; k < keys; k += 16) {
+      const __mmask16 seen = first_lanes(std::max<int64_t>(visible - k, 0));
+      const __m512 weight = _mm512_maskz_mov_ps(
+          seen, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(seen, row + k), _mm512_set1_ps(largest))));
+      _mm512_mask_storeu_ps(row + k, first_lanes(keys - k), weight);
+      sum = _mm512_add_ps(sum, weight);
+    }
+    maximum[r] = largest;
+    total[r] = _mm512_reduce_add_ps(sum);
   }
-  for (int64_t k = std::max(k0, seen_by_all); k < k1; ++k) {
-    const __mmask16 visible = _mm512_mask_cmpge_epi32_mask(lanes, limits, _mm512_set1_epi32((int32_t)k));
-    float* row = scores + (k - k0) * rows;
-    const __m512 scaled = _mm512_maskz_mul_ps(visible, _mm512_maskz_loadu_ps(lanes, row), scale);
-    const __m512 masked = _mm512_mask_blend_ps(visible, _mm512_set1_ps(kNegativeInfinity), scaled);
-    _mm512_mask_storeu_ps(row, lanes, masked);
-    best = _mm512_max_ps(best, masked);
-  }
-  const __m512 safe_best = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(best, _mm512_set1_ps(-1e30f), _CMP_LT_OQ), best,
-                                                _mm512_setzero_ps());  // a row that sees no key here
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t k = k0; k < k1; ++k) {
-    float* row = scores + (k - k0) * rows;
-    const __m512 weight = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, row), safe_best));
-    _mm512_mask_storeu_ps(row, lanes, weight);
-    sum = _mm512_add_ps(sum, weight);
-  }
-  _mm512_mask_storeu_ps(maximum, lanes, best);
-  _mm512_mask_storeu_ps(total, lanes, sum);
 }
 
 // The block's values [k0, k1) as float32 rows [keys, D], read once for every query row.
 void block_values_float(const Operands& op, int64_t k0, int64_t k1, float* out) {
   for (int64_t k = k0; k < k1; ++k) {
+    prefetch_row(op.values + (k + kPrefetchKeys) * op.value_stride, op.dim);
     for (int64_t d = 0; d < op.dim; d += 16) {
       const auto* source = (const __m256i*)(op.values + k * op.value_stride + d);
       _mm512_storeu_ps(out + (k - k0) * op.dim + d, bf16_to_float(_mm256_loadu_si256(source)));
@@ -138,30 +240,53 @@ void block_values_float(const Operands& op, int64_t k0, int64_t k1, float* out) 
   }
 }
 
-// out [D] = sum over the block's keys of weight[k * rows] x values [k, D], D = 16 Chunks, the sum
-// held in registers.
-template <int Chunks>
-void weighted_values(const float* weight, int64_t rows, const float* values, int64_t keys, float* out) {
-  __m512 acc[Chunks];
-  for (int c = 0; c < Chunks; ++c) acc[c] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < keys; ++k) {
-    const __m512 w = _mm512_set1_ps(weight[k * rows]);
-    for (int c = 0; c < Chunks; ++c) acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(values + k * Chunks * 16 + c * 16), acc[c]);
+// out [Rows, D] = weights [Rows, kBlockKeys] x values [keys, D] for D = 16 Chunks: each key's value row
+// is loaded once for the Rows rows, whose sums are held in registers (one chain per row and chunk).
+template <int Chunks, int Rows>
+void weighted_values(const float* weights, const float* values, int64_t keys, float* out) {
+  __m512 acc[Rows][Chunks];
+  for (int r = 0; r < Rows; ++r) {
+    for (int c = 0; c < Chunks; ++c) acc[r][c] = _mm512_setzero_ps();
   }
-  for (int c = 0; c < Chunks; ++c) _mm512_storeu_ps(out + c * 16, acc[c]);
+  for (int64_t k = 0; k < keys; ++k) {
+    __m512 value[Chunks];
+    for (int c = 0; c < Chunks; ++c) value[c] = _mm512_loadu_ps(values + k * Chunks * 16 + c * 16);
+    for (int r = 0; r < Rows; ++r) {
+      const __m512 w = _mm512_set1_ps(weights[r * kBlockKeys + k]);
+      for (int c = 0; c < Chunks; ++c) acc[r][c] = _mm512_fmadd_ps(w, value[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < Rows; ++r) {
+    for (int c = 0; c < Chunks; ++c) _mm512_storeu_ps(out + r * Chunks * 16 + c * 16, acc[r][c]);
+  }
 }
 
-// out [rows, D] = weights [keys, rows]^T x values (float [keys, D]).
+// out [rows, D] = weights [rows, kBlockKeys] x values (float [keys, D]), rows in groups that keep
+// 16 accumulators in registers.
+template <int Chunks>
+void grouped_values(const float* weights, int64_t rows, const float* values, int64_t keys, float* out) {
+  constexpr int kGroup = Chunks >= 8 ? 2 : 4;
+  const int64_t dim = Chunks * 16;
+  int64_t r = 0;
+  for (; r + kGroup <= rows; r += kGroup) {
+    weighted_values<Chunks, kGroup>(weights + r * kBlockKeys, values, keys, out + r * dim);
+  }
+  switch (rows - r) {
+    case 3: weighted_values<Chunks, 3>(weights + r * kBlockKeys, values, keys, out + r * dim); break;
+    case 2: weighted_values<Chunks, 2>(weights + r * kBlockKeys, values, keys, out + r * dim); break;
+    case 1: weighted_values<Chunks, 1>(weights + r * kBlockKeys, values, keys, out + r * dim); break;
+    default: break;
+  }
+}
+
 void block_values(const Operands& op, const float* weights, int64_t rows, const float* values, int64_t keys,
                   float* out) {
-  for (int64_t r = 0; r < rows; ++r) {
-    switch (op.dim / 16) {
-      case 1: weighted_values<1>(weights + r, rows, values, keys, out + r * op.dim); break;
-      case 2: weighted_values<2>(weights + r, rows, values, keys, out + r * op.dim); break;
-      case 4: weighted_values<4>(weights + r, rows, values, keys, out + r * op.dim); break;
-      case 8: weighted_values<8>(weights + r, rows, values, keys, out + r * op.dim); break;
-      default: break;  // refused by decode_attention
-    }
+  switch (op.dim / 16) {
+    case 1: grouped_values<1>(weights, rows, values, keys, out); break;
+    case 2: grouped_values<2>(weights, rows, values, keys, out); break;
+    case 4: grouped_values<4>(weights, rows, values, keys, out); break;
+    case 8: grouped_values<8>(weights, rows, values, keys, out); break;
+    default: break;  // refused by decode_attention
   }
 }
 
@@ -184,7 +309,7 @@ void merge_blocks(const float* partial, const float* maxima, const float* totals
   }
 }
 
-#endif  // __AMX_BF16__
+#endif  // __AVX512BF16__
 
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, double scale,
                             bool causal) {
@@ -203,14 +328,10 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, con
   const int64_t group = heads / kv_heads, rows = group * tokens;
   TORCH_CHECK(num_keys >= tokens, "decode_attention: fewer keys (", num_keys, ") than tokens (", tokens, ")");
   at::Tensor out = at::empty_like(query, query.options().memory_format(at::MemoryFormat::Contiguous));
-#if defined(__AMX_BF16__)
+#if defined(__AVX512BF16__)
   const at::Tensor grouped = query.contiguous().view({kv_heads, rows, dim});  // row g * T + t of KV head k
   const at::Tensor float_rows = grouped.to(at::kFloat);
-  std::vector<at::Tensor> pairs;  // per chunk of up to 16 rows: [H_kv, D / 2, rows, 2]
-  for (int64_t c0 = 0; c0 < rows; c0 += kTileRows) {
-    const at::Tensor chunk = grouped.narrow(1, c0, std::min(kTileRows, rows - c0));
-    pairs.push_back(chunk.reshape({kv_heads, chunk.size(1), dim / 2, 2}).transpose(1, 2).contiguous());
-  }
+  const std::vector<at::Tensor> pairs = tile_operands(grouped, dim);
   std::vector<int32_t> last_visible(rows);
   for (int64_t r = 0; r < rows; ++r) last_visible[r] = causal ? num_keys - tokens + r % tokens : num_keys - 1;
   const int64_t blocks = (num_keys + kBlockKeys - 1) / kBlockKeys;
@@ -218,7 +339,7 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, con
   at::Tensor maxima = at::empty({kv_heads, blocks, rows}, float_rows.options());
   at::Tensor totals = at::empty({kv_heads, blocks, rows}, float_rows.options());
   at::parallel_for(0, kv_heads * blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(kBlockKeys * kTileRows), block_floats(kBlockKeys * dim);
+    std::vector<float> scores(kBlockKeys * kChunkRows), block_floats(kBlockKeys * dim);
     int64_t configured = 0;  // rows the tiles are set up for
     for (int64_t task = begin; task < end; ++task) {
       const int64_t head = task / blocks, block = task % blocks;
@@ -227,21 +348,20 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, con
                         values.data_ptr<at::BFloat16>() + head * values.stride(0), keys.stride(1), values.stride(1),
                         dim, (float)scale};
       block_values_float(op, k0, k1, block_floats.data());
-      for (size_t chunk = 0; chunk < pairs.size(); ++chunk) {  // K/V of the block stay in cache across chunks
-        const int64_t c0 = chunk * kTileRows, count = pairs[chunk].size(2);
-        if (count != configured) {
-          cascade_tiles::configure_tiles(count);
-          configured = count;
-        }
-        block_scores(op, pairs[chunk].data_ptr<at::BFloat16>() + head * dim * count,
-                     float_rows.data_ptr<float>() + (head * rows + c0) * dim, count, k0, k1, scores.data());
+      for (int64_t c0 = 0; c0 < rows; c0 += kChunkRows) {  // K/V of the block stay in cache across chunks
+        const int64_t count = std::min(kChunkRows, rows - c0);
+        const QueryChunk chunk{pairs.empty() ? nullptr : pairs[c0 / kChunkRows].data_ptr<at::BFloat16>() + head * dim * count,
+                               grouped.data_ptr<at::BFloat16>() + (head * rows + c0) * dim,
+                               float_rows.data_ptr<float>() + (head * rows + c0) * dim, count};
+        if (chunk.pairs != nullptr && count != configured) configured = configure_tiles(count);
+        block_scores(op, chunk, k0, k1, scores.data());
         block_weights(op, last_visible.data() + c0, count, k0, k1, scores.data(),
                       maxima.data_ptr<float>() + task * rows + c0, totals.data_ptr<float>() + task * rows + c0);
         block_values(op, scores.data(), count, block_floats.data(), k1 - k0,
                      partial.data_ptr<float>() + (task * rows + c0) * dim);
       }
     }
-    _tile_release();
+    if (configured != 0) release_tiles();
   });
   at::Tensor merged = at::empty({kv_heads, rows, dim}, float_rows.options());
   for (int64_t head = 0; head < kv_heads; ++head) {
@@ -251,7 +371,7 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, con
   }
   out.copy_(merged.view({heads, tokens, dim}));
 #else
-  TORCH_CHECK(false, "decode_attention: this build has no AMX (see features())");
+  TORCH_CHECK(false, "decode_attention: this build has no AVX512-BF16 (see features())");
 #endif
   return out;
 }

@@ -1,4 +1,4 @@
-// A few activation rows times an int8 weight with AMX, at the speed of memory.
+// A few activation rows times an int8 weight with AMX or AVX512-VNNI, at the speed of memory.
 //
 // rows [T, I] bf16 (T <= 16) x packed int8 weight with scales [O] -> out [T, O] float32, where
 //   out[t, o] = scales[o] * sum_b row_scale[t, b] * sum_{i in block b} q[t, i] * w[o, i]
@@ -14,7 +14,9 @@
 //
 // Per 64 inputs, one tile product of the quantised activations [T, 64] and a weight block gives
 // [T, 16] int32 sums, which are scaled by that block's activation scales into float32 accumulators.
-// Output blocks are split between the threads in contiguous ranges.
+// Without AMX, AVX512-VNNI computes the same int32 sums (exactly: the two paths' outputs are equal):
+// each of the block's 16 rows meets its activation quad broadcast to the 16 output lanes. Output
+// blocks are split between the threads in contiguous ranges.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -24,6 +26,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #include "products.h"
 #include "tiles.h"
@@ -34,9 +37,12 @@ constexpr int64_t kBlockOutputs = 16;  // output rows per packed block (int32 co
 constexpr int64_t kBlockInputs = 64;  // inputs per packed block (int8 bytes of a tile row)
 constexpr int64_t kMaxRows = 16;
 
-#if defined(__AMX_INT8__) && defined(__AVX512BW__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 
+#define CASCADE_INT8_KERNEL 1
 using cascade_tiles::TileConfig;
+
+#if defined(__AMX_INT8__)
 
 // Tile 0: quantised activations [T, 64] int8; 1: a weight block [16 quads, 16 x 4] int8;
 // 2: the product [T, 16] int32.
@@ -50,6 +56,44 @@ void configure_tiles(int64_t num_rows) {
   config.bytes_per_row[2] = kBlockOutputs * 4;
   _tile_loadconfig(&config);
 }
+
+// The int32 sums [T, 16] of one 64-input block: activations [T, 64] (row stride `stride`) times a
+// weight block, by one AMX tile product.
+void amx_block_sums(const int8_t* quantised, int64_t stride, const int8_t* weight_block, int64_t, int32_t* sums) {
+  _tile_zero(2);
+  _tile_loadd(0, quantised, stride);
+  _tile_loadd(1, weight_block, kBlockOutputs * 4);
+  _tile_dpbssd(2, 0, 1);
+  _tile_stored(2, sums, kBlockOutputs * 4);
+}
+
+#endif  // __AMX_INT8__
+
+// The same sums by AVX512-VNNI: vpdpbusd multiplies unsigned by signed bytes, so each activation quad
+// goes in shifted by 128 (to 1..255) and 128 x the weight's sums per output come off; every partial
+// sum stays far inside int32, so the result is exact.
+void vnni_block_sums(const int8_t* quantised, int64_t stride, const int8_t* weight_block, int64_t num_rows,
+                     int32_t* sums) {
+  const __m512i shift = _mm512_set1_epi8((char)0x80), ones = _mm512_set1_epi8(1);
+  __m512i weight_sums = _mm512_setzero_si512();
+  for (int64_t k = 0; k < kBlockInputs / 4; ++k) {
+    weight_sums = _mm512_dpbusd_epi32(weight_sums, ones, _mm512_loadu_si512(weight_block + k * kBlockOutputs * 4));
+  }
+  const __m512i correction = _mm512_slli_epi32(weight_sums, 7);
+  for (int64_t t = 0; t < num_rows; ++t) {
+    const int8_t* row = quantised + t * stride;
+    __m512i acc = _mm512_setzero_si512();
+    for (int64_t k = 0; k < kBlockInputs / 4; ++k) {
+      int32_t quad;
+      std::memcpy(&quad, row + 4 * k, 4);
+      const __m512i shifted = _mm512_xor_si512(_mm512_set1_epi32(quad), shift);  // byte + 128, as unsigned
+      acc = _mm512_dpbusd_epi32(acc, shifted, _mm512_loadu_si512(weight_block + k * kBlockOutputs * 4));
+    }
+    _mm512_store_si512(sums + t * kBlockOutputs, _mm512_sub_epi32(acc, correction));
+  }
+}
+
+using BlockSums = void (*)(const int8_t*, int64_t, const int8_t*, int64_t, int32_t*);
 
 // One row's 64-input block (count valid inputs, the rest zero) -> 64 int8 and its scale.
 float quantise_block(const at::BFloat16* source, int64_t count, int8_t* target) {
@@ -84,18 +128,15 @@ void quantise_rows(const at::BFloat16* rows, int64_t num_rows, int64_t inner, in
 }
 
 // Output rows [16 * block, 16 * block + 16) for every activation row.
-void output_block(const int8_t* quantised, const float* row_scales, const int8_t* weight, const float* scales,
-                  float* out, int64_t num_rows, int64_t blocks, int64_t outputs, int64_t block) {
+void output_block(BlockSums block_sums, const int8_t* quantised, const float* row_scales, const int8_t* weight,
+                  const float* scales, float* out, int64_t num_rows, int64_t blocks, int64_t outputs, int64_t block) {
   __m512 acc[kMaxRows];
   for (int64_t t = 0; t < num_rows; ++t) acc[t] = _mm512_setzero_ps();
   alignas(64) int32_t sums[kMaxRows * kBlockOutputs];
   const int8_t* stream = weight + block * blocks * kBlockInputs * kBlockOutputs;
   for (int64_t b = 0; b < blocks; ++b) {
-    _tile_zero(2);
-    _tile_loadd(0, quantised + b * kBlockInputs, blocks * kBlockInputs);
-    _tile_loadd(1, stream + b * kBlockInputs * kBlockOutputs, kBlockOutputs * 4);
-    _tile_dpbssd(2, 0, 1);
-    _tile_stored(2, sums, kBlockOutputs * 4);
+    block_sums(quantised + b * kBlockInputs, blocks * kBlockInputs, stream + b * kBlockInputs * kBlockOutputs,
+               num_rows, sums);
     for (int64_t t = 0; t < num_rows; ++t) {
       const __m512 block_sums = _mm512_cvtepi32_ps(_mm512_load_si512(sums + t * kBlockOutputs));
       acc[t] = _mm512_fmadd_ps(block_sums, _mm512_set1_ps(row_scales[b * num_rows + t]), acc[t]);
@@ -131,7 +172,7 @@ at::Tensor rows_times_int8(const at::Tensor& rows, const at::Tensor& packed, con
   const int64_t outputs = scales.numel();
   TORCH_CHECK(outputs > 0 && (outputs + kBlockOutputs - 1) / kBlockOutputs == packed.size(0), "rows_times_int8: ",
               outputs, " scales (output rows) do not fit a packed weight of ", packed.size(0), " 16-row blocks");
-#if defined(__AMX_INT8__) && defined(__AVX512BW__)
+#if defined(CASCADE_INT8_KERNEL)
   const at::Tensor source = rows.contiguous();
   const int64_t num_rows = source.size(0);
   at::Tensor quantised = at::empty({num_rows, blocks * kBlockInputs}, source.options().dtype(at::kChar));
@@ -141,16 +182,24 @@ at::Tensor rows_times_int8(const at::Tensor& rows, const at::Tensor& packed, con
   at::Tensor out = at::empty({num_rows, outputs}, source.options().dtype(at::kFloat));
   const int64_t output_blocks = packed.size(0), threads = at::get_num_threads();
   at::parallel_for(0, output_blocks, (output_blocks + threads - 1) / threads, [&](int64_t begin, int64_t end) {
-    configure_tiles(num_rows);
+    BlockSums block_sums = vnni_block_sums;
+#if defined(__AMX_INT8__)
+    if (cascade_tiles::use_amx) {
+      configure_tiles(num_rows);
+      block_sums = amx_block_sums;
+    }
+#endif
     for (int64_t block = begin; block < end; ++block) {
-      output_block(quantised.data_ptr<int8_t>(), row_scales.data_ptr<float>(), packed.data_ptr<int8_t>(),
+      output_block(block_sums, quantised.data_ptr<int8_t>(), row_scales.data_ptr<float>(), packed.data_ptr<int8_t>(),
                    scales.data_ptr<float>(), out.data_ptr<float>(), num_rows, blocks, outputs, block);
     }
-    _tile_release();
+#if defined(__AMX_INT8__)
+    if (cascade_tiles::use_amx) _tile_release();
+#endif
   });
   return out;
 #else
-  TORCH_CHECK(false, "rows_times_int8: this build has no AMX-INT8 (see features())");
+  TORCH_CHECK(false, "rows_times_int8: this build has neither AMX-INT8 nor AVX512-VNNI (see features())");
   return {};
 #endif
 }

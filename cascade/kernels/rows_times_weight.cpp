@@ -27,8 +27,7 @@
 
 namespace {
 
-bool use_amx = true;
-void set_amx(bool on) { use_amx = on; }
+void set_amx(bool on) { cascade_tiles::use_amx = on; }
 
 constexpr int64_t kWeightRows = 4;  // weight rows per block: read once, reused by every activation row
 constexpr int64_t kActivationRows = 4;  // activation rows per tile: 16 accumulators in registers
@@ -171,7 +170,7 @@ at::Tensor rows_times_weight(const at::Tensor& rows, const at::Tensor& weight) {
   float* out_data = out.data_ptr<float>();
   int64_t done = 0;  // weight rows already multiplied
 #if defined(__AMX_BF16__)
-  if (use_amx && amx_applies(num_rows, inner)) {
+  if (cascade_tiles::use_amx && amx_applies(num_rows, inner)) {
     amx_product(packed, weight_data, out_data, outputs);
     done = outputs - outputs % (kTileBlocks * kTileRows);
   }
@@ -199,7 +198,8 @@ at::Tensor rows_times_weight(const at::Tensor& rows, const at::Tensor& weight) {
 namespace {
 
 // The instruction sets this build compiled its kernels for (-march=native): "avx512_bf16" (the weight
-// product and the layer ops), "amx_bf16" (attention), "amx_int8" (the int8 product).
+// product, the layer ops and attention), "amx_bf16" (tiles for both), "avx512_vnni" and "amx_int8" (the
+// int8 product).
 std::vector<std::string> features() {
   std::vector<std::string> compiled;
 #if defined(__AVX512BF16__)
@@ -207,6 +207,9 @@ std::vector<std::string> features() {
 #endif
 #if defined(__AMX_BF16__)
   compiled.push_back("amx_bf16");
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  compiled.push_back("avx512_vnni");
 #endif
 #if defined(__AMX_INT8__) && defined(__AVX512BW__)
   compiled.push_back("amx_int8");

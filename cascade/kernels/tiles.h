@@ -7,6 +7,10 @@
 
 namespace cascade_tiles {
 
+// Whether kernels built with AMX use it (``set_amx``: the tests turn it off to check the AVX-512 paths
+// on machines that have both).
+inline bool use_amx = true;
+
 // The 64-byte block _tile_loadconfig reads: palette 1, each tile's rows and bytes per row.
 struct TileConfig {
   uint8_t palette = 1;

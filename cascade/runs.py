@@ -1,0 +1,83 @@
+"""Where a measurement script writes: a fresh run directory under
+``$CASCADE_HOME/runs/<script>/<UTC time>/`` unless the user names one, never the source tree, with a
+``manifest.json`` saying what ran where (command line, commit, versions, machine, start and end)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from cascade.home import cascade_home
+
+CHECKOUT = Path(__file__).resolve().parent.parent
+"""The directory the package was imported from: a git checkout when run from one."""
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def new_run_directory(script: str) -> Path:
+    """A directory no earlier run of ``script`` used: ``$CASCADE_HOME/runs/<script>/<UTC time>``."""
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+    directory = cascade_home() / "runs" / script / stamp
+    directory.mkdir(parents=True, exist_ok=False)
+    return directory
+
+
+def destination(script: str, out: Path | None, report_name: str) -> tuple[Path, Path]:
+    """Where a run's report and its manifest go: ``out`` and ``<its stem>.manifest.json`` beside it,
+    or ``report_name`` and ``manifest.json`` in a new run directory of ``script``."""
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        return out, out.with_name(f"{out.stem}.manifest.json")
+    directory = new_run_directory(script)
+    return directory / report_name, directory / "manifest.json"
+
+
+def machine() -> dict:
+    """The machine and software a figure was measured with."""
+    import transformers
+
+    from cascade import kernels
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    features = sorted(kernels.compiled_features()) if kernels.weight_kernel_available() else []
+    return {"cpu": kernels.cpu_model(), "gpu": gpu, "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
+            "cpu_kernels": features, "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version()}
+
+
+def source_state() -> dict:
+    """The git commit of the checkout the package runs from and whether it had uncommitted changes
+    (both None outside a checkout)."""
+    def git(*args: str) -> str | None:
+        try:
+            result = subprocess.run(["git", "-C", str(CHECKOUT), *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return result.stdout.strip() if result.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no") if commit else None
+    return {"commit": commit, "dirty": None if status is None else bool(status)}
+
+
+def write_manifest(path: Path, started: str, settings: dict) -> None:
+    """The manifest of a run that began at ``started`` and ends now, with the script's ``settings``."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        package = version("cascade")
+    except PackageNotFoundError:
+        package = None
+    manifest = {"command": [sys.executable, *sys.argv], "package_version": package, **source_state(),
+                "machine": machine(), "settings": settings, "started": started, "ended": utc_now()}
+    path.write_text(json.dumps(manifest, indent=2, default=str) + "\n")
