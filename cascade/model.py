@@ -145,6 +145,16 @@ class CausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
+    def pass_weight_bytes(self) -> int:
+        """Weight bytes a one-token pass reads: every tensor once (buffers too: an int8 projection's
+        weight and scales), but of an embedding that is not also the output projection only one row."""
+        tensors = {id(t): t for t in (*self.parameters(), *self.buffers())}
+        total = sum(t.nbytes for t in tensors.values())
+        embedding = self.embed_tokens.weight
+        if self.lm_head.weight is not embedding:
+            total -= embedding.nbytes - embedding[0].nbytes
+        return total
+
     def cache_layout(self, capacity: int, max_pending: int | None = None) -> CacheLayout:
         spec = self.spec
         return CacheLayout(

@@ -9,6 +9,7 @@ import os
 import platform
 import subprocess
 import sys
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -32,14 +33,29 @@ def new_run_directory(script: str) -> Path:
     return directory
 
 
-def destination(script: str, out: Path | None, report_name: str) -> tuple[Path, Path]:
-    """Where a run's report and its manifest go: ``out`` and ``<its stem>.manifest.json`` beside it,
-    or ``report_name`` and ``manifest.json`` in a new run directory of ``script``."""
+@dataclass(frozen=True)
+class RunFiles:
+    """Where one run writes its report and its manifest; ``write`` may be called again as the run
+    goes on (a report rewritten after each round keeps what a cut-off run measured)."""
+
+    report: Path
+    manifest: Path
+    started: str
+
+    def write(self, report: dict, settings: dict) -> None:
+        self.report.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        write_manifest(self.manifest, self.started, settings)
+
+
+def run_files(script: str, out: Path | None, report_name: str) -> RunFiles:
+    """A run's files: ``out`` and ``<its stem>.manifest.json`` beside it, or ``report_name`` and
+    ``manifest.json`` in a new run directory of ``script``."""
+    started = utc_now()
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
-        return out, out.with_name(f"{out.stem}.manifest.json")
+        return RunFiles(out, out.with_name(f"{out.stem}.manifest.json"), started)
     directory = new_run_directory(script)
-    return directory / report_name, directory / "manifest.json"
+    return RunFiles(directory / report_name, directory / "manifest.json", started)
 
 
 def machine() -> dict:

@@ -30,13 +30,13 @@ import json
 from pathlib import Path
 
 import torch
-from roofline import median_seconds
 
 from cache.base import AttentionView
 from cache.slots import SLOT_ALIGNMENT, causal_mask, tree_mask
 from cascade import attention
 from cascade.errors import CascadeError
 from cascade.graphs import cuda_graph
+from cascade.limits import median_seconds
 from cascade.tree import TokenTree
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64

@@ -19,6 +19,11 @@ tokens in the cache, each with flash attention off and on, the faster reported. 
 passes over random tokens without sampling, so it generates no text, and --sampling, --dtype and
 --prompt-cache do not change it.
 
+Each round first measures the memory bandwidth (a 1 GiB read); every case is priced against the
+rate at which that bandwidth streams one target step's bytes (its weights and whole KV at the
+context): ``decode_over_step_roofline``. The report goes to ``--out`` or to a new run directory
+under ``$CASCADE_HOME/runs/bench/``, with a manifest (command, commit, machine) beside it.
+
     python scripts/bench.py [--impls autoregressive self-spec transformers] [--contexts 1024 8000]
         [--new-tokens 64] [--repeats 3] [--sampling greedy sample] [--dtype bfloat16]
     python scripts/bench.py --impls autoregressive self-spec llama.cpp llama.cpp-q8_0 --contexts 1024 8000
@@ -28,8 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -44,6 +47,8 @@ from cascade.checkpoint import checkpoint_option, yarn_scaling
 from cascade.data import DOCUMENT_NAMES, document_ids
 from cascade.errors import CascadeError
 from cascade.home import prompt_cache_option
+from cascade.limits import memory_bandwidth
+from cascade.runs import machine, run_files
 from cascade.peers.bench_case import flash_attn_summary
 
 PRESETS = ("autoregressive", "speculative", "self-spec", "triforce")
@@ -82,7 +87,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="reuse prefilled prompts stored in DIR: cascade cases load the prompt's K/V "
                              "instead of prefilling it, transformers' target continues from it (decode "
                              "only; prefill is then not measured)")
-    parser.add_argument("--out", type=Path, default=Path("results/bench.json"))
+    parser.add_argument("--out", type=Path, help="report path (default: bench.json in a new run directory under "
+                        "$CASCADE_HOME/runs/bench/); a manifest is written beside it")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # "impl:context": run one case, print JSON
     parser.add_argument("--store-only", action="store_true", help=argparse.SUPPRESS)  # 2 tokens: store the prompt
     parser.add_argument("--prompt-file", help=argparse.SUPPRESS)  # a transformers case continues from it
@@ -155,7 +161,10 @@ def run_cascade(args, impl: str, target: Path, draft: Path | None, prompt: torch
     stats = result.stats.to_dict()
     loaded = stats["prefill_loaded"]
     stored = runtime.prompt_caches["target"].path(prompt, config.prefill_chunk) if args.prompt_cache else None
+    verifier = stats["stages"][-1]  # the full-cache target: its passes read its weights and the whole KV
     return {"prefill_s": None if loaded else stats["prefill_s"], "decode_s": stats["decode_s"],
+            "step_bytes": runtime.target.model.pass_weight_bytes()
+            + verifier["kv_bytes_read"] / max(verifier["forward_calls"], 1),
             "prefill_tokens_per_s": None if loaded else prompt.numel() / stats["prefill_s"],
             "decode_tokens_per_s": stats["tokens_per_s"], "stats": stats,
             "graphs_captured_while_measured": captured_graphs(runtime) - graphs_before,
@@ -331,13 +340,15 @@ Case = tuple[str, int, str]
 def run_round(args: argparse.Namespace, cases: list[Case], index: int, bar: tqdm) -> dict:
     """Every case once, in order on even rounds and in reverse on odd ones -> {case: measurement}."""
     order = cases if index % 2 == 0 else cases[::-1]
+    bandwidth = memory_bandwidth()  # the machine drifts: each round is priced at its own bandwidth
+    bar.write(f"[round {index + 1}/{args.repeats}] memory reads {bandwidth / 1e9:.1f} GB/s", file=sys.stderr)
     measured = {}
     for slot, (impl, context, mode) in enumerate(order):
         started = time.perf_counter()
         bar.set_postfix_str(f"round {index + 1}: {impl} @ {context} {mode}")
         case = spawn_case(args, impl, context, mode)
         run = case["run"]
-        run.update(round=index, slot=slot)
+        run.update(round=index, slot=slot, bandwidth_bytes_per_s=bandwidth)
         prefill = rate_text(run["prefill_tokens_per_s"])
         bar.write(f"[round {index + 1}/{args.repeats} {impl:21} ctx {context:>6} {mode:6}] decode "
                   f"{run['decode_tokens_per_s']:7.1f} tok/s, prefill {prefill:>7} tok/s, "
@@ -363,7 +374,28 @@ def summarize(args: argparse.Namespace, case: Case, cases: list[dict]) -> dict:
             **{key: median_of(run[key] for run in runs) for key in RATES},
             **(flash_attn_summary(runs) if "flash_attn" in runs[0] else {}),
             "peak_rss_mb": max(run["peak_rss_mb"] for run in runs),
+            "step_roofline_tokens_per_s": None, "decode_over_step_roofline": None,
             "runs": runs, "token_ids": cases[0]["token_ids"]}
+
+
+def price_at_rooflines(runs: list[dict]) -> None:
+    """Set each run's ``step_roofline_tokens_per_s``: the bandwidth of each round over the bytes one
+    target step reads at its context (its weights once plus its whole KV, as a cascade case of that
+    context measured them; the same checkpoint in the same precision for every implementation), the
+    median over rounds; and ``decode_over_step_roofline``, its decode rate over that (at most 1 for
+    autoregressive decoding; a speculating case can pass it)."""
+    step_bytes = {}
+    for run in runs:
+        measured = [case["step_bytes"] for case in run["runs"] if "step_bytes" in case]
+        if measured and run["dtype"] in ("bfloat16", "bf16"):
+            step_bytes.setdefault(run["context"], statistics.median(measured))
+    for run in runs:
+        if (bytes_ := step_bytes.get(run["context"])) is None or run["dtype"] not in ("bfloat16", "bf16"):
+            continue
+        rates = [case["bandwidth_bytes_per_s"] / bytes_ for case in run["runs"]]
+        run["step_roofline_tokens_per_s"] = statistics.median(rates)
+        run["decode_over_step_roofline"] = statistics.median(
+            case["decode_tokens_per_s"] / rate for case, rate in zip(run["runs"], rates))
 
 
 def ratios(runs: list[dict], baseline: str) -> list[dict]:
@@ -399,32 +431,27 @@ def rate_text(rate: float | None) -> str:
     return "loaded" if rate is None else f"{rate:.1f}"
 
 
+def roofline_text(run: dict) -> str:
+    share = run["decode_over_step_roofline"]
+    return "" if share is None else f"{share:.2f}"
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def machine() -> dict:
-    import transformers
-
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-    return {"cpu": cpu, "gpu": gpu, "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version()}
-
-
 def table(runs: list[dict], ratio_rows: list[dict]) -> str:
     lines = ["| context | sampling | implementation | decode tok/s | prefill tok/s | peak RSS (MB) | decode vs "
-             f"{ratio_rows[0]['baseline'] if ratio_rows else 'baseline'} | acceptance per stage |",
-             "|---:|---|---|---:|---:|---:|---:|---|"]
+             f"{ratio_rows[0]['baseline'] if ratio_rows else 'baseline'} | decode / step roofline | acceptance per stage |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---|"]
     ratio_of = {(row["preset"], row["context"], row["sampling"]): row for row in ratio_rows}
     for run in runs:
         ratio = ratio_of.get((run["preset"], run["context"], run["sampling"]))
         acceptance = " / ".join(f"{rate:.2f}" for rate in run["acceptance"].values())
         lines.append(f"| {run['context']} | {run['sampling']} | {run['preset']} | {run['decode_tokens_per_s']:.1f} | "
                      f"{rate_text(run['prefill_tokens_per_s'])} | {run['peak_rss_mb']:.0f} | "
-                     f"{f'**{ratio[RATES[0]]:.2f}x**' if ratio else '1'} | {acceptance} |")
+                     f"{f'**{ratio[RATES[0]]:.2f}x**' if ratio else '1'} | {roofline_text(run)} | "
+                     f"{acceptance} |")
     return "\n".join(lines)
 
 
@@ -475,6 +502,7 @@ def prepare_peers(args: argparse.Namespace, cases: list[Case]) -> dict | None:
 
 def drive(args: argparse.Namespace) -> None:
     cases = [(impl, context, mode) for mode in args.sampling for context in args.contexts for impl in args.impls]
+    args.files = run_files("bench", args.out, "bench.json")
     args.llama_cpp = prepare_peers(args, cases)
     args.prompt_files = store_prompts(args, cases) if args.prompt_cache else {}
     rounds = []
@@ -485,7 +513,7 @@ def drive(args: argparse.Namespace) -> None:
     print(table(runs, ratio_rows))
     for peer, rows in peer_rows.items():
         print(f"\nllama.cpp {args.llama_cpp['llama_cpp_commit']}:\n{peer_table(peer, rows)}")
-    log(f"wrote {args.out}")
+    log(f"wrote {args.files.report} (manifest: {args.files.manifest})")
 
 
 def write_report(args: argparse.Namespace, cases: list[Case],
@@ -493,6 +521,7 @@ def write_report(args: argparse.Namespace, cases: list[Case],
     """The JSON report over the rounds done so far -> (its runs, its ratio rows, {llama.cpp case:
     every other implementation's ratio rows to it})."""
     runs = [summarize(args, case, [measured[case] for measured in rounds]) for case in cases]
+    price_at_rooflines(runs)
     ratio_rows = ratios(runs, args.impls[0])
     peer_rows = {peer: ratios(runs, peer) for peer in args.impls if peer in PEERS and peer != args.impls[0]}
     settings = {key: getattr(args, key) for key in
@@ -501,8 +530,7 @@ def write_report(args: argparse.Namespace, cases: list[Case],
     settings["order"] = "each round runs every case once, in its own process; odd rounds in reverse"
     report = {"machine": {**machine(), "llama_cpp": args.llama_cpp}, "settings": settings,
               "rounds_done": len(rounds), "runs": runs, "ratios": ratio_rows, "ratios_to_llama_cpp": peer_rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    args.files.write(report, settings)
     return runs, ratio_rows, peer_rows
 
 

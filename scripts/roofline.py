@@ -1,6 +1,6 @@
 """Each stage's step cost next to its roofline on this machine (CPU or CUDA).
 
-Measures the memory bandwidth (reading a large tensor) and the matmul peak (a large square
+Measures the memory bandwidth (reading a 1 GiB tensor) and the matmul peak (a large square
 product) in the chosen dtype, then times the passes the cascade runs at each context: a one-token
 step under the full cache (autoregressive decoding), a one-token step under the retrieval cache
 (the self-speculating stage's proposals), a (gamma + 1)-token verification pass under the full
@@ -39,9 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import get_args
@@ -58,6 +56,7 @@ from cache.streaming import StreamingCacheConfig
 from cascade.attention import KERNELS, resolve_kernels
 from cascade.checkpoint import load_checkpoint, model_spec, yarn_scaling
 from cascade.costs import expected_speedup, expected_tokens
+from cascade.limits import matmul_peak, median_seconds, memory_bandwidth
 from cascade.graphs import PassGraphs, cuda_graph
 from cascade.model import CausalLM
 from cascade.models import default_model
@@ -145,32 +144,6 @@ def per_context(parser: argparse.ArgumentParser, option: str, values: list[float
 
 def print_to_stderr(message: str) -> None:
     print(message, file=sys.stderr)
-
-
-def median_seconds(run, repeats: int, device: torch.device) -> float:
-    run()  # first touch (and, with graphs, the capture)
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize() if device.type == "cuda" else None
-        started = time.perf_counter()
-        run()
-        torch.cuda.synchronize() if device.type == "cuda" else None
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
-
-
-def memory_bandwidth(dtype: torch.dtype, repeats: int, device: torch.device) -> float:
-    """Bytes per second reading a 512 MiB (CPU) or 4 GiB (CUDA) tensor (a sum reads each byte once)."""
-    size = 2**32 if device.type == "cuda" else 2**29
-    data = torch.ones(size // dtype.itemsize, dtype=dtype, device=device)
-    return data.nbytes / median_seconds(lambda: data.sum(), repeats, device)
-
-
-def matmul_peak(dtype: torch.dtype, repeats: int, device: torch.device) -> float:
-    """FLOPs per second of an n x n x n product (n = 2048 on CPU, 8192 on CUDA)."""
-    n = 8192 if device.type == "cuda" else 2048
-    a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
-    return 2 * n**3 / median_seconds(lambda: a @ b, repeats, device)
 
 
 def random_model(config: LlamaConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
@@ -385,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         bandwidth, peak = rooflines["bandwidth_bytes_per_s"], rooflines["matmul_flops_per_s"]
         print(f"{hardware}, rooflines of {rooflines['hardware']} ({args.roofline_of}): ", end="")
     else:
-        bandwidth, peak = memory_bandwidth(dtype, args.repeats, device), matmul_peak(dtype, args.repeats, device)
+        bandwidth, peak = memory_bandwidth(args.repeats, device), matmul_peak(dtype, args.repeats, device)
         print(f"{hardware}: ", end="")
     print(f"memory bandwidth {bandwidth / 1e9:.1f} GB/s, {args.dtype} matmul peak {peak / 1e9:.0f} GFLOP/s")
     path = None if args.shape else default_model("target", log=print_to_stderr)

@@ -5,25 +5,37 @@ transformers continuing from the prompt K/V the cascade cases stored, and llama.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 
 import pytest
+from safetensors import safe_open
 
 from cascade.home import cascade_home
 from cascade.peers.llamacpp import installed_build
+from tests.scripts import run_script
 
 
 def test_bench_compares_overridden_presets_and_continues_transformers_from_stored_prompts(
         tmp_path, tiny_dir, tiny_draft_dir):
-    out = tmp_path / "bench.json"
+    home = tmp_path / "home"  # no --out: the report goes to a new run directory under $CASCADE_HOME/runs
+    home.mkdir()
+    (home / "data").symlink_to(cascade_home() / "data")
     command = [sys.executable, "scripts/bench.py", "--impls", "autoregressive", "speculative+stages.0.gamma=2",
                "transformers", "--contexts", "96", "--new-tokens", "8", "--repeats", "1", "--warmups", "0",
                "--dtype", "float32", "--target", str(tiny_dir), "--draft", str(tiny_draft_dir),
-               "--prompt-cache", str(tmp_path / "prompts"), "--out", str(out)]
-    subprocess.run(command, capture_output=True, text=True, check=True)
-    runs = {run["preset"]: run for run in json.loads(out.read_text())["runs"]}
+               "--prompt-cache", str(tmp_path / "prompts")]
+    run_script(command, env={**os.environ, "CASCADE_HOME": str(home)})
+    [run_dir] = (home / "runs" / "bench").iterdir()
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["command"][1:3] == ["scripts/bench.py", "--impls"] and manifest["machine"]["cpu_count"] >= 1
+    assert manifest["settings"]["contexts"] == [96] and manifest["started"] <= manifest["ended"]
+    report = json.loads((run_dir / "bench.json").read_text())
+    assert report["runs"][0]["runs"][0]["bandwidth_bytes_per_s"] > 0
+    assert report["runs"][0]["step_roofline_tokens_per_s"] is None  # float32: not priced
+    runs = {run["preset"]: run for run in report["runs"]}
     assert list(runs) == ["autoregressive", "speculative+stages.0.gamma=2", "transformers"]
     expected = runs["autoregressive"]["token_ids"]
     assert len(expected) == 8
@@ -51,9 +63,9 @@ def test_bench_measures_llama_cpp_beside_cascade_and_reports_the_ratios_to_it(tm
     (home / "data").symlink_to(cascade_home() / "data")
     out = tmp_path / "bench.json"
     command = [sys.executable, "scripts/bench.py", "--impls", "autoregressive", "llama.cpp", "llama.cpp-speculative",
-               "--contexts", "96", "--new-tokens", "8", "--repeats", "1", "--warmups", "0", "--dtype", "float32",
+               "--contexts", "96", "--new-tokens", "8", "--repeats", "1", "--warmups", "0", "--dtype", "bfloat16",
                "--target", str(tiny_dir), "--draft", str(tiny_dir), "--out", str(out)]
-    subprocess.run(command, capture_output=True, text=True, check=True, env={**os.environ, "CASCADE_HOME": str(home)})
+    run_script(command, env={**os.environ, "CASCADE_HOME": str(home)})
     report = json.loads(out.read_text())
     peer = next(run for run in report["runs"] if run["preset"] == "llama.cpp")
     assert peer["decode_tokens_per_s"] > 0 and peer["prefill_tokens_per_s"] > 0 and peer["token_ids"] == []
@@ -64,6 +76,15 @@ def test_bench_measures_llama_cpp_beside_cascade_and_reports_the_ratios_to_it(tm
     assert row["decode_tokens_per_s"] == pytest.approx(
         report["runs"][0]["decode_tokens_per_s"] / peer["decode_tokens_per_s"])
     assert (home / "peers" / "gguf" / "llama-bf16.gguf").is_file()
+    # both priced at the bytes of a bf16 step of the same checkpoint, read at the round's bandwidth
+    ours = report["runs"][0]
+    with safe_open(tiny_dir / "model.safetensors", "pt") as weights:  # tied: the embedding once, read whole
+        weight_bytes = 2 * sum(math.prod(weights.get_slice(name).get_shape()) for name in weights.keys())
+    kv_bytes = ours["runs"][0]["step_bytes"] - weight_bytes  # 2 layers x 2 heads x 16 dims, K and V, ~100 keys
+    assert 2 * 2 * 16 * 2 * 2 * 96 <= kv_bytes <= 2 * 2 * 16 * 2 * 2 * 104
+    assert peer["step_roofline_tokens_per_s"] == ours["step_roofline_tokens_per_s"] > 0
+    assert peer["decode_over_step_roofline"] == pytest.approx(
+        peer["decode_tokens_per_s"] / peer["step_roofline_tokens_per_s"])
     speculative = next(run for run in report["runs"] if run["preset"] == "llama.cpp-speculative")
     assert speculative["decode_tokens_per_s"] > 0 and speculative["acceptance"]["draft"] == 1.0  # draft = target
 

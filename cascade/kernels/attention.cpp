@@ -32,6 +32,7 @@ namespace {
 
 using cascade_vector::bf16_to_float;
 using cascade_vector::exp16;
+using cascade_vector::sum_each;
 
 constexpr int64_t kChunkRows = 16;  // query rows scored together (an AMX tile's columns)
 constexpr int64_t kPairInputs = 32;  // bf16 inputs of one AMX tile row or one AVX512-BF16 product
@@ -65,27 +66,6 @@ struct QueryChunk {
   const float* floats;  // [rows, D]
   int64_t count;
 };
-
-// Lane j of the result = the sum of v[j]'s 16 lanes: four rounds of folding pairs of vectors together,
-// then a fixed permutation. Each lane's sum is added in the same order whatever the other vectors hold.
-inline __m512 sum_each(const __m512 (&v)[16]) {
-  __m512 halves[8], quarters[4], eighths[2];
-  for (int i = 0; i < 8; ++i) {  // 128-bit quarters q0 + q2, q1 + q3 of v[i] (low half) and v[i + 8]
-    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44), _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
-  }
-  for (int i = 0; i < 4; ++i) {  // quarter j: 4 partial sums of v[i], v[i + 8], v[i + 4], v[i + 12]
-    quarters[i] = _mm512_add_ps(_mm512_shuffle_f32x4(halves[i], halves[i + 4], 0x88),
-                                _mm512_shuffle_f32x4(halves[i], halves[i + 4], 0xDD));
-  }
-  for (int i = 0; i < 2; ++i) {
-    eighths[i] = _mm512_add_ps(_mm512_unpacklo_ps(quarters[i], quarters[i + 2]),
-                               _mm512_unpackhi_ps(quarters[i], quarters[i + 2]));
-  }
-  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(eighths[0], eighths[1], 0x44),
-                                    _mm512_shuffle_ps(eighths[0], eighths[1], 0xEE));
-  // lane L holds the sum of v[order[L]]; the order is its own inverse
-  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15), sums);
-}
 
 // Scores of 16 keys at a time from AVX512-BF16 dot products (head size a multiple of 32): per query
 // row, each key's 32-input pairs accumulate in its own float32 vector, and the 16 keys' vectors are

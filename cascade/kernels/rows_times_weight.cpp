@@ -19,11 +19,13 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
 #include "products.h"
 #include "tiles.h"
+#include "vector_math.h"
 
 namespace {
 
@@ -32,6 +34,8 @@ void set_amx(bool on) { cascade_tiles::use_amx = on; }
 constexpr int64_t kWeightRows = 4;  // weight rows per block: read once, reused by every activation row
 constexpr int64_t kActivationRows = 4;  // activation rows per tile: 16 accumulators in registers
 constexpr int64_t kLanes = 32;  // bf16 values per 512-bit register
+constexpr int64_t kTileSums = kWeightRows * kActivationRows;  // 16: one float32 lane each
+constexpr int64_t kPrefetchRows = 8;  // how far ahead of the rows it multiplies a block asks for weight rows
 
 #if defined(__AVX512BF16__)
 
@@ -54,15 +58,22 @@ inline void block_tile(const at::BFloat16* rows, const at::BFloat16* weight, flo
   for (int64_t i = 0; i < inner; i += kLanes) {
     const int64_t count = inner - i;
     __m512bh w[kWeightRows];
-    for (int64_t r = 0; r < kWeightRows; ++r) w[r] = load_bf16(weight + (o + r) * inner + i, count);
+    for (int64_t r = 0; r < kWeightRows; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(weight + (o + r + kPrefetchRows) * inner + i), _MM_HINT_T0);
+      w[r] = load_bf16(weight + (o + r) * inner + i, count);
+    }
     for (int64_t t = 0; t < Tiles; ++t) {
       const __m512bh x = load_bf16(rows + (row + t) * inner + i, count);
       for (int64_t r = 0; r < kWeightRows; ++r) acc[t][r] = _mm512_dpbf16_ps(acc[t][r], x, w[r]);
     }
   }
-  for (int64_t t = 0; t < Tiles; ++t) {
-    for (int64_t r = 0; r < kWeightRows; ++r) out[(row + t) * outputs + o + r] = _mm512_reduce_add_ps(acc[t][r]);
-  }
+  // one horizontal sum for all: lane t * R + r of `sums` is out[row + t, o + r]
+  __m512 each[kTileSums];
+  for (int64_t j = 0; j < kTileSums; ++j) each[j] = j < Tiles * kWeightRows ? acc[j / kWeightRows][j % kWeightRows]
+                                                                           : _mm512_setzero_ps();
+  alignas(64) float sums[kTileSums];
+  _mm512_store_ps(sums, cascade_vector::sum_each(each));
+  for (int64_t t = 0; t < Tiles; ++t) std::memcpy(out + (row + t) * outputs + o, sums + t * kWeightRows, sizeof(float) * kWeightRows);
 }
 
 // Every activation row times weight rows [o, o + kWeightRows).

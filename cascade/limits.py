@@ -1,0 +1,44 @@
+"""What this machine can do at most, measured now: the memory bandwidth and the matmul rate that a
+pass's roofline divides by (these machines drift between minutes, so a benchmark measures them in
+each run rather than trusting an earlier figure)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+BANDWIDTH_BUFFER_BYTES = {"cpu": 2**30, "cuda": 2**32}
+"""Bytes read per bandwidth sample: far larger than any cache level, as a model's weights are."""
+
+
+def median_seconds(run: Callable[[], object], repeats: int, device: torch.device) -> float:
+    """Median wall time of ``run`` over ``repeats`` calls after one untimed call (first touch, and,
+    with graphs, the capture)."""
+    run()
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize() if device.type == "cuda" else None
+        started = time.perf_counter()
+        run()
+        torch.cuda.synchronize() if device.type == "cuda" else None
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def memory_bandwidth(repeats: int = 5, device: torch.device = torch.device("cpu")) -> float:
+    """Bytes per second reading a 1 GiB (CPU) or 4 GiB (CUDA) float32 tensor once (a sum), with the
+    threads torch uses."""
+    size = BANDWIDTH_BUFFER_BYTES.get(device.type, 2**30)
+    data = torch.ones(size // 4, dtype=torch.float32, device=device)
+    seconds = median_seconds(lambda: data.sum(), repeats, device)
+    return data.nbytes / seconds
+
+
+def matmul_peak(dtype: torch.dtype, repeats: int = 5, device: torch.device = torch.device("cpu")) -> float:
+    """FLOPs per second of an n x n x n product (n = 2048 on CPU, 8192 on CUDA)."""
+    n = 8192 if device.type == "cuda" else 2048
+    a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
+    return 2 * n**3 / median_seconds(lambda: a @ b, repeats, device)
