@@ -39,6 +39,18 @@ def test_product_equals_float64_reference(path, num_rows, outputs, inner):
     assert ((got.double() - expected).abs() <= bound + 1e-30).all()
 
 
+@pytest.mark.parametrize("outputs, inner", [(960, 576), (1000, 576), (101, 64), (7, 37)])
+def test_each_row_of_a_product_equals_its_one_row_product_bit_for_bit(path, outputs, inner):
+    """One row goes through blocks of 16 weight rows, several through blocks of 4 for every row:
+    a verification pass must still compute what the steps it replaces do."""
+    generator = torch.Generator().manual_seed(outputs + inner)
+    rows = torch.randn(9, inner, generator=generator).bfloat16()
+    weight = torch.randn(outputs, inner, generator=generator).bfloat16()
+    together = product(rows, weight)
+    for row in range(len(rows)):
+        assert torch.equal(product(rows[row : row + 1], weight)[0], together[row])
+
+
 def test_non_contiguous_rows_read_as_their_values():
     rows = torch.randn(64, 6).bfloat16().T  # [6, 64] with strides (1, 6)
     weight = torch.randn(40, 64).bfloat16()

@@ -4,10 +4,13 @@
 // A decode step or a verification pass multiplies 1-16 rows by every weight matrix of the model, so
 // the product is bound by reading the weight once. The weight's rows are split between the threads
 // in contiguous ranges (each thread streams its own part of the matrix). With AMX, 32 weight rows at
-// a time meet every activation row in tiles (the main path); the rest (the last O mod 32 rows, input
-// sizes that are not multiples of 32, or AMX turned off by `set_amx`, which the tests use to check
-// both paths) go as blocks of four weight rows with AVX512-BF16 dot products (32 bf16 pairs per
-// instruction, float32 accumulation).
+// a time meet every activation row in tiles (the main path). Otherwise (and for the last O mod 32
+// rows, input sizes that are not multiples of 32, or AMX turned off by `set_amx`, which the tests use
+// to check both paths) AVX512-BF16 dot products (32 bf16 pairs per instruction, float32
+// accumulation) take blocks of 16 weight rows for one activation row, or of 4 for every row of a
+// wider pass. While a block is multiplied, the next one (the rows that follow it in memory) is
+// asked for line by line, as fast as the block reads its own: without that, rows of a few hundred
+// inputs streamed at half the memory's speed.
 //
 // Built with -march=native: on a CPU without AVX512-BF16 `features()` lacks it, the Python
 // side keeps PyTorch's kernels, and the op refuses to run.
@@ -33,9 +36,9 @@ void set_amx(bool on) { cascade_tiles::use_amx = on; }
 
 constexpr int64_t kWeightRows = 4;  // weight rows per block: read once, reused by every activation row
 constexpr int64_t kActivationRows = 4;  // activation rows per tile: 16 accumulators in registers
+constexpr int64_t kStepRows = 16;  // weight rows per block of a one-row product (a decode step): 16 accumulators
 constexpr int64_t kLanes = 32;  // bf16 values per 512-bit register
-constexpr int64_t kTileSums = kWeightRows * kActivationRows;  // 16: one float32 lane each
-constexpr int64_t kPrefetchRows = 8;  // how far ahead of the rows it multiplies a block asks for weight rows
+constexpr int64_t kTileSums = 16;  // accumulators per tile, one float32 lane each of their horizontal sum
 
 #if defined(__AVX512BF16__)
 
@@ -47,33 +50,38 @@ inline __m512bh load_bf16(const at::BFloat16* source, int64_t count) {
   return (__m512bh)_mm512_maskz_loadu_epi16(mask, source);  // zeros past the end add nothing
 }
 
-// out[t, o..o+R) for tiles of `tiles` activation rows starting at `row`, R = kWeightRows.
-template <int64_t Tiles>
+// out[row + t, o + r] for t < Tiles activation rows and r < Rows weight rows (Tiles x Rows <= 16
+// accumulators). Each sum runs over the inputs in order, then all of them go through one
+// horizontal sum (sum_each), which adds every lane's values in the same order: a product's value
+// does not depend on the block shape that computed it, so passes of any width agree bit for bit.
+template <int64_t Tiles, int64_t Rows>
 inline void block_tile(const at::BFloat16* rows, const at::BFloat16* weight, float* out,
                        int64_t row, int64_t o, int64_t inner, int64_t outputs) {
-  __m512 acc[Tiles][kWeightRows];
+  static_assert(Tiles * Rows <= kTileSums);
+  __m512 acc[Tiles][Rows];
   for (int64_t t = 0; t < Tiles; ++t) {
-    for (int64_t r = 0; r < kWeightRows; ++r) acc[t][r] = _mm512_setzero_ps();
+    for (int64_t r = 0; r < Rows; ++r) acc[t][r] = _mm512_setzero_ps();
   }
+  // the next block of weight rows, as many 64-byte lines asked for per step as the step reads (it
+  // follows this one in memory): each block's reads find its lines on their way
+  const char* next_block = reinterpret_cast<const char*>(weight + (o + Rows) * inner);
   for (int64_t i = 0; i < inner; i += kLanes) {
     const int64_t count = inner - i;
-    __m512bh w[kWeightRows];
-    for (int64_t r = 0; r < kWeightRows; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(weight + (o + r + kPrefetchRows) * inner + i), _MM_HINT_T0);
+    __m512bh w[Rows];
+    for (int64_t r = 0; r < Rows; ++r) {
+      _mm_prefetch(next_block + (i / kLanes * Rows + r) * 64, _MM_HINT_T1);
       w[r] = load_bf16(weight + (o + r) * inner + i, count);
     }
     for (int64_t t = 0; t < Tiles; ++t) {
       const __m512bh x = load_bf16(rows + (row + t) * inner + i, count);
-      for (int64_t r = 0; r < kWeightRows; ++r) acc[t][r] = _mm512_dpbf16_ps(acc[t][r], x, w[r]);
+      for (int64_t r = 0; r < Rows; ++r) acc[t][r] = _mm512_dpbf16_ps(acc[t][r], x, w[r]);
     }
   }
-  // one horizontal sum for all: lane t * R + r of `sums` is out[row + t, o + r]
-  __m512 each[kTileSums];
-  for (int64_t j = 0; j < kTileSums; ++j) each[j] = j < Tiles * kWeightRows ? acc[j / kWeightRows][j % kWeightRows]
-                                                                           : _mm512_setzero_ps();
+  __m512 each[kTileSums];  // lane t * Rows + r of the sum is out[row + t, o + r]
+  for (int64_t j = 0; j < kTileSums; ++j) each[j] = j < Tiles * Rows ? acc[j / Rows][j % Rows] : _mm512_setzero_ps();
   alignas(64) float sums[kTileSums];
   _mm512_store_ps(sums, cascade_vector::sum_each(each));
-  for (int64_t t = 0; t < Tiles; ++t) std::memcpy(out + (row + t) * outputs + o, sums + t * kWeightRows, sizeof(float) * kWeightRows);
+  for (int64_t t = 0; t < Tiles; ++t) std::memcpy(out + (row + t) * outputs + o, sums + t * Rows, sizeof(float) * Rows);
 }
 
 // Every activation row times weight rows [o, o + kWeightRows).
@@ -81,12 +89,12 @@ inline void weight_block(const at::BFloat16* rows, const at::BFloat16* weight, f
                          int64_t num_rows, int64_t o, int64_t inner, int64_t outputs) {
   int64_t row = 0;
   for (; row + kActivationRows <= num_rows; row += kActivationRows) {
-    block_tile<kActivationRows>(rows, weight, out, row, o, inner, outputs);
+    block_tile<kActivationRows, kWeightRows>(rows, weight, out, row, o, inner, outputs);
   }
   switch (num_rows - row) {
-    case 3: block_tile<3>(rows, weight, out, row, o, inner, outputs); break;
-    case 2: block_tile<2>(rows, weight, out, row, o, inner, outputs); break;
-    case 1: block_tile<1>(rows, weight, out, row, o, inner, outputs); break;
+    case 3: block_tile<3, kWeightRows>(rows, weight, out, row, o, inner, outputs); break;
+    case 2: block_tile<2, kWeightRows>(rows, weight, out, row, o, inner, outputs); break;
+    case 1: block_tile<1, kWeightRows>(rows, weight, out, row, o, inner, outputs); break;
     default: break;
   }
 }
@@ -186,15 +194,27 @@ at::Tensor rows_times_weight(const at::Tensor& rows, const at::Tensor& weight) {
     done = outputs - outputs % (kTileBlocks * kTileRows);
   }
 #endif
-  const int64_t blocks = (outputs - done) / kWeightRows;
+  // blocks of 16 weight rows for one activation row, else of 4 (for every activation row); what
+  // is left, in blocks of 4 and single rows
+  const int64_t block_rows = num_rows == 1 ? kStepRows : kWeightRows;
+  const int64_t blocks = (outputs - done) / block_rows;
   const int64_t threads = at::get_num_threads();
-  const int64_t grain = std::max<int64_t>(16, (blocks + threads - 1) / threads);  // one range per thread
+  const int64_t grain = std::max<int64_t>(64 / block_rows, (blocks + threads - 1) / threads);  // a range per thread
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; ++block) {
-      weight_block(rows_data, weight_data, out_data, num_rows, done + block * kWeightRows, inner, outputs);
+      const int64_t o = done + block * block_rows;
+      if (num_rows == 1) {
+        block_tile<1, kStepRows>(rows_data, weight_data, out_data, 0, o, inner, outputs);
+      } else {
+        weight_block(rows_data, weight_data, out_data, num_rows, o, inner, outputs);
+      }
     }
   });
-  for (int64_t o = done + blocks * kWeightRows; o < outputs; ++o) {
+  done += blocks * block_rows;
+  for (; done + kWeightRows <= outputs; done += kWeightRows) {
+    weight_block(rows_data, weight_data, out_data, num_rows, done, inner, outputs);
+  }
+  for (int64_t o = done; o < outputs; ++o) {
     single_row(rows_data, weight_data, out_data, num_rows, o, inner, outputs);
   }
   return out;
