@@ -16,7 +16,8 @@
 // [T, 16] int32 sums, which are scaled by that block's activation scales into float32 accumulators.
 // Without AMX, AVX512-VNNI computes the same int32 sums (exactly: the two paths' outputs are equal):
 // each of the block's 16 rows meets its activation quad broadcast to the 16 output lanes. Output
-// blocks are split between the threads in contiguous ranges.
+// blocks are split between the threads in contiguous ranges; while one is multiplied, the next (which
+// follows it in memory) is asked for, line by line as fast as the block reads its own.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -133,8 +134,11 @@ void output_block(BlockSums block_sums, const int8_t* quantised, const float* ro
   __m512 acc[kMaxRows];
   for (int64_t t = 0; t < num_rows; ++t) acc[t] = _mm512_setzero_ps();
   alignas(64) int32_t sums[kMaxRows * kBlockOutputs];
-  const int8_t* stream = weight + block * blocks * kBlockInputs * kBlockOutputs;
+  const int64_t block_bytes = kBlockInputs * kBlockOutputs;  // 16 lines: one packed 64-input block
+  const int8_t* stream = weight + block * blocks * block_bytes;
+  const char* next_block = reinterpret_cast<const char*>(stream + blocks * block_bytes);  // the next 16 outputs
   for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t line = 0; line < block_bytes; line += 64) _mm_prefetch(next_block + b * block_bytes + line, _MM_HINT_T1);
     block_sums(quantised + b * kBlockInputs, blocks * kBlockInputs, stream + b * kBlockInputs * kBlockOutputs,
                num_rows, sums);
     for (int64_t t = 0; t < num_rows; ++t) {
