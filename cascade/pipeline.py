@@ -198,8 +198,7 @@ class Pipeline:
             stepping = self.clock.mark()
             drawn = self._draw_from_logits(stage.extend(context, 1))
             if proposer and clean and self._captured_graphs(level) == captured:  # timing it waits for it (CUDA)
-                proposer.stats.plain_steps += 1
-                proposer.stats.plain_s += self.clock.seconds(stepping, self.clock.mark())
+                proposer.stats.record_plain_step(self.clock.seconds(stepping, self.clock.mark()))
             return drawn
         proposing = self.clock.mark()
         speculate = self._speculate_tree if proposer.tree is not None else self._speculate

@@ -5,7 +5,8 @@
   accepted, -1 otherwise (at least 1, at most the configured gamma).
 - ``cost_model``: from the stage's measured per-token acceptance ``a``, the time ``p`` of one
   proposed token, the time ``v(g)`` of a verification pass of g proposals and the time ``s`` of one
-  plain step of the verifier (measured by decoding one round without speculation first), pick the
+  plain step of the verifier (the median of the latest plain steps; the verifier decodes
+  ``PLAIN_STEPS_FIRST`` of them without speculation first), pick the
   gamma with the most tokens per second, (1 - a^(g+1)) / ((1 - a)(p g + v(g))), against 1 / s for
   gamma 0. With ``v(g) = s`` this is the textbook speed-up (1 - a^(g+1)) / ((1 - a)(c g + 1)),
   c = p / s. On a CPU a multi-token pass is compute-bound and costs more the more tokens it holds,
@@ -21,6 +22,9 @@ from cascade.stats import StageStats
 
 PROBE_EVERY = 16
 """Bypassed rounds after which the cost model lets a stage propose again to re-measure it."""
+PLAIN_STEPS_FIRST = 3
+"""Plain steps of the verifier timed before the stage first proposes: their median is the cost every
+speed-up is measured against, so one slow first pass cannot make speculation look like a 50x win."""
 WARMUP_ROUNDS = 4
 """Verified rounds at the configured gamma before the cost model trusts its measurements."""
 
@@ -59,8 +63,8 @@ class CostModelSchedule(Schedule):
         self.bypassed = 0
 
     def next_gamma(self, stats: StageStats, room: int) -> int:
-        if not stats.plain_steps:
-            return 0  # time one plain step of the verifier first
+        if stats.plain_steps < PLAIN_STEPS_FIRST:
+            return 0  # time plain steps of the verifier first
         if self.current == 0:
             self.bypassed += 1
             if self.bypassed > PROBE_EVERY:

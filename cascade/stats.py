@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import asdict, dataclass, field
 
 from cascade.costs import expected_speedup, rising_line
+
+PLAIN_SAMPLES_KEPT = 32
+"""Plain-step times a stage keeps for their median (``StageStats.step_s``)."""
 
 
 @dataclass
@@ -47,6 +51,9 @@ class StageStats:
     step); passes that also caught up on skipped tokens are not counted."""
     plain_s: float = 0.0
     """Time of those passes."""
+    plain_samples: list[float] = field(default_factory=list)
+    """The latest of their times (at most ``PLAIN_SAMPLES_KEPT``), whose median is a plain step's cost:
+    one slow pass (a first touch, a noisy neighbour) does not set it."""
     schedule: str = ""
     """The gamma schedule of this stage's proposals ('' for the last stage, which proposes nothing)."""
     gamma_choices: dict[int, int] = field(default_factory=dict)
@@ -57,6 +64,19 @@ class StageStats:
     """Token-tree rounds: at each node where the verifier chose its next token (the root and the
     accepted nodes this stage had fed), how often that token was this stage's r-th most likely,
     by r; the last count is for the tokens ranked lower than all of those."""
+
+    def record_plain_step(self, seconds: float) -> None:
+        self.plain_steps += 1
+        self.plain_s += seconds
+        self.plain_samples = [*self.plain_samples[1 - PLAIN_SAMPLES_KEPT:], seconds]
+
+    @property
+    def step_s(self) -> float:
+        """A plain step's time: the median of the latest samples (the mean where none were kept; 0
+        before the first)."""
+        if self.plain_samples:
+            return statistics.median(self.plain_samples)
+        return self.plain_s / self.plain_steps if self.plain_steps else 0.0
 
     @property
     def rank_acceptance(self) -> list[float]:
@@ -91,7 +111,7 @@ class StageStats:
         """Time of one verification pass over one plain step of the verifier (0 if not measured)."""
         if not self.timed_rounds or not self.plain_steps:
             return 0.0
-        return (self.verify_s / self.timed_rounds) / (self.plain_s / self.plain_steps)
+        return (self.verify_s / self.timed_rounds) / self.step_s
 
     def verification_s(self, gamma: float) -> float:
         """Expected time of a verification pass of ``gamma`` proposals: a line through the mean pass
@@ -102,7 +122,7 @@ class StageStats:
         points = [(g, seconds / self.clean_verifications[g], self.clean_verifications[g])
                   for g, seconds in self.clean_verification_s.items()]
         if self.plain_steps:
-            points.append((0, self.plain_s / self.plain_steps, self.plain_steps))
+            points.append((0, self.step_s, self.plain_steps))
         if not points:
             return self.verify_s / self.timed_rounds if self.timed_rounds else 0.0
         intercept, slope = rising_line(points)
@@ -113,7 +133,7 @@ class StageStats:
         been timed, the mean verification pass stands in for one."""
         if not self.timed_rounds or not self.timed_proposed:
             return 1.0
-        step_s = self.plain_s / self.plain_steps if self.plain_steps else self.verify_s / self.timed_rounds
+        step_s = self.step_s if self.plain_steps else self.verify_s / self.timed_rounds
         return expected_speedup(self.acceptance_mle, self.propose_s / self.timed_proposed, self.verification_s(gamma),
                                 step_s, gamma)
 

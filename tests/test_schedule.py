@@ -5,13 +5,15 @@ from __future__ import annotations
 import pytest
 
 from cascade.costs import expected_speedup, expected_tokens, rising_line
-from cascade.schedule import PROBE_EVERY, WARMUP_ROUNDS, CostModelSchedule, HeuristicSchedule, Schedule
-from cascade.stats import StageStats
+from cascade.schedule import PLAIN_STEPS_FIRST, PROBE_EVERY, WARMUP_ROUNDS, CostModelSchedule, HeuristicSchedule, Schedule
+from cascade.stats import PLAIN_SAMPLES_KEPT, StageStats
 
 
 def measured(acceptance_runs: list[tuple[int, int]], propose_s: float, verify_s: float, step_s: float) -> StageStats:
     """Stats of rounds (proposed, accepted), each proposal costing propose_s, each verification verify_s."""
-    stats = StageStats("proposer", plain_steps=1, plain_s=step_s)
+    stats = StageStats("proposer")
+    for _ in range(PLAIN_STEPS_FIRST):
+        stats.record_plain_step(step_s)
     for proposed, accepted in acceptance_runs:
         stats.rounds += 1
         stats.timed_rounds += 1
@@ -53,9 +55,12 @@ def test_fixed_and_heuristic_schedules():
     assert heuristic.current == 1  # at least 1
 
 
-def test_cost_model_times_a_plain_step_first_then_picks_the_best_gamma():
+def test_cost_model_times_plain_steps_first_then_picks_the_best_gamma():
     schedule = CostModelSchedule(8)
-    assert schedule.next_gamma(StageStats("proposer"), room=100) == 0
+    stepping = StageStats("proposer")
+    for _ in range(PLAIN_STEPS_FIRST):
+        assert schedule.next_gamma(stepping, room=100) == 0
+        stepping.record_plain_step(0.1)
     good = measured([(8, 8)] * WARMUP_ROUNDS, propose_s=0.01, verify_s=0.12, step_s=0.1)
     schedule.observe(good, 8, 8)
     assert schedule.next_gamma(good, room=100) == 8
@@ -73,6 +78,19 @@ def test_cost_model_bypasses_a_stage_that_does_not_pay_and_probes_it_again():
     assert gammas == [0] * PROBE_EVERY + [1]
 
 
+def test_a_slow_first_plain_step_does_not_set_the_cost_speculation_is_measured_against():
+    """A triforce run at 2K once predicted a 51.8x speed-up from one 3.1 s plain step (a warm-up)."""
+    stats = measured([(6, 6)] * WARMUP_ROUNDS, propose_s=0.002, verify_s=0.03, step_s=0.025)
+    stats.record_plain_step(3.1)
+    assert stats.step_s == pytest.approx(0.025)  # the median of 0.025, 0.025, 0.025, 3.1
+    assert stats.expected_speedup(6) < 7  # at most gamma + 1 tokens per round of ~a step
+    assert stats.verify_over_step == pytest.approx(0.03 / 0.025)
+    for _ in range(PLAIN_SAMPLES_KEPT):
+        stats.record_plain_step(0.05)  # the context grew: the latest samples tell
+    assert stats.step_s == 0.05 and len(stats.plain_samples) == PLAIN_SAMPLES_KEPT
+    assert stats.plain_steps == PLAIN_STEPS_FIRST + 1 + PLAIN_SAMPLES_KEPT
+
+
 def test_rising_line_fits_weighted_points_and_never_falls():
     assert rising_line([(0, 1.0, 1), (2, 2.0, 1)]) == pytest.approx((1.0, 0.5))
     assert rising_line([(0, 1.0, 3), (1, 2.0, 1), (1, 4.0, 1)]) == pytest.approx((1.0, 2.0))
@@ -86,7 +104,7 @@ def test_verification_cost_is_interpolated_between_a_plain_step_and_the_measured
     assert stats.verification_s(6) == pytest.approx(0.215)
     assert stats.verification_s(1) == pytest.approx(0.13 + 0.085 / 6)
     unstepped = measured([(6, 1)], propose_s=0.047, verify_s=0.215, step_s=0.13)
-    unstepped.plain_steps, unstepped.plain_s = 0, 0.0
+    unstepped.plain_steps, unstepped.plain_s, unstepped.plain_samples = 0, 0.0, []
     assert unstepped.verification_s(1) == pytest.approx(0.215)  # nothing to interpolate from yet
     unstepped.clean_verifications, unstepped.clean_verification_s = {}, {}
     assert unstepped.verification_s(1) == pytest.approx(0.215)  # only passes that caught up: their mean
