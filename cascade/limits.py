@@ -14,9 +14,9 @@ BANDWIDTH_BUFFER_BYTES = {"cpu": 2**30, "cuda": 2**32}
 """Bytes read per bandwidth sample: far larger than any cache level, as a model's weights are."""
 
 
-def median_seconds(run: Callable[[], object], repeats: int, device: torch.device) -> float:
-    """Median wall time of ``run`` over ``repeats`` calls after one untimed call (first touch, and,
-    with graphs, the capture)."""
+def timings(run: Callable[[], object], repeats: int, device: torch.device) -> list[float]:
+    """Wall times of ``repeats`` calls of ``run`` after one untimed call (first touch, and, with
+    graphs, the capture)."""
     run()
     times = []
     for _ in range(repeats):
@@ -25,16 +25,21 @@ def median_seconds(run: Callable[[], object], repeats: int, device: torch.device
         run()
         torch.cuda.synchronize() if device.type == "cuda" else None
         times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    return times
+
+
+def median_seconds(run: Callable[[], object], repeats: int, device: torch.device) -> float:
+    """Median wall time of ``run`` (see ``timings``): what a pass costs."""
+    return statistics.median(timings(run, repeats, device))
 
 
 def memory_bandwidth(repeats: int = 5, device: torch.device = torch.device("cpu")) -> float:
     """Bytes per second reading a 1 GiB (CPU) or 4 GiB (CUDA) float32 tensor once (a sum), with the
-    threads torch uses."""
+    threads torch uses: the fastest of ``repeats`` reads, as STREAM reports its best rate (what the
+    memory can deliver now; on a VM whose neighbours share the memory, the median runs lower)."""
     size = BANDWIDTH_BUFFER_BYTES.get(device.type, 2**30)
     data = torch.ones(size // 4, dtype=torch.float32, device=device)
-    seconds = median_seconds(lambda: data.sum(), repeats, device)
-    return data.nbytes / seconds
+    return data.nbytes / min(timings(data.sum, repeats, device))
 
 
 def matmul_peak(dtype: torch.dtype, repeats: int = 5, device: torch.device = torch.device("cpu")) -> float:

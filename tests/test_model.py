@@ -103,6 +103,16 @@ def test_rotary_shift_moves_keys_to_new_positions(scale):
     torch.testing.assert_close(rotary.shift(at_old, -37), at_new, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["llama-gqa-tied", "qwen2-bias"])
+def test_a_pass_reads_every_weight_once_but_one_row_of_an_untied_embedding(tmp_path, family):
+    model = load_model(make_checkpoint(tmp_path / "m", family), torch.bfloat16, torch.device("cpu"))
+    embedding = model.embed_tokens.weight  # [V, C]
+    everything = sum(parameter.nbytes for parameter in model.parameters())  # a tied head counted once
+    tied = model.lm_head.weight is embedding
+    row = embedding.shape[1] * embedding.element_size()
+    assert model.pass_weight_bytes() == (everything if tied else everything - embedding.nbytes + row)
+
+
 def test_stretch_factor_is_the_smallest_power_of_two_that_fits():
     assert stretch_factor(8192, 8192) is None
     assert stretch_factor(8193, 8192) == 2.0
