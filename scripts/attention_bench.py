@@ -20,13 +20,12 @@ and checked against a float64 reference (largest absolute difference):
   family ran tree passes of 9-64 queries through before they went to per-KV-head products.
 
     python scripts/attention_bench.py [--keys 4096 32768 120000] [--queries 1 7] [--nodes 15 31 63]
-        [--static] [--repeats 10] [--device cpu] [--out results/attention_tree_cpu.json]
+        [--static] [--repeats 10] [--device cpu] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
@@ -37,6 +36,7 @@ from cascade import attention
 from cascade.errors import CascadeError
 from cascade.graphs import cuda_graph
 from cascade.limits import median_seconds
+from cascade.runs import run_files
 from cascade.tree import TokenTree
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
@@ -52,7 +52,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--static", action="store_true", help="views as graphed passes read them (whole buffers)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--out", type=Path, default=Path("results/attention_tree_cpu.json"))
+    parser.add_argument("--out", type=Path, help="report path (default: attention.json in a new run directory under "
+                        "$CASCADE_HOME/runs/attention_bench/); a manifest is written beside it")
     args = parser.parse_args(argv)
     if not args.queries and not args.nodes:
         parser.error("name at least one pass: --queries T or --nodes N")
@@ -124,6 +125,7 @@ def timed(kernel: attention.AttentionKernel, query: torch.Tensor, view: Attentio
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    files = run_files("attention_bench", args.out, "attention.json")
     device, scale = torch.device(args.device), HEAD_DIM**-0.5
     kernels = kernels_for(device)
     print("| keys | pass | " + " | ".join(f"{name} ms (max error)" for name in kernels) + " |")
@@ -144,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row['ms'][k]:.2f} ({row['max_error'][k]:.1e})" for k in kernels) + " |", flush=True)
     report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "threads": torch.get_num_threads(), "repeats": args.repeats, "static": args.static, "rows": rows}
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    files.write(report, vars(args))
     return 0
 
 

@@ -61,6 +61,7 @@ from cascade.graphs import PassGraphs, cuda_graph
 from cascade.model import CausalLM
 from cascade.models import default_model
 from cascade.rope import Rotary, rope_frequencies
+from cascade.runs import run_files
 from cascade.runtime import fused_tokens_for
 from cascade.tree import TokenTree
 from configs.schema import TreeConfig
@@ -112,7 +113,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--roofline-of", type=Path, metavar="REPORT",
                         help="take the rooflines' memory bandwidth and matmul peak from this earlier report (e.g. "
                              "a GPU's) instead of measuring this machine's: that machine's ceilings from these bytes")
-    parser.add_argument("--out", type=Path, default=Path("results/roofline.json"))
+    parser.add_argument("--out", type=Path, help="report path (default: roofline.json in a new run directory under "
+                        "$CASCADE_HOME/runs/roofline/); a manifest is written beside it")
     args = parser.parse_args(argv)
     for option in ("every_pass_acceptance", "every_round_acceptance", "tree_accepted"):
         values = getattr(args, option)
@@ -351,6 +353,7 @@ def context_figures(
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    files = run_files("roofline", args.out, "roofline.json")
     dtype, device = getattr(torch, args.dtype), torch.device(args.device)
     hardware = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     if args.roofline_of:
@@ -399,8 +402,7 @@ def main(argv: list[str] | None = None) -> int:
               "attention": args.attention, "graphs": device.type == "cuda" and not args.no_graphs,
               "bandwidth_bytes_per_s": bandwidth,
               "matmul_flops_per_s": peak, "threads": torch.get_num_threads(), "contexts": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    files.write(report, vars(args))
     return 0
 
 

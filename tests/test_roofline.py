@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 
 import pytest
+
+from tests.scripts import run_script
 
 
 def load_roofline_script():
@@ -173,3 +176,13 @@ def test_attention_bench_times_every_runnable_kernel_on_each_pass_and_checks_it(
     assert refused.returncode == 2 and "--keys must exceed the widest pass (32 tokens)" in refused.stderr
     nothing = subprocess.run([*command[:2], "--nodes"], capture_output=True, text=True)
     assert nothing.returncode == 2 and "name at least one pass" in nothing.stderr
+
+
+def test_attention_bench_without_out_writes_a_run_directory_with_its_manifest(tmp_path):
+    command = [sys.executable, "scripts/attention_bench.py", "--keys", "100", "--queries", "1", "--nodes",
+               "--repeats", "1"]
+    run_script(command, env={**os.environ, "CASCADE_HOME": str(tmp_path)})
+    [run_dir] = (tmp_path / "runs" / "attention_bench").iterdir()
+    assert [row["queries"] for row in json.loads((run_dir / "attention.json").read_text())["rows"]] == [1]
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["settings"]["keys"] == [100] and manifest["machine"]["threads"] >= 1
