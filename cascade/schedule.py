@@ -8,7 +8,8 @@
   plain step of the verifier (the median of the latest plain steps; the verifier decodes
   ``PLAIN_STEPS_FIRST`` of them without speculation first), pick the
   gamma with the most tokens per second, (1 - a^(g+1)) / ((1 - a)(p g + v(g))), against 1 / s for
-  gamma 0. With ``v(g) = s`` this is the textbook speed-up (1 - a^(g+1)) / ((1 - a)(c g + 1)),
+  gamma 0 (after ``WARMUP_ROUNDS`` verified rounds, or after one if its costs alone rule the stage
+  out: no gamma would pay even if every proposal were accepted). With ``v(g) = s`` this is the textbook speed-up (1 - a^(g+1)) / ((1 - a)(c g + 1)),
   c = p / s. On a CPU a multi-token pass is compute-bound and costs more the more tokens it holds,
   so ``v(g)`` is a line fitted through the measured passes and the plain step (``StageStats.
   verification_s``): a short gamma can pay where the configured one does not. Gamma 0 bypasses the
@@ -74,6 +75,14 @@ class CostModelSchedule(Schedule):
     def observe(self, stats: StageStats, proposed: int, accepted: int) -> None:
         if stats.timed_rounds >= WARMUP_ROUNDS:
             self.current = best_gamma(stats, self.gamma)
+        elif stats.timed_rounds and not pays_if_all_accepted(stats, self.gamma):
+            self.current = 0  # its costs alone rule it out: no need to warm up on it
+
+
+def pays_if_all_accepted(stats: StageStats, largest: int) -> bool:
+    """Whether some gamma in [1, largest] would beat plain steps even if every proposal were accepted
+    (a retrieval proposal at 8K that costs as much as a full step never does)."""
+    return any(stats.expected_speedup(gamma, acceptance=1.0) > 1 for gamma in range(1, largest + 1))
 
 
 def best_gamma(stats: StageStats, largest: int) -> int:

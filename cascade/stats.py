@@ -128,13 +128,15 @@ class StageStats:
         intercept, slope = rising_line(points)
         return intercept + slope * gamma
 
-    def expected_speedup(self, gamma: float) -> float:
-        """The cost model's speed-up at ``gamma`` from these measurements; until a plain step has
-        been timed, the mean verification pass stands in for one."""
+    def expected_speedup(self, gamma: float, acceptance: float | None = None) -> float:
+        """The cost model's speed-up at ``gamma`` from these measurements (``acceptance``: assumed
+        instead of the measured one); until a plain step has been timed, the mean verification pass
+        stands in for one."""
         if not self.timed_rounds or not self.timed_proposed:
             return 1.0
         step_s = self.step_s if self.plain_steps else self.verify_s / self.timed_rounds
-        return expected_speedup(self.acceptance_mle, self.propose_s / self.timed_proposed, self.verification_s(gamma),
+        acceptance = self.acceptance_mle if acceptance is None else acceptance
+        return expected_speedup(acceptance, self.propose_s / self.timed_proposed, self.verification_s(gamma),
                                 step_s, gamma)
 
     @property

@@ -91,6 +91,20 @@ def test_a_slow_first_plain_step_does_not_set_the_cost_speculation_is_measured_a
     assert stats.plain_steps == PLAIN_STEPS_FIRST + 1 + PLAIN_SAMPLES_KEPT
 
 
+def test_cost_model_stops_warming_up_on_a_stage_whose_costs_alone_rule_it_out():
+    """SmolLM2 self-spec at 8K on the EPYC VM: every proposal accepted, but a retrieval proposal cost
+    28 ms against a 27 ms plain step and a 7-token pass 75 ms: no gamma pays, so after one round it
+    is bypassed rather than run for the warm-up's three more."""
+    schedule = CostModelSchedule(6)
+    costly = measured([(6, 6)], propose_s=0.028, verify_s=0.075, step_s=0.027)
+    schedule.observe(costly, 6, 6)
+    assert schedule.current == 0 and schedule.next_gamma(costly, room=100) == 0
+    cheap = measured([(6, 2)], propose_s=0.005, verify_s=0.035, step_s=0.027)  # could pay: keep warming up
+    schedule = CostModelSchedule(6)
+    schedule.observe(cheap, 6, 2)
+    assert schedule.current == 6
+
+
 def test_rising_line_fits_weighted_points_and_never_falls():
     assert rising_line([(0, 1.0, 1), (2, 2.0, 1)]) == pytest.approx((1.0, 0.5))
     assert rising_line([(0, 1.0, 3), (1, 2.0, 1), (1, 4.0, 1)]) == pytest.approx((1.0, 2.0))
