@@ -9,7 +9,8 @@
   ``PLAIN_STEPS_FIRST`` of them without speculation first), pick the
   gamma with the most tokens per second, (1 - a^(g+1)) / ((1 - a)(p g + v(g))), against 1 / s for
   gamma 0 (after ``WARMUP_ROUNDS`` verified rounds, or after one if its costs alone rule the stage
-  out: no gamma would pay even if every proposal were accepted). With ``v(g) = s`` this is the textbook speed-up (1 - a^(g+1)) / ((1 - a)(c g + 1)),
+  out: no gamma would pay even if every proposal were accepted). With ``v(g) = s`` this is the
+  textbook speed-up (1 - a^(g+1)) / ((1 - a)(c g + 1)),
   c = p / s. On a CPU a multi-token pass is compute-bound and costs more the more tokens it holds,
   so ``v(g)`` is a line fitted through the measured passes and the plain step (``StageStats.
   verification_s``): a short gamma can pay where the configured one does not. Gamma 0 bypasses the

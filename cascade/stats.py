@@ -72,11 +72,8 @@ class StageStats:
 
     @property
     def step_s(self) -> float:
-        """A plain step's time: the median of the latest samples (the mean where none were kept; 0
-        before the first)."""
-        if self.plain_samples:
-            return statistics.median(self.plain_samples)
-        return self.plain_s / self.plain_steps if self.plain_steps else 0.0
+        """A plain step's time: the median of the latest samples (0 before the first)."""
+        return statistics.median(self.plain_samples) if self.plain_samples else 0.0
 
     @property
     def rank_acceptance(self) -> list[float]:

@@ -384,13 +384,13 @@ def price_at_rooflines(runs: list[dict]) -> None:
     context measured them; the same checkpoint in the same precision for every implementation), the
     median over rounds; and ``decode_over_step_roofline``, its decode rate over that (at most 1 for
     autoregressive decoding; a speculating case can pass it)."""
+    bf16_runs = [run for run in runs if run["dtype"] in ("bfloat16", "bf16")]
     step_bytes = {}
-    for run in runs:
-        measured = [case["step_bytes"] for case in run["runs"] if "step_bytes" in case]
-        if measured and run["dtype"] in ("bfloat16", "bf16"):
+    for run in bf16_runs:
+        if measured := [case["step_bytes"] for case in run["runs"] if "step_bytes" in case]:
             step_bytes.setdefault(run["context"], statistics.median(measured))
-    for run in runs:
-        if (bytes_ := step_bytes.get(run["context"])) is None or run["dtype"] not in ("bfloat16", "bf16"):
+    for run in bf16_runs:
+        if (bytes_ := step_bytes.get(run["context"])) is None:
             continue
         rates = [case["bandwidth_bytes_per_s"] / bytes_ for case in run["runs"]]
         run["step_roofline_tokens_per_s"] = statistics.median(rates)
