@@ -63,12 +63,17 @@ RESELECTING = ["stages.0.cache.scoring=attention", "stages.0.cache.refresh.every
 """``self-spec`` whose retrieval stage re-selects its chunks on the first pass of every round."""
 SELECTING_EVERY_PASS = ["stages.0.cache.scoring=sparq", "stages.0.cache.query_dims=8",
                         "stages.0.cache.refresh=every_pass"]
-TREE = ["stages.0.tree.nodes=10", "stages.0.schedule=fixed"]
-CASES = {"triforce": ("triforce", SMALL_CACHES["triforce"]), "self-spec": ("self-spec", SMALL_CACHES["self-spec"]),
-         "self-spec-reselecting": ("self-spec", SMALL_CACHES["self-spec"] + RESELECTING),
-         "self-spec-selecting-every-pass": ("self-spec", SMALL_CACHES["self-spec"] + SELECTING_EVERY_PASS),
-         "self-spec-tree": ("self-spec", SMALL_CACHES["self-spec"] + SELECTING_EVERY_PASS + TREE),
-         "self-spec-dynamic-tree": ("self-spec", SMALL_CACHES["self-spec"] + TREE + ["stages.0.tree.dynamic=true"])}
+FIXED = ["stages.0.schedule=fixed"]
+"""Rounds at the configured gamma throughout: the cost model would bypass a tiny model's stages, whose
+proposals cost as much as the verifier's steps, after their first round."""
+TREE = ["stages.0.tree.nodes=10"]
+SELF_SPEC = SMALL_CACHES["self-spec"] + FIXED
+CASES = {"triforce": ("triforce", SMALL_CACHES["triforce"] + FIXED + ["stages.1.schedule=fixed"]),
+         "self-spec": ("self-spec", SELF_SPEC),
+         "self-spec-reselecting": ("self-spec", SELF_SPEC + RESELECTING),
+         "self-spec-selecting-every-pass": ("self-spec", SELF_SPEC + SELECTING_EVERY_PASS),
+         "self-spec-tree": ("self-spec", SELF_SPEC + SELECTING_EVERY_PASS + TREE),
+         "self-spec-dynamic-tree": ("self-spec", SELF_SPEC + TREE + ["stages.0.tree.dynamic=true"])}
 DECODES = {"self-spec-tree": "_propose_tree", "self-spec-dynamic-tree": "_propose_tree"}
 """How each case's lowest stage decodes its proposals when not by ``_decode``."""
 

@@ -117,7 +117,7 @@ def test_fused_int8_passes_run_the_layer_ops_and_stay_as_close_to_bf16_as_eager_
 def test_speculation_with_an_int8_draft_decodes_the_targets_greedy_output(self_draft, tiny_dir, tiny_draft_dir):
     expected = generate(runtime_for("autoregressive", tiny_dir, tiny_draft_dir), PROMPT).token_ids
     draft = tiny_dir if self_draft else tiny_draft_dir
-    runtime = runtime_for("speculative", tiny_dir, draft, ["draft.quantise=int8"])
+    runtime = runtime_for("speculative", tiny_dir, draft, ["draft.quantise=int8", "stages.0.schedule=fixed"])
     assert isinstance(runtime.draft.model.lm_head, Int8Linear)
     result = generate(runtime, PROMPT)
     assert result.token_ids == expected
