@@ -19,10 +19,12 @@ verifier's token is the proposer's r-th most likely one: each row's ``rank_accep
 A policy may carry settings of its config after a colon, e.g. ``retrieval:refresh.every=16`` or
 ``retrieval:refresh.on_drop=0.6,chunk_size=16`` (values are YAML); the row's policy is that text.
 
-Rerunning with the same ``--out`` keeps the rows it already holds (same document, gamma, schedule,
-new tokens and dtype) and measures only the missing ones, so an interrupted sweep continues;
-``--fresh`` measures every cell again and replaces them (after a code change, kept rows would
-describe the code that measured them).
+The report goes to a new run directory under ``$CASCADE_HOME/runs/acceptance/`` with a manifest
+(command, commit, machine), or to ``--out FILE`` with ``<FILE stem>.manifest.json`` beside it. Naming
+an earlier run's report as ``--out`` keeps the rows it already holds (same document, gamma,
+schedule, new tokens and dtype) and measures only the missing ones, so an interrupted sweep
+continues; ``--fresh`` measures every cell again and replaces them (after a code change, kept rows
+would describe the code that measured them).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from cascade.data import DOCUMENT_NAMES, document_ids
 from cascade.errors import CascadeError
 from cascade.home import prompt_cache_dir, prompt_cache_option
 from cascade.models import default_model
+from cascade.runs import run_files
 from cascade.runtime import build_runtime
 from cascade.schedule import SCHEDULES
 from configs import load_config
@@ -136,7 +139,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="fill each level of the trees by the proposer's path probabilities (tree.dynamic)")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--document", choices=DOCUMENT_NAMES, default="lcet10")
-    parser.add_argument("--out", type=Path, default=Path("results/acceptance.json"))
+    parser.add_argument("--out", type=Path, help="report path, continued if it holds an earlier run's rows "
+                        "(default: acceptance.json in a new run directory under $CASCADE_HOME/runs/acceptance/)")
     parser.add_argument("--fresh", action="store_true", help="measure every cell again, replacing --out's rows")
     parser.add_argument("--prompt-cache", type=prompt_cache_option, default=str(prompt_cache_dir()),
                         help="where prefilled prompts are stored and reused (default: %(default)s); 'none'")
@@ -164,8 +168,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def sweep(args: argparse.Namespace) -> list[dict]:
-    """Measure every (context, budget, policy) cell ``--out`` lacks, rewriting it after each -> all its rows."""
-    rows = finished_rows(args.out, args)
+    """Measure every (context, budget, policy) cell the report lacks, rewriting it after each -> all its rows."""
+    rows = finished_rows(args.out, args) if args.out else []
+    files = run_files("acceptance", args.out, "acceptance.json")
     done = {(row["context"], row["budget_fraction"], row["policy"]) for row in rows}
     target = default_model("target", log=lambda message: print(message, file=sys.stderr))
     for context in args.contexts:
@@ -183,9 +188,8 @@ def sweep(args: argparse.Namespace) -> list[dict]:
                       f"{row['acceptance']:.3f} (per token {row['acceptance_mle']:.3f}), "
                       f"{row['mean_accepted_run']:.2f} per round of {args.gamma} "
                       f"({time.perf_counter() - started:.0f} s)", flush=True)
-                args.out.parent.mkdir(parents=True, exist_ok=True)
-                args.out.write_text(json.dumps({"settings": vars(args) | {"out": str(args.out)}, "rows": rows},
-                                               indent=2) + "\n")
+                settings = vars(args) | {"out": str(files.report)}
+                files.write({"settings": settings, "rows": rows}, settings)
     return rows
 
 

@@ -6,6 +6,8 @@ the next; the scores are the fraction of predictions equal to the full target's 
 KL divergence of its next-token distribution from the full target's. Retrieval and the
 top-k oracle read the prompt from the full cache (as in TriForce); the other policies process the
 prompt themselves in one pass, then keep what their policy keeps. Budgets are fractions of the prompt.
+The report goes to a new run directory under ``$CASCADE_HOME/runs/agreement/`` (or ``--out``) with a
+manifest (command, commit, machine), rewritten after each row.
 
     python scripts/agreement.py [--contexts 7936 16000] [--budgets 0.01 0.03 0.05 0.1]
 """
@@ -13,7 +15,6 @@ prompt themselves in one pass, then keep what their policy keeps. Budgets are fr
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from cache.full import FullCache
 from cascade.checkpoint import load_checkpoint, yarn_scaling
 from cascade.data import document_text
 from cascade.models import default_model
+from cascade.runs import run_files
 from configs.loading import policy_at_budget, policy_option
 
 
@@ -73,8 +75,10 @@ def main() -> None:
                              "or kind:key=value,... (e.g. retrieval:scoring=attention,refresh.every=1)")
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--document", default="plrabn12")
-    parser.add_argument("--out", type=Path, default=Path("results/agreement.json"))
+    parser.add_argument("--out", type=Path, help="report path (default: agreement.json in a new run directory "
+                        "under $CASCADE_HOME/runs/agreement/); a manifest is written beside it")
     args = parser.parse_args()
+    files = run_files("agreement", args.out, "agreement.json")
     text = document_text(args.document)
     rows = []
     for context in args.contexts:
@@ -94,9 +98,8 @@ def main() -> None:
                              "top1_agreement": score, "kl_from_full": divergence, "rope_scaling": scaling})
                 print(f"  {policy:12} budget {fraction:4.0%} ({budget:5d} tokens): top-1 agreement "
                       f"{score:.3f}, KL {divergence:.4f} ({time.perf_counter() - started:.0f} s)", flush=True)
-                args.out.parent.mkdir(parents=True, exist_ok=True)
-                args.out.write_text(json.dumps({"document": args.document, "new_tokens": args.new_tokens,
-                                                "rows": rows}, indent=2) + "\n")
+                files.write({"document": args.document, "new_tokens": args.new_tokens, "rows": rows}, vars(args))
+    print(f"wrote {files.report} (manifest: {files.manifest})")
 
 
 if __name__ == "__main__":

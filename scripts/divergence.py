@@ -3,7 +3,9 @@
 In float32 the cascade reproduces autoregressive decoding token for token (the tests check it).
 In bfloat16 a verification pass over several tokens rounds differently from one-token steps, so a
 near-tie between the two best tokens can flip; this measures how often, and how early, that
-happens on real text: ``--prompts`` windows of ``--context`` tokens from a document, greedy.
+happens on real text: ``--prompts`` windows of ``--context`` tokens from a document, greedy. The
+report goes to a new run directory under ``$CASCADE_HOME/runs/divergence/`` (or ``--out``) with a
+manifest (command, commit, machine).
 
     python scripts/divergence.py [--presets self-spec] [--context 2048] [--prompts 8] [--dtype bfloat16]
 """
@@ -11,12 +13,12 @@ happens on real text: ``--prompts`` windows of ``--context`` tokens from a docum
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from cascade.checkpoint import checkpoint_option
 from cascade.data import DOCUMENT_NAMES, document_text
+from cascade.runs import run_files
 from cascade.runtime import Runtime, build_runtime
 from configs import load_config
 
@@ -33,7 +35,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="draft checkpoint: name or directory (presets with a draft stage)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="config override for the presets (e.g. stages.0.cache.budget=512)")
-    parser.add_argument("--out", type=Path, default=Path("results/divergence.json"))
+    parser.add_argument("--out", type=Path, help="report path (default: divergence.json in a new run directory "
+                        "under $CASCADE_HOME/runs/divergence/); a manifest is written beside it")
     return parser.parse_args(argv)
 
 
@@ -55,6 +58,7 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    files = run_files("divergence", args.out, "divergence.json")
     report = {"settings": {k: getattr(args, k) for k in ("presets", "context", "prompts", "new_tokens", "dtype",
                                                            "document", "set")}, "presets": {}}
     autoregressive = preset_runtime("autoregressive", args, [])
@@ -69,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         report["presets"][preset] = {"diverged": len(diverged), "of": len(firsts), "first_difference": firsts}
         print(f"{preset}: {len(diverged)} of {len(firsts)} outputs differ from autoregressive "
               f"({args.dtype}); first differing positions: {diverged or 'none'}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    files.write(report, vars(args))
+    print(f"wrote {files.report} (manifest: {files.manifest})", file=sys.stderr)
     return 0
 
 

@@ -8,7 +8,8 @@
   is never judged, so the share of proposals is lower). Below the retrieval budget the optional
   retrieval stage is dropped, so there the draft proposes straight to the full-cache target.
 
-Writes JSON (``--out``) and, with ``--card``, stores the figures and a small fixed sample's
+Writes JSON to a new run directory under ``$CASCADE_HOME/runs/evaluate_draft/`` (or ``--out``) with a
+manifest (command, commit, machine) and, with ``--card``, stores the figures and a small fixed sample's
 agreement (the test's reference) in the draft's ``card.json``.
 
     python scripts/evaluate_draft.py [--draft DIR] [--contexts 2048 16384] [--card]
@@ -29,6 +30,7 @@ from cascade.draft.agreement import greedy_agreement
 from cascade.draft.teacher import HELD_OUT
 from cascade.errors import CascadeError
 from cascade.models import default_model
+from cascade.runs import run_files
 from cascade.runtime import build_runtime
 from configs import load_config
 
@@ -65,9 +67,11 @@ def main() -> None:
     parser.add_argument("--evaluated", type=int, default=256, help="positions scored per agreement run")
     parser.add_argument("--document", default="lcet10", help="prompt of the acceptance runs (held out)")
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--out", type=Path, default=Path("results/draft_evaluation.json"))
+    parser.add_argument("--out", type=Path, help="report path (default: draft_evaluation.json in a new run "
+                        "directory under $CASCADE_HOME/runs/evaluate_draft/); a manifest is written beside it")
     parser.add_argument("--card", action="store_true", help="also store the figures in the draft's card.json")
     args = parser.parse_args()
+    files = run_files("evaluate_draft", args.out, "draft_evaluation.json")
     target = args.target or default_model("target", log=print)
     draft = args.draft or default_model("draft", log=print)
 
@@ -91,9 +95,8 @@ def main() -> None:
     sample = {**SAMPLE, "agreement": agreement(target, draft, SAMPLE["document"], SAMPLE["tokens"],
                                                SAMPLE["evaluated"], torch.float32)}
     results["sample"] = sample
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    files.write(results, vars(args) | {"target": target, "draft": draft})
+    print(f"wrote {files.report} (manifest: {files.manifest})")
     if args.card:
         card_path = draft / "card.json"
         card = json.loads(card_path.read_text())

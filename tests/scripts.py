@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
+
+from cascade.home import cascade_home
 
 
 def run_script(command: list[str], **kwargs) -> subprocess.CompletedProcess:
@@ -11,3 +14,13 @@ def run_script(command: list[str], **kwargs) -> subprocess.CompletedProcess:
     result = subprocess.run(command, capture_output=True, text=True, **kwargs)
     assert result.returncode == 0, f"{command[1]} exited {result.returncode}:\n{result.stderr[-4000:]}"
     return result
+
+
+def linked_home(directory: Path) -> Path:
+    """A fresh ``$CASCADE_HOME`` at ``directory`` that reads this machine's provisioned models, documents
+    and built kernels (links to the current home's), so a script's runs land in ``directory/runs``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in ("models", "data", "build"):
+        (cascade_home() / name).mkdir(parents=True, exist_ok=True)
+        (directory / name).symlink_to(cascade_home() / name, target_is_directory=True)
+    return directory

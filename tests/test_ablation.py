@@ -1,8 +1,10 @@
-"""Ablation sweeps: grid expansion, the settings of a run, the resumable CSV, and a whole tiny sweep."""
+"""Ablation sweeps: grid expansion, the settings of a run, the resumable CSV, where a sweep writes, and a whole
+tiny sweep."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +15,7 @@ from cascade.ablation.grid import Grid, expand, load_grid, make_run
 from cascade.ablation.measure import config_settings, sparse_stage
 from cascade.ablation.store import RunTable
 from cascade.errors import CascadeError
+from tests.scripts import linked_home, run_script
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = {"preset": "self-spec", "document": "lcet10", "context": 1000, "new_tokens": 8, "temperature": 0.0}
@@ -81,26 +84,44 @@ def test_the_table_drops_a_torn_row_and_decodes_what_it_reads(tmp_path):
     assert rows["r1"]["context"] == 1000.0 and rows["r1"]["budget_share"] is None
 
 
+def test_out_must_name_a_new_folder_and_resume_an_earlier_sweep(tiny_dir, tmp_path):
+    earlier, missing = tmp_path / "earlier", tmp_path / "missing"
+    earlier.mkdir()
+    (earlier / "runs.csv").write_text("")
+    command = [sys.executable, "scripts/ablate.py", "--quick", "--target", str(tiny_dir)]
+    for option, folder, message in [
+            ("--out", earlier, f"{earlier} already holds a sweep; continue it with --resume {earlier}"),
+            ("--resume", missing, f"{missing} holds no runs.csv to resume")]:
+        result = subprocess.run([*command, option, str(folder)], cwd=REPO, capture_output=True, text=True)
+        assert result.returncode == 2 and "Traceback" not in result.stderr
+        assert f"error: {message}" in result.stderr
+    assert [path.name for path in earlier.iterdir()] == ["runs.csv"] and not missing.exists()
+
+
 @pytest.mark.slow
-def test_a_tiny_sweep_writes_rows_summary_and_plots_then_resumes_with_nothing_to_do(tiny_dir, tmp_path):
+def test_a_tiny_sweep_writes_a_run_directory_then_resumes_it_with_nothing_to_do(tiny_dir, tmp_path):
     grid = tmp_path / "grid.yaml"
     grid.write_text(json.dumps({"defaults": {**BASE, "context": 600, "new_tokens": 4}, "sweeps": {
         "acceptance_by_budget": {"vary": {"policy": ["retrieval", "streaming"], "budget_share": [0.2]},
                                  "plot": {"x": "budget_share", "y": "acceptance", "series": "policy"}},
         "time_split": {"set": {"budget_share": 0.2}, "vary": {"stages.0.gamma": [2, 3]},
                        "plot": {"kind": "time_split"}}}}))
-    command = [sys.executable, "scripts/ablate.py", "--grid", str(grid), "--out", str(tmp_path / "out"),
-               "--target", str(tiny_dir), "--dtype", "float32"]
-    first = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
-    assert first.returncode == 0, first.stderr
+    home = linked_home(tmp_path / "home")
+    env = {**os.environ, "CASCADE_HOME": str(home)}
+    command = [sys.executable, "scripts/ablate.py", "--grid", str(grid), "--target", str(tiny_dir), "--dtype", "float32"]
+    first = run_script(command, cwd=REPO, env=env)
     assert "5 runs in grid.yaml: 0 done, 5 to go" in first.stderr
-    rows = RunTable(tmp_path / "out" / "runs.csv").rows()
+    [out] = (home / "runs" / "ablate").iterdir()
+    rows = RunTable(out / "runs.csv").rows()
     assert len(rows) == 5 and all(row["tokens_per_s"] > 0 for row in rows.values())
-    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    summary = json.loads((out / "summary.json").read_text())
     assert [entry["policy"] for entry in summary["sweeps"]["acceptance_by_budget"]] == ["retrieval", "streaming"]
     assert all(entry["speedup"] > 0 for entry in summary["sweeps"]["time_split"])
     assert sorted(Path(path).name for path in summary["plots"]) == ["acceptance_by_budget.png", "time_split.png"]
     assert all(Path(path).stat().st_size > 1000 for path in summary["plots"])
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["settings"]["grid"] == str(grid) and manifest["started"] <= manifest["ended"]
 
-    again = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
-    assert again.returncode == 0 and "5 runs in grid.yaml: 5 done, 0 to go" in again.stderr
+    again = run_script([*command, "--resume", str(out)], cwd=REPO, env=env)
+    assert "5 runs in grid.yaml: 5 done, 0 to go" in again.stderr
+    assert list((home / "runs" / "ablate").iterdir()) == [out]

@@ -1,19 +1,24 @@
-"""scripts/acceptance.py's bad input: a specific error and exit 2, no traceback, an earlier --out kept."""
+"""scripts/acceptance.py: bad input gets a specific error and exit 2, no traceback, an earlier --out kept; a rerun
+continues its --out; without --out a run directory."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
+from tests.scripts import linked_home
+
 SMALL = ("--contexts", "200", "--budgets", "0.1", "--policies", "streaming", "--new-tokens", "4")
 """A sweep of one tiny cell; a test's own options come after and replace these."""
 
 
-def acceptance(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "scripts/acceptance.py", *SMALL, *args], capture_output=True, text=True)
+def acceptance(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "scripts/acceptance.py", *SMALL, *args], capture_output=True, text=True,
+                          **kwargs)
 
 
 def assert_refused(result: subprocess.CompletedProcess, message: str) -> None:
@@ -66,3 +71,15 @@ def test_a_rerun_keeps_measured_rows_and_fresh_measures_them_again(smollm2_dir, 
     assert acceptance("--out", str(out), "--prompt-cache", "none", "--fresh").returncode == 0
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 1 and 0 <= rows[0]["acceptance"] <= 1
+
+
+@pytest.mark.slow
+def test_without_out_the_report_and_its_manifest_go_to_a_new_run_directory(smollm2_dir, tmp_path):
+    home = linked_home(tmp_path / "home")
+    result = acceptance("--prompt-cache", "none", env={**os.environ, "CASCADE_HOME": str(home)})
+    assert result.returncode == 0, result.stderr
+    [run_dir] = (home / "runs" / "acceptance").iterdir()
+    report = json.loads((run_dir / "acceptance.json").read_text())
+    assert len(report["rows"]) == 1 and report["settings"]["out"] == str(run_dir / "acceptance.json")
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["settings"]["contexts"] == [200] and manifest["started"] <= manifest["ended"]
