@@ -10,16 +10,32 @@ def expected_tokens(acceptance: float, gamma: int) -> float:
     return (1 - acceptance ** (gamma + 1)) / (1 - acceptance)
 
 
-def rising_line(points: list[tuple[float, float, float]]) -> tuple[float, float]:
-    """Weighted least-squares line through (x, y, weight) points -> (intercept, slope), flat at the
-    weighted mean of y where the slope would be negative or every point has the same x."""
-    total = sum(weight for _, _, weight in points)
-    mean_x = sum(x * weight for x, _, weight in points) / total
-    mean_y = sum(y * weight for _, y, weight in points) / total
-    spread = sum(weight * (x - mean_x) ** 2 for x, _, weight in points)
-    covariance = sum(weight * (x - mean_x) * (y - mean_y) for x, y, weight in points)
-    slope = max(covariance / spread, 0.0) if spread else 0.0
-    return mean_y - slope * mean_x, slope
+def rising_curve(points: list[tuple[float, float, float]]) -> list[tuple[float, float]]:
+    """(x, y, weight) points -> knots (x, y), one per distinct x in increasing order, of the closest
+    non-decreasing curve through them (weighted least squares, by pooling adjacent means that fall):
+    a pass of more tokens costs no less, though noise may say otherwise."""
+    by_x: dict[float, tuple[float, float]] = {}  # x -> (weighted sum of y, weight)
+    for x, y, weight in points:
+        total, count = by_x.get(x, (0.0, 0.0))
+        by_x[x] = (total + y * weight, count + weight)
+    pools: list[tuple[list[float], float, float]] = []  # (xs, weighted sum of y, weight), means rising
+    for x in sorted(by_x):
+        pools.append(([x], *by_x[x]))
+        while len(pools) > 1 and pools[-2][1] * pools[-1][2] > pools[-1][1] * pools[-2][2]:
+            xs, total, weight = pools.pop()
+            earlier_xs, earlier_total, earlier_weight = pools.pop()
+            pools.append((earlier_xs + xs, earlier_total + total, earlier_weight + weight))
+    return [(x, total / weight) for xs, total, weight in pools for x in xs]
+
+
+def along_curve(knots: list[tuple[float, float]], x: float) -> float:
+    """The piecewise-linear curve through ``knots`` (from ``rising_curve``) at x: flat before the
+    first knot, continued along the last segment past the last one."""
+    if len(knots) == 1 or x <= knots[0][0]:
+        return knots[0][1]
+    index = next((i for i in range(1, len(knots)) if x <= knots[i][0]), len(knots) - 1)
+    (x0, y0), (x1, y1) = knots[index - 1], knots[index]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
 def expected_speedup(acceptance: float, propose_s: float, verify_s: float, step_s: float, gamma: float) -> float:

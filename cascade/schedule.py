@@ -11,11 +11,13 @@
   gamma 0 (after ``WARMUP_ROUNDS`` verified rounds, or after one if its costs alone rule the stage
   out: no gamma would pay even if every proposal were accepted). With ``v(g) = s`` this is the
   textbook speed-up (1 - a^(g+1)) / ((1 - a)(c g + 1)),
-  c = p / s. On a CPU a multi-token pass is compute-bound and costs more the more tokens it holds,
-  so ``v(g)`` is a line fitted through the measured passes and the plain step (``StageStats.
-  verification_s``): a short gamma can pay where the configured one does not. Gamma 0 bypasses the
-  stage (the verifier decodes by itself) when no gamma pays; the stage is probed again every
-  ``PROBE_EVERY`` rounds.
+  c = p / s. On a CPU a pass costs about a step while it is bound by reading the weights and more
+  the more tokens it holds once its products are compute-bound (Qwen2.5 1.5B at 1K on a 2-core
+  EPYC: 1.05 steps for 4 tokens, 2.0 for 9), so ``v(g)`` is the rising piecewise-linear curve through
+  the measured passes and the plain step (``StageStats.verification_s``), and the warm-up rounds
+  measure it at the configured gamma, then at half of it, a quarter, ... (``warmup_gammas``): a
+  short gamma can pay where the configured one does not. Gamma 0 bypasses the stage (the verifier
+  decodes by itself) when no gamma pays; the stage is probed again every ``PROBE_EVERY`` rounds.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ PLAIN_STEPS_FIRST = 3
 """Plain steps of the verifier timed before the stage first proposes: their median is the cost every
 speed-up is measured against, so one slow first pass cannot make speculation look like a 50x win."""
 WARMUP_ROUNDS = 4
-"""Verified rounds at the configured gamma before the cost model trusts its measurements."""
+"""Verified rounds (at ``warmup_gammas``) before the cost model trusts its measurements."""
 
 
 class Schedule:
@@ -78,6 +80,14 @@ class CostModelSchedule(Schedule):
             self.current = best_gamma(stats, self.gamma)
         elif stats.timed_rounds and not pays_if_all_accepted(stats, self.gamma):
             self.current = 0  # its costs alone rule it out: no need to warm up on it
+        else:
+            self.current = warmup_gammas(self.gamma)[stats.timed_rounds]
+
+
+def warmup_gammas(largest: int) -> list[int]:
+    """Gammas of the warm-up rounds: the configured one, then halved round by round (8: 8, 4, 2, 1),
+    so the verification passes are timed at several widths before one is chosen."""
+    return [max(1, largest >> halvings) for halvings in range(WARMUP_ROUNDS)]
 
 
 def pays_if_all_accepted(stats: StageStats, largest: int) -> bool:

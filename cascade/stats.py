@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import asdict, dataclass, field
 
-from cascade.costs import expected_speedup, rising_line
+from cascade.costs import along_curve, expected_speedup, rising_curve
 
 PLAIN_SAMPLES_KEPT = 32
 """Plain-step times a stage keeps for their median (``StageStats.step_s``)."""
@@ -111,19 +111,18 @@ class StageStats:
         return (self.verify_s / self.timed_rounds) / self.step_s
 
     def verification_s(self, gamma: float) -> float:
-        """Expected time of a verification pass of ``gamma`` proposals: a line through the mean pass
-        time at each gamma verified so far and a plain step's at gamma 0, weighted by their counts
-        (never falling: a pass of more tokens costs no less). On a CPU the line rises (multi-token
-        passes are compute-bound); on a GPU it stays nearly flat. Without clean passes or plain
-        steps yet: the mean verification pass."""
+        """Expected time of a verification pass of ``gamma`` proposals: the piecewise-linear curve
+        through the mean pass time at each gamma verified so far and a plain step's at gamma 0, kept
+        from falling (``costs.rising_curve``; weighted by their counts). On a CPU it is flat while a
+        pass is bound by reading the weights and rises once its products become compute-bound; on a
+        GPU it stays nearly flat. Without clean passes or plain steps yet: the mean verification pass."""
         points = [(g, seconds / self.clean_verifications[g], self.clean_verifications[g])
                   for g, seconds in self.clean_verification_s.items()]
         if self.plain_steps:
             points.append((0, self.step_s, self.plain_steps))
         if not points:
             return self.verify_s / self.timed_rounds if self.timed_rounds else 0.0
-        intercept, slope = rising_line(points)
-        return intercept + slope * gamma
+        return along_curve(rising_curve(points), gamma)
 
     def expected_speedup(self, gamma: float, acceptance: float | None = None) -> float:
         """The cost model's speed-up at ``gamma`` from these measurements (``acceptance``: assumed

@@ -30,7 +30,7 @@ per level but the last, one verification pass.
     python scripts/roofline.py [--contexts 8000 16000 32000] [--gamma 6] [--budget 4096]
         [--reselect mean_key attention sparq [--every-pass-acceptance 0.62 0.87 0.73]
         [--every-round-acceptance 0.59 0.67 0.6] [--tree 32 --tree-accepted 1.9 2.6 2.2]]
-        [--roofline-of results/roofline_h100_smollm2_cuda_matmul.json]
+        [--roofline-of docs/results/data/roofline_h100_smollm2_cuda_matmul.json]
     python scripts/roofline.py --shape llama-2-7b --draft-shape llama-68m --contexts 120000 \
         [--acceptance 0.9 --draft-acceptance 0.7]
 """
