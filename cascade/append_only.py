@@ -42,5 +42,6 @@ def create_appendable(path: Path) -> None:
     try:
         os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644))
     except OSError as exc:
-        raise CascadeError(f"cannot append to {path}: {exc.strerror or exc}; "
-                           "give a file in a writable folder") from None
+        raise CascadeError(
+            f"cannot append to {path}: {exc.strerror or exc}; give a file in a writable folder"
+        ) from None

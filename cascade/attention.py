@@ -92,9 +92,7 @@ def attend_sdpa(query: torch.Tensor, view: AttentionView, scale: float) -> torch
         mask = causal_lower_right(num_queries, num_keys)
     elif view.causal:
         mask = _causal_rows(num_queries, num_keys, 1, query.device)  # [T, S]
-    return F.scaled_dot_product_attention(
-        query, view.keys, view.values, attn_mask=mask, scale=scale, enable_gqa=True
-    )
+    return F.scaled_dot_product_attention(query, view.keys, view.values, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
 def attend_cuda(query: torch.Tensor, view: AttentionView, scale: float) -> torch.Tensor:
@@ -177,13 +175,20 @@ def attend_flex(query: torch.Tensor, view: AttentionView, scale: float) -> torch
         return _compiled_flex_under_mask(*arguments)
 
 
-def _flex_under_mask(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                     valid_lengths: torch.Tensor | None, blocks: tuple[torch.Tensor, torch.Tensor] | None,
-                     scale: float) -> torch.Tensor:
+def _flex_under_mask(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    valid_lengths: torch.Tensor | None,
+    blocks: tuple[torch.Tensor, torch.Tensor] | None,
+    scale: float,
+) -> torch.Tensor:
     """query [B, H, T, D] over keys/values [B, H_kv, S, D] under an additive mask [T, S] -> [B, H, T, D];
     with ``valid_lengths`` [B] (and ``_block_indices``) only the ``FLEX_KEY_BLOCK``-key blocks holding
     the first that many keys are read: a buffer kept from a longer request costs no more than its
     valid part (the mask still hides the rest of the last block)."""
+
     def add_mask(score, batch, head, query_index, key_index):
         return score + mask[query_index, key_index]
 
@@ -192,11 +197,14 @@ def _flex_under_mask(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
         visited = (valid_lengths + FLEX_KEY_BLOCK - 1).div(FLEX_KEY_BLOCK, rounding_mode="floor")
         visited = visited.to(torch.int32).view(-1, 1, 1)  # [B, 1, 1]: one head, one block of queries
         block_mask = BlockMask.from_kv_blocks(  # every visited block under the mask, none read without it
-            visited, blocks[0], torch.zeros_like(visited), blocks[1],
-            BLOCK_SIZE=(FLEX_KEY_BLOCK, FLEX_KEY_BLOCK), seq_lengths=(query.shape[2], keys.shape[2]),
+            visited,
+            blocks[0],
+            torch.zeros_like(visited),
+            blocks[1],
+            BLOCK_SIZE=(FLEX_KEY_BLOCK, FLEX_KEY_BLOCK),
+            seq_lengths=(query.shape[2], keys.shape[2]),
         )
-    return flex_attention(query, keys, values, score_mod=add_mask, block_mask=block_mask, scale=scale,
-                          enable_gqa=True)
+    return flex_attention(query, keys, values, score_mod=add_mask, block_mask=block_mask, scale=scale, enable_gqa=True)
 
 
 def _block_indices(batch: int, num_blocks: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,7 +223,11 @@ _compiled_flex_under_mask = torch.compile(_flex_under_mask, dynamic=False)
 
 
 KERNELS: dict[str, AttentionKernel] = {
-    "cpu": attend_cpu, "sdpa": attend_sdpa, "cuda": attend_cuda, "flash": attend_flash, "flex": attend_flex,
+    "cpu": attend_cpu,
+    "sdpa": attend_sdpa,
+    "cuda": attend_cuda,
+    "flash": attend_flash,
+    "flex": attend_flex,
 }
 
 
@@ -232,8 +244,10 @@ def resolve_kernels(name: str, device: torch.device) -> str:
         raise CascadeError(f"attention: cuda needs a CUDA device; this run is on {device.type}; use auto, cpu or sdpa")
     if name == "flash" and (device.type != "cuda" or not FLASH_ATTN_INSTALLED):
         missing = "a CUDA device" if device.type != "cuda" else "the flash-attn package (pip install flash-attn)"
-        raise CascadeError(f"attention: flash needs {missing}; this run is on {device.type}"
-                           f"{'' if FLASH_ATTN_INSTALLED else ' without flash-attn'}; use auto or sdpa")
+        raise CascadeError(
+            f"attention: flash needs {missing}; this run is on {device.type}"
+            f"{'' if FLASH_ATTN_INSTALLED else ' without flash-attn'}; use auto or sdpa"
+        )
     return name
 
 
@@ -255,8 +269,10 @@ def _prefix_plus_causal_block(query: torch.Tensor, view: AttentionView, scale: f
         halves.append(CPU_FLASH_WITH_LSE(query, keys, values, is_causal=causal, scale=scale))
     (prefix_out, prefix_lse), (block_out, block_lse) = halves  # [B, H, T, D], [B, H, T] float32
     total_lse = torch.logaddexp(prefix_lse, block_lse)
-    merged = (prefix_out.float() * (prefix_lse - total_lse).exp()[..., None]
-              + block_out.float() * (block_lse - total_lse).exp()[..., None])
+    merged = (
+        prefix_out.float() * (prefix_lse - total_lse).exp()[..., None]
+        + block_out.float() * (block_lse - total_lse).exp()[..., None]
+    )
     return merged.to(query.dtype)  # [B, H, T, D]
 
 
@@ -284,8 +300,7 @@ def _per_head_matmul(query: torch.Tensor, view: AttentionView, scale: float) -> 
     return rearrange(out, "b k (g t) d -> b (k g) t d", t=num_queries)  # [B, H, T, D]
 
 
-def _attention_weights(groups: torch.Tensor, keys: torch.Tensor, view: AttentionView,
-                       num_queries: int) -> torch.Tensor:
+def _attention_weights(groups: torch.Tensor, keys: torch.Tensor, view: AttentionView, num_queries: int) -> torch.Tensor:
     """Softmax weights [..., G*T, S] of scaled query groups [..., G*T, D] (G query heads' T tokens
     each) over keys [..., S, D]: scores in the KV dtype, the view's mask added to each group's rows
     (of a causal view only the pass's own T columns, of a token-tree view only its masked tail), a
@@ -295,7 +310,7 @@ def _attention_weights(groups: torch.Tensor, keys: torch.Tensor, view: Attention
     if view.causal:
         per_group[..., -num_queries:] += causal_block(num_queries, scores.dtype, scores.device)
     elif view.masked_tail:
-        per_group[..., -view.masked_tail:] += view.mask[:, -view.masked_tail:]
+        per_group[..., -view.masked_tail :] += view.mask[:, -view.masked_tail :]
     elif view.mask is not None:
         per_group += view.mask
     return torch.softmax(scores, dim=-1)

@@ -44,8 +44,7 @@ def read_config(path: Path, rope_scaling: dict | None = None) -> PreTrainedConfi
         raise CascadeError(f"cannot read {path / 'config.json'}: {exc}") from None
     if config.model_type not in LLAMA_FAMILY:
         raise CascadeError(
-            f"{path} holds a {config.model_type!r} model; cascade runs the Llama family: "
-            + ", ".join(LLAMA_FAMILY)
+            f"{path} holds a {config.model_type!r} model; cascade runs the Llama family: " + ", ".join(LLAMA_FAMILY)
         )
     if rope_scaling is not None:
         apply_rope_scaling(config, **rope_scaling)
@@ -102,9 +101,7 @@ def load_checkpoint(
     return LoadedModel(path, model, tokenizer, eos_token_ids(path, config))
 
 
-def load_model(
-    path: Path, dtype: torch.dtype, device: torch.device, rope_scaling: dict | None = None
-) -> CausalLM:
+def load_model(path: Path, dtype: torch.dtype, device: torch.device, rope_scaling: dict | None = None) -> CausalLM:
     """Just the model (no tokenizer needed)."""
     return build_model(path, read_config(path, rope_scaling), dtype, device)
 
@@ -134,7 +131,9 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
             with safe_open(file, framework="pt") as handle:
                 weights.update({name: handle.get_tensor(name) for name in handle.keys()})
         except (SafetensorError, OSError) as exc:
-            raise CascadeError(f"cannot read weights {file}: {exc} (a partial download or copy? fetch it again)") from None
+            raise CascadeError(
+                f"cannot read weights {file}: {exc} (a partial download or copy? fetch it again)"
+            ) from None
     return weights
 
 

@@ -92,8 +92,15 @@ def _project(rows: torch.Tensor, weight: Weight) -> torch.Tensor:
 
 
 def _pre_attention(
-    x: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: Weight, qkv_bias: torch.Tensor | None,
-    cos: torch.Tensor, sin: torch.Tensor, eps: float, num_heads: int, num_kv_heads: int,
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    qkv_weight: Weight,
+    qkv_bias: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    num_heads: int,
+    num_kv_heads: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Residual stream x [T, C] -> rotated query [1, H, T, D], rotated key and value [1, H_kv, T, D]."""
     normed = F.rms_norm(x, norm_weight.shape, norm_weight, eps)  # [T, C]
@@ -107,8 +114,13 @@ def _pre_attention(
 
 
 def _post_attention(
-    x: torch.Tensor, attended: torch.Tensor, o_weight: Weight, norm_weight: torch.Tensor,
-    gate_up_weight: Weight, down_weight: Weight, eps: float,
+    x: torch.Tensor,
+    attended: torch.Tensor,
+    o_weight: Weight,
+    norm_weight: torch.Tensor,
+    gate_up_weight: Weight,
+    down_weight: Weight,
+    eps: float,
 ) -> torch.Tensor:
     """Residual stream x [T, C] and attention output rows [T, H D] -> the block's output [T, C]."""
     x = x + _project(attended, o_weight).to(x.dtype)
@@ -148,18 +160,34 @@ def _on_cpu_layers(x: torch.Tensor, *weights: Weight) -> bool:
     return cpu_layers and short_bf16 and (int8_kernel or all(scales is None for _, scales in weights))
 
 
-def pre_attention(x: torch.Tensor, norm_weight: torch.Tensor, qkv: Weight, qkv_bias: torch.Tensor | None,
-                  cos: torch.Tensor, sin: torch.Tensor, eps: float, num_heads: int, num_kv_heads: int,
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pre_attention(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    qkv: Weight,
+    qkv_bias: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    num_heads: int,
+    num_kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Residual stream x [T, C] -> rotated query [1, H, T, D], rotated key and value [1, H_kv, T, D]."""
     if _on_cpu_layers(x, qkv):
-        return torch.ops.cascade_kernels.pre_attention(x, norm_weight, *qkv, qkv_bias, cos, sin, eps, num_heads,
-                                                       num_kv_heads)
+        return torch.ops.cascade_kernels.pre_attention(
+            x, norm_weight, *qkv, qkv_bias, cos, sin, eps, num_heads, num_kv_heads
+        )
     return _compiled_pre_attention(x, norm_weight, qkv, qkv_bias, cos, sin, eps, num_heads, num_kv_heads)
 
 
-def post_attention(x: torch.Tensor, attended: torch.Tensor, o: Weight, norm_weight: torch.Tensor,
-                   gate_up: Weight, down: Weight, eps: float) -> torch.Tensor:
+def post_attention(
+    x: torch.Tensor,
+    attended: torch.Tensor,
+    o: Weight,
+    norm_weight: torch.Tensor,
+    gate_up: Weight,
+    down: Weight,
+    eps: float,
+) -> torch.Tensor:
     """Residual stream x [T, C] and attention output [1, H, T, D] -> the block's output [T, C]."""
     if _on_cpu_layers(x, o, gate_up, down):
         return torch.ops.cascade_kernels.post_attention(x, attended, *o, norm_weight, *gate_up, *down, eps)
@@ -190,8 +218,9 @@ def attend(query: torch.Tensor, view: AttentionView, scale: float, family: Atten
     query_rows = query.shape[1] // view.keys.shape[1] * query.shape[2]  # per KV head: its query heads' tokens
     cheap = query_rows * view.keys.shape[2] <= MAX_KERNEL_ATTENTION_WORK
     if attention_kernel and on_cpu and ours and cheap and view.mask is None and query.shape[0] == 1:
-        return torch.ops.cascade_kernels.decode_attention(query[0], view.keys[0], view.values[0], scale,
-                                                          view.causal)[None]
+        return torch.ops.cascade_kernels.decode_attention(query[0], view.keys[0], view.values[0], scale, view.causal)[
+            None
+        ]
     one_query = query.shape[2] == 1 and on_cpu
     if one_query and view.mask is None and view.keys.shape[2] <= MAX_COMPILED_ATTENTION_KEYS:
         return _compiled_attention(query, view.keys, view.values, scale)

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,11 +12,15 @@ import torch
 from transformers import TextStreamer
 
 from cache import describe_policies
-from cascade.errors import CascadeError
+from cascade import atomic
+from cascade.errors import CascadeError, entry_point
 from cascade.runtime import Runtime, build_runtime
 from configs import PipelineConfig, load_config, preset_names
 
-DEFAULT_PROMPT = "Speculative decoding makes language models faster because"
+DEFAULT_PROMPT = Path(__file__).parent / "data" / "alice_chapters_1_2.txt"
+"""The prompt without --prompt or --prompt-file: the first two chapters of Alice's Adventures in
+Wonderland (public domain; 6.1K SmolLM2 tokens, more than the default preset's retrieval budget, so
+the first run speculates)."""
 
 FLAG_SETTINGS = {  # CLI flag -> dotted config key it overrides
     "max_new_tokens": "max_new_tokens",
@@ -37,8 +39,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--preset", help=f"one of: {', '.join(preset_names())}")
     source.add_argument("--config", type=Path, help="a pipeline config YAML file")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config setting, e.g. sampling.temperature=0.7 (repeatable)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config setting, e.g. sampling.temperature=0.7 (repeatable)",
+    )
     prompt = parser.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help="prompt text (raw, tokenized with the target's tokenizer)")
     prompt.add_argument("--prompt-file", type=Path, help="read the prompt from a UTF-8 text file")
@@ -49,27 +56,36 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--top-k", type=int)
     parser.add_argument("--seed", type=int)
     parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"])
-    parser.add_argument("--target", help="target: a catalog model name (`python -m cascade.models list`) or a "
-                        "checkpoint directory (default: provisioned SmolLM2)")
+    parser.add_argument(
+        "--target",
+        help="target: a catalog model name (`python -m cascade.models list`) or a "
+        "checkpoint directory (default: provisioned SmolLM2)",
+    )
     parser.add_argument("--draft", help="draft: a catalog model name or a checkpoint directory")
     parser.add_argument("--json", type=Path, help="write text, token ids, config and stats here")
-    parser.add_argument("--verbose", action="store_true", help="print stats to stderr at the end")
-    parser.add_argument("--quiet", action="store_true", help="do not stream text to stdout")
-    parser.add_argument("--list-cache-policies", action="store_true",
-                        help="print every cache policy kind with its settings and defaults, then exit")
+    parser.add_argument("--verbose", action="store_true", help="print every stage's stats to stderr at the end")
+    parser.add_argument(
+        "--quiet", action="store_true", help="do not stream text to stdout nor print the one-line summary to stderr"
+    )
+    parser.add_argument(
+        "--list-cache-policies",
+        action="store_true",
+        help="print every cache policy kind with its settings and defaults, then exit",
+    )
     return parser.parse_args(argv)
 
 
 def read_prompt(args: argparse.Namespace) -> str:
     if args.prompt_file is None:
-        return DEFAULT_PROMPT if args.prompt is None else args.prompt
+        return DEFAULT_PROMPT.read_text(encoding="utf-8") if args.prompt is None else args.prompt
     try:
         return args.prompt_file.read_bytes().decode("utf-8")
     except OSError as exc:
         raise CascadeError(f"cannot read prompt file {args.prompt_file}: {exc.strerror}") from None
     except UnicodeDecodeError as exc:
-        raise CascadeError(f"prompt file {args.prompt_file} is not UTF-8 text ({exc.reason} "
-                           f"at byte {exc.start})") from None
+        raise CascadeError(
+            f"prompt file {args.prompt_file} is not UTF-8 text ({exc.reason} at byte {exc.start})"
+        ) from None
 
 
 def encode_prompt(runtime: Runtime, text: str, chat: bool) -> list[int]:
@@ -84,15 +100,15 @@ def encode_prompt(runtime: Runtime, text: str, chat: bool) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    settings = {key: getattr(args, flag) for flag, key in FLAG_SETTINGS.items()
-                if getattr(args, flag) is not None}
+    settings = {key: getattr(args, flag) for flag, key in FLAG_SETTINGS.items() if getattr(args, flag) is not None}
     preset, config = load_config(args.preset, args.config, args.set, settings)
     text = read_prompt(args)
     runtime = build_runtime(config, log=lambda message: print(message, file=sys.stderr))
     prompt_ids = encode_prompt(runtime, text, args.chat)
     streamer = None if args.quiet else TextStreamer(runtime.tokenizer, skip_special_tokens=True)
-    result = runtime.generate(prompt_ids, on_tokens=(lambda tokens: streamer.put(torch.tensor(tokens)))
-                              if streamer else None)
+    result = runtime.generate(
+        prompt_ids, on_tokens=(lambda tokens: streamer.put(torch.tensor(tokens))) if streamer else None
+    )
     if streamer:
         streamer.end()
     return report(preset, config, prompt_ids, result, runtime)
@@ -109,17 +125,12 @@ def report(preset: str, config: PipelineConfig, prompt_ids, result, runtime: Run
     }
 
 
-def partial_json(path: Path) -> Path:
-    """The temporary file ``write_json`` writes before renaming it to ``path``."""
-    return path.with_name(f".{path.name}.partial-{os.getpid()}")
-
-
 def check_writable(path: Path) -> None:
     """Fail before any work if ``write_json`` could not write ``path`` (a directory, a missing or
     read-only folder, a file where a folder should be)."""
     if path.is_dir():
         raise CascadeError(f"cannot write {path}: it is a directory; give a file path for --json")
-    partial = partial_json(path)
+    partial = atomic.partial_path(path)
     try:
         partial.touch()
         partial.unlink()
@@ -130,61 +141,78 @@ def check_writable(path: Path) -> None:
 def write_json(path: Path, data: dict[str, Any]) -> None:
     """Write atomically: a reader never sees half a file, an old file survives a failed write.
     If the write fails the report goes to stdout, so a finished generation is never lost."""
-    partial = partial_json(path)
     try:
-        partial.write_text(json.dumps(data, indent=2) + "\n")
-        partial.replace(path)
+        atomic.write_text(path, json.dumps(data, indent=2) + "\n")
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            partial.unlink(missing_ok=True)
         print(json.dumps(data, indent=2))
         raise CascadeError(f"cannot write {path}: {exc.strerror}; the report is on stdout instead") from None
+
+
+def summary(stats: dict[str, Any]) -> str:
+    """One line: prompt and new tokens, speed, each proposing stage's acceptance, the cost model's
+    predicted speed-up over autoregressive decoding."""
+    parts = [
+        f"[{stats['prompt_tokens']} prompt tokens, {stats['new_tokens']} new at {stats['tokens_per_s']:.1f} tokens/s"
+    ]
+    parts += [
+        f"{stage['name']} accepted {stage['acceptance_rate']:.0%} of {stage['proposed']}"
+        for stage in stats["stages"][:-1]
+    ]
+    if len(stats["stages"]) > 1:
+        parts.append(f"predicted speed-up over autoregressive {stats['predicted_speedup']:.2f}x")
+    return "; ".join(parts) + "]"
 
 
 def print_stats(stats: dict[str, Any]) -> None:
     say = lambda line: print(line, file=sys.stderr)  # noqa: E731
     loaded = " (loaded from the prompt cache)" if stats["prefill_loaded"] else ""
-    say(f"\n[{stats['prompt_tokens']} prompt tokens, prefill {stats['prefill_s']:.2f} s{loaded}; "
+    say(
+        f"\n[{stats['prompt_tokens']} prompt tokens, prefill {stats['prefill_s']:.2f} s{loaded}; "
         f"{stats['new_tokens']} new tokens at {stats['tokens_per_s']:.1f} tokens/s "
-        f"({stats['ms_per_token']:.1f} ms/token); stop: {stats['stop_reason']}]")
+        f"({stats['ms_per_token']:.1f} ms/token); stop: {stats['stop_reason']}]"
+    )
     if len(stats["stages"]) > 1:
-        say(f"  {stats['tokens_per_verify']:.2f} tokens per full-cache pass; cost model speed-up "
-            f"{stats['predicted_speedup']:.2f}x")
+        say(
+            f"  {stats['tokens_per_verify']:.2f} tokens per full-cache pass; cost model speed-up "
+            f"{stats['predicted_speedup']:.2f}x"
+        )
     for stage in stats["stages"]:
-        line = (f"  stage {stage['name']}: {stage['forward_calls']} passes, {stage['time_s']:.2f} s, "
-                f"{stage['kv_bytes_read'] / 2**20:.1f} MiB KV read")
+        line = (
+            f"  stage {stage['name']}: {stage['forward_calls']} passes, {stage['time_s']:.2f} s, "
+            f"{stage['kv_bytes_read'] / 2**20:.1f} MiB KV read"
+        )
         if stage["rounds"]:
-            line += (f"; proposed {stage['proposed']}, accepted {stage['accepted']} "
-                     f"({stage['acceptance_rate']:.0%}, {stage['mean_accepted_run']:.2f} per round); "
-                     f"{stage['schedule']} gamma, rounds per gamma {stage['gamma_choices']}")
+            line += (
+                f"; proposed {stage['proposed']}, accepted {stage['accepted']} "
+                f"({stage['acceptance_rate']:.0%}, {stage['mean_accepted_run']:.2f} per round); "
+                f"{stage['schedule']} gamma, rounds per gamma {stage['gamma_choices']}"
+            )
             if stage["verify_over_step"]:
                 line += f"; a verification pass costs {stage['verify_over_step']:.2f} plain steps"
             if stage["tree_nodes"]:
                 ranks = ", ".join(f"{share:.2f}" for share in stage["rank_acceptance"])
-                line += (f"; token trees of {stage['tree_nodes'] / stage['rounds']:.1f} nodes, the verifier's "
-                         f"token was its 1st, 2nd, ... most likely in shares {ranks}")
+                line += (
+                    f"; token trees of {stage['tree_nodes'] / stage['rounds']:.1f} nodes, the verifier's "
+                    f"token was its 1st, 2nd, ... most likely in shares {ranks}"
+                )
         say(line)
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.list_cache_policies:
         print(describe_policies())
         return 0
-    try:
-        if args.json:
-            check_writable(args.json)
-        output = run(args)
-        if args.json:
-            write_json(args.json, output)
-    except CascadeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        return 130
+    if args.json:
+        check_writable(args.json)
+    output = run(args)
+    if args.json:
+        write_json(args.json, output)
     if args.verbose:
         print_stats(output["stats"])
+    elif not args.quiet:
+        print(f"\n{summary(output['stats'])}", file=sys.stderr)
     return 0
 
 

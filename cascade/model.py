@@ -103,15 +103,27 @@ class Block(nn.Module):
         kernels of ``cascade.fused``."""
         attn, spec = self.self_attn, self.self_attn.spec
         query, key, value = fused.pre_attention(
-            x, self.input_layernorm.weight, projection(attn.qkv_proj), attn.qkv_proj.bias, cos, sin,
-            self.input_layernorm.eps, spec.num_heads, spec.num_kv_heads,
+            x,
+            self.input_layernorm.weight,
+            projection(attn.qkv_proj),
+            attn.qkv_proj.bias,
+            cos,
+            sin,
+            self.input_layernorm.eps,
+            spec.num_heads,
+            spec.num_kv_heads,
         )
         view = cache.update(attn.layer, key, value, query)
         attended = fused.attend(query, view, attn.scale, attend)  # [1, H, T, D]
         mlp = self.mlp
         return fused.post_attention(
-            x, attended, projection(attn.o_proj), self.post_attention_layernorm.weight,
-            projection(mlp.gate_up_proj), projection(mlp.down_proj), self.post_attention_layernorm.eps,
+            x,
+            attended,
+            projection(attn.o_proj),
+            self.post_attention_layernorm.weight,
+            projection(mlp.gate_up_proj),
+            projection(mlp.down_proj),
+            self.post_attention_layernorm.eps,
         )
 
 
@@ -158,8 +170,14 @@ class CausalLM(nn.Module):
     def cache_layout(self, capacity: int, max_pending: int | None = None) -> CacheLayout:
         spec = self.spec
         return CacheLayout(
-            spec.num_layers, spec.num_kv_heads, spec.head_dim, capacity, self.dtype, self.device,
-            self.rotary, max_pending,
+            spec.num_layers,
+            spec.num_kv_heads,
+            spec.head_dim,
+            capacity,
+            self.dtype,
+            self.device,
+            self.rotary,
+            max_pending,
         )
 
     @torch.inference_mode()
@@ -189,8 +207,9 @@ class CausalLM(nn.Module):
             x = x[:, -num_logits:]
         return self.lm_head(self.norm(x))  # [B, N, V]
 
-    def _forward_fused(self, x, cos, sin, cache: CachePolicy, attend: AttentionKernel,
-                       num_logits: int | None) -> torch.Tensor:
+    def _forward_fused(
+        self, x, cos, sin, cache: CachePolicy, attend: AttentionKernel, num_logits: int | None
+    ) -> torch.Tensor:
         """``forward_at``'s blocks and head for one sequence's residual stream x [T, C] through the
         compiled kernels -> logits [1, N, V]."""
         for block in self.layers:

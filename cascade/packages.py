@@ -17,11 +17,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from cascade import atomic
+from cascade.atomic import PARTIAL
 from cascade.errors import CascadeError
 from cascade.home import downloads_dir
 
 Log = Callable[[str], None]
-PARTIAL = ".partial-"
 
 
 def pip_download(requirement: str, sdist: bool, log: Log) -> Path:
@@ -30,12 +31,24 @@ def pip_download(requirement: str, sdist: bool, log: Log) -> Path:
         return cached
     log(f"downloading {requirement} from the package index (files only, not installed)")
     binary = ["--no-binary", ":all:"] if sdist else ["--only-binary", ":all:"]
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", *binary,
-               "--disable-pip-version-check", "--dest", str(downloads_dir()), requirement]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        *binary,
+        "--disable-pip-version-check",
+        "--dest",
+        str(downloads_dir()),
+        requirement,
+    ]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0 or (found := find_archive(requirement, sdist)) is None:
-        raise CascadeError(f"could not download {requirement} from the package index "
-                           f"({pip_failure(result.stderr)}); check the network and try again")
+        raise CascadeError(
+            f"could not download {requirement} from the package index "
+            f"({pip_failure(result.stderr)}); check the network and try again"
+        )
     return found
 
 
@@ -54,14 +67,17 @@ def local_wheel(requirement: str, wheel_dir: Path | None, log: Log) -> Path:
         return pip_download(requirement, sdist=False, log=log)
     if (found := find_archive(requirement, sdist=False, directory=wheel_dir)) is None:
         name, _, version = requirement.partition("==")
-        raise CascadeError(f"{wheel_dir} has no wheel of {requirement} "
-                           f"(a file {name.replace('-', '_')}-{version}-*.whl); put it there or fetch without --wheel-dir")
+        raise CascadeError(
+            f"{wheel_dir} has no wheel of {requirement} "
+            f"(a file {name.replace('-', '_')}-{version}-*.whl); put it there or fetch without --wheel-dir"
+        )
     return found
 
 
 def find_archive(requirement: str, sdist: bool, directory: Path | None = None) -> Path | None:
     """An archive of ``requirement`` in ``directory`` (default: the downloads), names compared with
     runs of ``-_.`` folded, any case."""
+
     def fold(text: str) -> str:
         return re.sub(r"[-_.]+", "_", text).lower()
 
@@ -78,9 +94,11 @@ def require_space(directory: Path, needed: int, what: str) -> None:
     """Fail before writing ``needed`` bytes of ``what`` under ``directory`` if its disk lacks the room."""
     free = shutil.disk_usage(directory).free
     if free < needed:
-        raise CascadeError(f"not enough disk space for {what}: it needs {needed / 1e9:.2f} GB under {directory}, "
-                           f"the disk has {free / 1e9:.2f} GB free; free some space (or set CASCADE_HOME "
-                           "to a larger disk) and fetch again")
+        raise CascadeError(
+            f"not enough disk space for {what}: it needs {needed / 1e9:.2f} GB under {directory}, "
+            f"the disk has {free / 1e9:.2f} GB free; free some space (or set CASCADE_HOME "
+            "to a larger disk) and fetch again"
+        )
 
 
 @contextmanager
@@ -92,7 +110,7 @@ def staged(final: Path) -> Iterator[Path]:
     """
     final.parent.mkdir(parents=True, exist_ok=True)
     remove_abandoned(final)
-    staging = final.parent / f".{final.name}{PARTIAL}{os.getpid()}"
+    staging = atomic.partial_path(final)
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     try:
@@ -112,13 +130,8 @@ def staged_file(final: Path) -> Iterator[Path]:
     """
     final.parent.mkdir(parents=True, exist_ok=True)
     remove_abandoned(final)
-    partial = final.parent / f".{final.name}{PARTIAL}{os.getpid()}"
-    partial.unlink(missing_ok=True)
-    try:
+    with atomic.replacing(final) as partial:
         yield partial
-        partial.rename(final)
-    finally:
-        partial.unlink(missing_ok=True)
 
 
 def remove_abandoned(final: Path) -> None:

@@ -205,8 +205,15 @@ class Pipeline:
         verdict, drawn, verifying = speculate(level, context, gamma)  # read: the host has caught up
         finished = self.clock.mark()
         timed = self._captured_graphs(level) == captured
-        self._record(proposer, gamma, verdict, self.clock.seconds(proposing, verifying),
-                     self.clock.seconds(verifying, finished), clean, timed)
+        self._record(
+            proposer,
+            gamma,
+            verdict,
+            self.clock.seconds(proposing, verifying),
+            self.clock.seconds(verifying, finished),
+            clean,
+            timed,
+        )
         return drawn
 
     def _speculate(self, level: int, context: list[int], gamma: int) -> tuple[Verdict, Draw, int]:
@@ -234,7 +241,8 @@ class Pipeline:
         ranked = torch.cat(growth.ranked)  # [R, K]: the root's and the fed nodes' most likely tokens
         ranks = choice_ranks(ranked, choices[: len(ranked)])  # [R]
         node_tokens, choices, ranks, parents, node_ranks = read_together(  # the host's one wait
-            [nodes, choices, ranks, torch.cat(growth.parents), torch.cat(growth.ranks)])
+            [nodes, choices, ranks, torch.cat(growth.parents), torch.cat(growth.ranks)]
+        )
         path, next_token = TokenTree(tuple(parents), tuple(node_ranks)).follow(node_tokens, choices)
         for lower in self.stages[: level + 1]:
             lower.keep_path(len(context), path)
@@ -272,8 +280,9 @@ class Pipeline:
         """One token from logits [1, V], as autoregressive decoding draws it (left on the device)."""
         return Draw(*draw(logits, self.sampling, self.generator))  # [1], probs [1, V] or None
 
-    def _record(self, proposer: Stage, gamma: int, verdict: Verdict, propose_s: float, verify_s: float,
-                clean: bool, timed: bool) -> None:
+    def _record(
+        self, proposer: Stage, gamma: int, verdict: Verdict, propose_s: float, verify_s: float, clean: bool, timed: bool
+    ) -> None:
         """Count a verified round; its times only if ``timed`` (no pass of it was captured)."""
         stats = proposer.stats
         stats.rounds += 1

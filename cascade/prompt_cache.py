@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 
 from cache import full, slots
 from cache.full import FullCache
-from cascade import attention, checkpoint, fused, model, rope
+from cascade import atomic, attention, checkpoint, fused, model, rope
 
 MODEL_CODE = (model, attention, rope, fused, checkpoint, full, slots)
 """Modules whose source decides a prefill's numbers: editing them invalidates stored prompts."""
@@ -106,14 +106,11 @@ class PromptCache:
             for name, buffer in zip(KV_NAMES, (cache.keys, cache.values), strict=True):
                 tensors[f"{name}.{layer}"] = buffer[layer, :, :, :length].contiguous()  # [1, H_kv, T, D]
         path = self.path(prompt_ids, chunk)
-        partial = path.with_suffix(f".{os.getpid()}.partial")
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            save_file(tensors, partial)
-            partial.replace(path)
+            with atomic.replacing(path) as partial:
+                save_file(tensors, partial)
         except OSError as exc:
-            if self.directory.is_dir():
-                partial.unlink(missing_ok=True)
             self.log(f"prompt cache: could not store {path.name} in {self.directory}: {exc.strerror or exc}")
             return
         self._evict(keep=path)

@@ -32,8 +32,9 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     each block holds inputs 4k..4k+3 of its 16 output rows in its row k."""
     outputs, inputs = weight.shape
     padded = F.pad(weight, (0, -inputs % BLOCK_INPUTS, 0, -outputs % BLOCK_OUTPUTS))  # [O', I']
-    blocks = padded.view(padded.shape[0] // BLOCK_OUTPUTS, BLOCK_OUTPUTS, padded.shape[1] // BLOCK_INPUTS,
-                         BLOCK_INPUTS // 4, 4)  # [O'/16, 16 outputs, I'/64, 16 quads, 4]
+    blocks = padded.view(
+        padded.shape[0] // BLOCK_OUTPUTS, BLOCK_OUTPUTS, padded.shape[1] // BLOCK_INPUTS, BLOCK_INPUTS // 4, 4
+    )  # [O'/16, 16 outputs, I'/64, 16 quads, 4]
     return blocks.permute(0, 2, 3, 1, 4).reshape(blocks.shape[0], blocks.shape[2], BLOCK_INPUTS // 4, -1).contiguous()
 
 

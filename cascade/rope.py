@@ -29,7 +29,6 @@ class Rotary:
         angles = torch.cat((angles, angles), dim=-1)  # [T, D]
         return (angles.cos() * self.scale).to(dtype), (angles.sin() * self.scale).to(dtype)
 
-
     def shift(self, x: torch.Tensor, offset: int) -> torch.Tensor:
         """Move rotated keys x [..., S, D] by ``offset`` positions (no YaRN scale: already applied).
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from cascade import atomic
 from cascade.home import cascade_home
 
 CHECKOUT = Path(__file__).resolve().parent.parent
@@ -43,7 +44,7 @@ class RunFiles:
     started: str
 
     def write(self, report: dict, settings: dict) -> None:
-        self.report.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        atomic.write_text(self.report, json.dumps(report, indent=2, default=str) + "\n")
         write_manifest(self.manifest, self.started, settings)
 
 
@@ -66,14 +67,22 @@ def machine() -> dict:
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     features = sorted(kernels.compiled_features()) if kernels.weight_kernel_available() else []
-    return {"cpu": kernels.cpu_model(), "gpu": gpu, "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
-            "cpu_kernels": features, "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version()}
+    return {
+        "cpu": kernels.cpu_model(),
+        "gpu": gpu,
+        "cpu_count": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "cpu_kernels": features,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
 
 
 def source_state() -> dict:
     """The git commit of the checkout the package runs from and whether it had uncommitted changes
     (both None outside a checkout)."""
+
     def git(*args: str) -> str | None:
         try:
             result = subprocess.run(["git", "-C", str(CHECKOUT), *args], capture_output=True, text=True, timeout=10)
@@ -94,6 +103,13 @@ def write_manifest(path: Path, started: str, settings: dict) -> None:
         package = version("cascade")
     except PackageNotFoundError:
         package = None
-    manifest = {"command": [sys.executable, *sys.argv], "package_version": package, **source_state(),
-                "machine": machine(), "settings": settings, "started": started, "ended": utc_now()}
-    path.write_text(json.dumps(manifest, indent=2, default=str) + "\n")
+    manifest = {
+        "command": [sys.executable, *sys.argv],
+        "package_version": package,
+        **source_state(),
+        "machine": machine(),
+        "settings": settings,
+        "started": started,
+        "ended": utc_now(),
+    }
+    atomic.write_text(path, json.dumps(manifest, indent=2, default=str) + "\n")

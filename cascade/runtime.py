@@ -16,6 +16,7 @@ from cascade.attention import resolve_kernels
 from cascade.checkpoint import LoadedModel, load_checkpoint, stretch_factor
 from cascade.errors import CascadeError
 from cascade.graphs import MAX_GRAPH_TOKENS, Capture, cuda_graph
+from cascade.huge_pages import move_to_huge_pages
 from cascade.model import CausalLM
 from cascade.models import checkpoint_path, default_model
 from cascade.pipeline import GenerationResult, Pipeline, StopRule, TokenCallback
@@ -71,7 +72,8 @@ class CacheRequest:
         sequence, no more room after the prompt (a retrieval cache's slots are its budget + room),
         and a sequence at least ``MIN_REUSED_FILL`` of this one."""
         return (self.stages, self.max_pending) == (other.stages, other.max_pending) and (
-            other.capacity <= self.capacity <= other.capacity / MIN_REUSED_FILL and self.room >= other.room)
+            other.capacity <= self.capacity <= other.capacity / MIN_REUSED_FILL and self.room >= other.room
+        )
 
 
 @dataclass
@@ -110,8 +112,7 @@ class Runtime:
             except ValueError as exc:
                 if not stage.optional:
                     raise CascadeError(f"stages.{index}.cache: {exc}") from None
-                self.log(f"cascade: stage {index} ({stage.model}/{stage.cache.kind}) skipped for this "
-                         f"prompt: {exc}")
+                self.log(f"cascade: stage {index} ({stage.model}/{stage.cache.kind}) skipped for this prompt: {exc}")
                 continue
             kept.append(stage)
         limit, total = self.context_limit(), prompt_tokens + max_new_tokens
@@ -130,16 +131,22 @@ class Runtime:
             return f"raise --set max_context (now {self.config.max_context}) to at least {total}"
         scaling = self.config.target.rope_scaling
         factor = (scaling.factor if scaling else 1) * stretch_factor(total, model_limit)
-        return (f"stretch the target's context with --set target.rope_scaling.kind=yarn "
-                f"--set target.rope_scaling.factor={factor:g}")
+        return (
+            f"stretch the target's context with --set target.rope_scaling.kind=yarn "
+            f"--set target.rope_scaling.factor={factor:g}"
+        )
 
     def pipeline_for(self, prompt_tokens: int, max_new_tokens: int) -> Pipeline:
         """Stages with caches sized for this request (checked against the context limit): the
         last request's, restarted, where their caches hold this one too (so are their graphs)."""
         config = self.check_request(prompt_tokens, max_new_tokens)
         speculation = sum(stage.speculative_tokens for stage in config.stages[:-1])
-        request = CacheRequest(tuple(config.stages), prompt_tokens + max_new_tokens + speculation,
-                               max_new_tokens + speculation, config.prefill_chunk + speculation + 1)
+        request = CacheRequest(
+            tuple(config.stages),
+            prompt_tokens + max_new_tokens + speculation,
+            max_new_tokens + speculation,
+            config.prefill_chunk + speculation + 1,
+        )
         schedules = [SCHEDULES[stage.schedule](stage.gamma) for stage in config.stages[:-1]] + [None]
         if self.built_for is not None and self.built_for.holds(request):
             for stage, schedule in zip(self.stages, schedules, strict=True):
@@ -150,8 +157,9 @@ class Runtime:
             self.built_for = request
         return Pipeline(self.stages, config.sampling, config.prefill_chunk)
 
-    def build_stages(self, config: PipelineConfig, request: CacheRequest,
-                     schedules: list[Schedule | None]) -> list[Stage]:
+    def build_stages(
+        self, config: PipelineConfig, request: CacheRequest, schedules: list[Schedule | None]
+    ) -> list[Stage]:
         """New stages (and caches) for ``request``, with ``schedules`` per stage (None for the last)."""
         last = len(config.stages) - 1
         stages: dict[int, Stage] = {}
@@ -176,8 +184,13 @@ class Runtime:
     def stop_rule(self, max_new_tokens: int) -> StopRule:
         return StopRule(frozenset(self.target.eos_token_ids), max_new_tokens)
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int | None = None,
-                 on_tokens: TokenCallback | None = None, stop_at_eos: bool = True) -> GenerationResult:
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int | None = None,
+        on_tokens: TokenCallback | None = None,
+        stop_at_eos: bool = True,
+    ) -> GenerationResult:
         """Generate after ``prompt_ids`` (checked first) with the config's seed, on ``pipeline_for``'s
         stages. ``stop_at_eos=False`` makes exactly ``max_new_tokens`` (for measurements)."""
         max_new_tokens = max_new_tokens or self.config.max_new_tokens
@@ -206,8 +219,11 @@ def build_runtime(config: PipelineConfig, log: Callable[[str], None]) -> Runtime
             if fused_tokens:
                 warm_up(loaded.model, log)
     models = {"target": (target, config.target), "draft": (draft, config.draft)}
-    prompt_caches = {role: prompt_cache(config, loaded, model_config, log)
-                     for role, (loaded, model_config) in models.items() if loaded and config.prompt_cache.dir}
+    prompt_caches = {
+        role: prompt_cache(config, loaded, model_config, log)
+        for role, (loaded, model_config) in models.items()
+        if loaded and config.prompt_cache.dir
+    }
     capture = cuda_graph if device.type == "cuda" and config.cuda_graphs else None
     return Runtime(config, target, draft, log, prompt_caches, capture)
 
@@ -229,20 +245,31 @@ def warm_up(model: CausalLM, log: Callable[[str], None]) -> None:
     except Exception as error:  # Inductor's and Triton's build failures come in many exception types
         model.fused_tokens = 0
         first_line = next(iter(str(error).splitlines()), "")
-        log(f"compiling the fused kernels failed ({type(error).__name__}: {first_line}); "
-            "short passes run eagerly (kernels: eager)")
+        log(
+            f"compiling the fused kernels failed ({type(error).__name__}: {first_line}); "
+            "short passes run eagerly (kernels: eager)"
+        )
 
 
-def prompt_cache(config: PipelineConfig, loaded: LoadedModel, model_config: ModelConfig,
-                 log: Callable[[str], None]) -> PromptCache:
+def prompt_cache(
+    config: PipelineConfig, loaded: LoadedModel, model_config: ModelConfig, log: Callable[[str], None]
+) -> PromptCache:
     """The store of ``loaded``'s prefilled prompts, keyed by everything that decides them."""
     model = loaded.model
-    settings = {"dtype": str(model.dtype), "device": model.device.type, "fused_tokens": model.fused_tokens,
-                "attention": model.attention,
-                "rope_scaling": model_config.rope_scaling.model_dump() if model_config.rope_scaling else None,
-                "quantise": "int8" if is_quantised(model) else "none"}
-    return PromptCache(Path(config.prompt_cache.dir).expanduser(), model_key(loaded.path, settings),
-                       int(config.prompt_cache.max_gb * 2**30), log)
+    settings = {
+        "dtype": str(model.dtype),
+        "device": model.device.type,
+        "fused_tokens": model.fused_tokens,
+        "attention": model.attention,
+        "rope_scaling": model_config.rope_scaling.model_dump() if model_config.rope_scaling else None,
+        "quantise": "int8" if is_quantised(model) else "none",
+    }
+    return PromptCache(
+        Path(config.prompt_cache.dir).expanduser(),
+        model_key(loaded.path, settings),
+        int(config.prompt_cache.max_gb * 2**30),
+        log,
+    )
 
 
 def fused_tokens_for(device: torch.device, dtype: torch.dtype, log: Callable[[str], None]) -> int:
@@ -264,7 +291,11 @@ def fused_tokens_for(device: torch.device, dtype: torch.dtype, log: Callable[[st
 
 
 def load_model(
-    config: ModelConfig, role: str, dtype: torch.dtype, device: torch.device, log: Callable[[str], None],
+    config: ModelConfig,
+    role: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    log: Callable[[str], None],
     target: Path | None = None,
 ) -> LoadedModel:
     """``config``'s checkpoint, or the role's default (for a draft: the default for ``target``)."""
@@ -273,6 +304,7 @@ def load_model(
     loaded = load_checkpoint(path, dtype, device, scaling)
     if int8_weights(config.quantise, dtype, device):
         quantise_int8(loaded.model)
+    move_to_huge_pages(loaded.model)
     return loaded
 
 

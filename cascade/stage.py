@@ -113,8 +113,9 @@ class Stage:
             self.cache.commit(self.cache.length)
         return logits[0, -1]  # [V]
 
-    def extend(self, context: list[int], num_logits: int, proposed: torch.Tensor | None = None,
-               tree: TreePass | None = None) -> torch.Tensor:
+    def extend(
+        self, context: list[int], num_logits: int, proposed: torch.Tensor | None = None, tree: TreePass | None = None
+    ) -> torch.Tensor:
         """Feed the tokens of ``context`` this stage has not seen, then the ``proposed`` ids [G]
         (on the model's device; the nodes of ``tree`` if given) -> logits [N, V] of the last N."""
         unseen = device_ids(context[self.cache.length :], self.model.device)  # [T]

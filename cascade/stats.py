@@ -68,7 +68,7 @@ class StageStats:
     def record_plain_step(self, seconds: float) -> None:
         self.plain_steps += 1
         self.plain_s += seconds
-        self.plain_samples = [*self.plain_samples[1 - PLAIN_SAMPLES_KEPT:], seconds]
+        self.plain_samples = [*self.plain_samples[1 - PLAIN_SAMPLES_KEPT :], seconds]
 
     @property
     def step_s(self) -> float:
@@ -116,8 +116,10 @@ class StageStats:
         from falling (``costs.rising_curve``; weighted by their counts). On a CPU it is flat while a
         pass is bound by reading the weights and rises once its products become compute-bound; on a
         GPU it stays nearly flat. Without clean passes or plain steps yet: the mean verification pass."""
-        points = [(g, seconds / self.clean_verifications[g], self.clean_verifications[g])
-                  for g, seconds in self.clean_verification_s.items()]
+        points = [
+            (g, seconds / self.clean_verifications[g], self.clean_verifications[g])
+            for g, seconds in self.clean_verification_s.items()
+        ]
         if self.plain_steps:
             points.append((0, self.step_s, self.plain_steps))
         if not points:
@@ -132,8 +134,9 @@ class StageStats:
             return 1.0
         step_s = self.step_s if self.plain_steps else self.verify_s / self.timed_rounds
         acceptance = self.acceptance_mle if acceptance is None else acceptance
-        return expected_speedup(acceptance, self.propose_s / self.timed_proposed, self.verification_s(gamma),
-                                step_s, gamma)
+        return expected_speedup(
+            acceptance, self.propose_s / self.timed_proposed, self.verification_s(gamma), step_s, gamma
+        )
 
     @property
     def mean_gamma(self) -> float:
@@ -141,8 +144,15 @@ class StageStats:
 
     def to_dict(self) -> dict:
         data = asdict(self)
-        for name in ("acceptance_rate", "acceptance_mle", "mean_accepted_run", "cost_ratio", "verify_over_step",
-                     "mean_gamma", "rank_acceptance"):
+        for name in (
+            "acceptance_rate",
+            "acceptance_mle",
+            "mean_accepted_run",
+            "cost_ratio",
+            "verify_over_step",
+            "mean_gamma",
+            "rank_acceptance",
+        ):
             data[name] = getattr(self, name)
         return data
 

@@ -168,10 +168,15 @@ class TreePlan:
             previous = tree.level(depth - 1).start if depth > 1 else ROOT  # row 0 of the last pass's logits
             parent_rows = [parent - previous for parent in tree.parents[nodes.start : nodes.stop]]
             ranks = tree.ranks[nodes.start : nodes.stop]
-            self.levels.append(TreeLevel(
-                torch.tensor(parent_rows, device=device), torch.tensor(ranks, device=device), max(ranks) + 1,
-                torch.full((len(nodes),), depth, device=device), nodes.start,
-            ))
+            self.levels.append(
+                TreeLevel(
+                    torch.tensor(parent_rows, device=device),
+                    torch.tensor(ranks, device=device),
+                    max(ranks) + 1,
+                    torch.full((len(nodes),), depth, device=device),
+                    nodes.start,
+                )
+            )
 
 
 class TreeGrowth:

@@ -83,8 +83,11 @@ def rows(model: type[BaseModel], prefix: str) -> list[str]:
             continue
         key = f"{prefix}{name}"
         listed = get_origin(field.annotation) is list
-        kind = ("a cache policy, by `kind` ([below](#cache-policies))" if is_cache(field.annotation)
-                else type_of(field.annotation))
+        kind = (
+            "a cache policy, by `kind` ([below](#cache-policies))"
+            if is_cache(field.annotation)
+            else type_of(field.annotation)
+        )
         out.append(f"| `{key}` | {cell(kind)} | {cell(default_text(field))} | {cell(field.description or '')} |")
         if not is_cache(field.annotation):
             for nested in models_in(field.annotation):
@@ -99,9 +102,17 @@ def table(model: type[BaseModel], prefix: str = "") -> list[str]:
 
 
 def page() -> str:
-    lines = [HEADER, "## Pipeline", "", *table(PipelineConfig), "## Cache policies", "",
-             "Each stage's `cache` is one of these, chosen by `kind` (settings under `stages.N.cache.`; "
-             "`python -m cascade.generate --list-cache-policies` prints the same).", ""]
+    lines = [
+        HEADER,
+        "## Pipeline",
+        "",
+        *table(PipelineConfig),
+        "## Cache policies",
+        "",
+        "Each stage's `cache` is one of these, chosen by `kind` (settings under `stages.N.cache.`; "
+        "`python -m cascade.generate --list-cache-policies` prints the same).",
+        "",
+    ]
     for kind, entry in sorted(POLICIES.items()):
         lines += [f"### `{kind}`", "", cell(entry.config.__doc__ or ""), "", *table(entry.config, "stages.N.cache.")]
     lines += ["## Presets", "", "As shipped in `configs/presets/` (`--preset NAME`):", ""]

@@ -57,8 +57,10 @@ class SamplingConfig(Strict):
     @classmethod
     def _greedy_or_sampled(cls, temperature: float) -> float:
         if 0.0 < temperature < MIN_TEMPERATURE:
-            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE} (below that, sampling is "
-                             f"greedy in effect and logits / temperature overflow float32); got {temperature}")
+            raise ValueError(
+                f"must be 0 (greedy) or at least {MIN_TEMPERATURE} (below that, sampling is "
+                f"greedy in effect and logits / temperature overflow float32); got {temperature}"
+            )
         return temperature
 
 
@@ -202,12 +204,16 @@ class PipelineConfig(Strict):
             if stage.tree is None:
                 continue
             if index != 0 or len(self.stages) == 1:
-                raise ValueError(f"stages.{index}.tree: only the first stage of two or more proposes token "
-                                 "trees (it decodes by itself); set tree: null here")
+                raise ValueError(
+                    f"stages.{index}.tree: only the first stage of two or more proposes token "
+                    "trees (it decodes by itself); set tree: null here"
+                )
             if not POLICIES[stage.cache.kind].policy.tree_passes:
                 trees = ", ".join(kind for kind, entry in POLICIES.items() if entry.policy.tree_passes)
-                raise ValueError(f"stages.{index}.tree: a {stage.cache.kind} cache cannot run token-tree "
-                                 f"passes; use one of {trees}, or tree: null")
+                raise ValueError(
+                    f"stages.{index}.tree: a {stage.cache.kind} cache cannot run token-tree "
+                    f"passes; use one of {trees}, or tree: null"
+                )
         return self
 
     def source_of(self, index: int) -> int | None:

@@ -38,7 +38,7 @@ from pathlib import Path
 from cache.config import budget_for
 from cascade.checkpoint import yarn_scaling
 from cascade.data import DOCUMENT_NAMES, document_ids
-from cascade.errors import CascadeError
+from cascade.errors import CascadeError, entry_point
 from cascade.home import prompt_cache_dir, prompt_cache_option
 from cascade.models import default_model
 from cascade.runs import run_files
@@ -49,9 +49,14 @@ from configs.loading import policy_at_budget, policy_option
 
 
 def measure(args, target: Path, prompt: list[int], policy: str, budget: int) -> dict:
-    settings = {"dtype": args.dtype, "max_new_tokens": args.new_tokens, "stages.0.gamma": args.gamma,
-                "stages.0.schedule": args.schedule, "stages.0.cache": policy_at_budget(policy, budget),
-                "prompt_cache.dir": args.prompt_cache}
+    settings = {
+        "dtype": args.dtype,
+        "max_new_tokens": args.new_tokens,
+        "stages.0.gamma": args.gamma,
+        "stages.0.schedule": args.schedule,
+        "stages.0.cache": policy_at_budget(policy, budget),
+        "prompt_cache.dir": args.prompt_cache,
+    }
     if args.tree:
         ranks = {"rank_acceptance": args.tree_ranks} if args.tree_ranks else {}
         settings["stages.0.tree"] = {"nodes": args.tree, "dynamic": args.tree_dynamic, **ranks}
@@ -61,11 +66,17 @@ def measure(args, target: Path, prompt: list[int], policy: str, budget: int) -> 
     runtime = build_runtime(config, log=lambda message: print(message, file=sys.stderr))
     result = runtime.generate(prompt, args.new_tokens, stop_at_eos=False)
     stage = result.stats.stages[0]
-    return {"acceptance": stage.acceptance_rate, "acceptance_mle": stage.acceptance_mle,
-            "mean_accepted_run": stage.mean_accepted_run,
-            "proposed": stage.proposed, "accepted": stage.accepted, "rounds": stage.rounds,
-            "tree_nodes": stage.tree_nodes, "rank_acceptance": stage.rank_acceptance,
-            "choice_ranks": stage.choice_ranks}
+    return {
+        "acceptance": stage.acceptance_rate,
+        "acceptance_mle": stage.acceptance_mle,
+        "mean_accepted_run": stage.mean_accepted_run,
+        "proposed": stage.proposed,
+        "accepted": stage.accepted,
+        "rounds": stage.rounds,
+        "tree_nodes": stage.tree_nodes,
+        "rank_acceptance": stage.rank_acceptance,
+        "choice_ranks": stage.choice_ranks,
+    }
 
 
 def finished_rows(out: Path, args: argparse.Namespace) -> list[dict]:
@@ -75,8 +86,9 @@ def finished_rows(out: Path, args: argparse.Namespace) -> list[dict]:
         return []
     earlier = earlier_report(out)
     same = ("document", "gamma", "schedule", "new_tokens", "dtype", "tree", "tree_ranks", "tree_dynamic")
-    differ = [f"{key}: {earlier['settings'].get(key)}" for key in same
-              if earlier["settings"].get(key) != getattr(args, key)]
+    differ = [
+        f"{key}: {earlier['settings'].get(key)}" for key in same if earlier["settings"].get(key) != getattr(args, key)
+    ]
     if differ:
         raise CascadeError(f"{out} holds rows measured with other settings ({', '.join(differ)}); give another --out")
     return earlier["rows"]
@@ -87,12 +99,16 @@ def earlier_report(out: Path) -> dict:
     try:
         report = json.loads(out.read_text())
     except (OSError, ValueError) as exc:
-        raise CascadeError(f"cannot read {out} to continue its rows ({exc}); give another --out, or move the "
-                           "file away to start over") from None
-    if not (isinstance(report, dict) and isinstance(report.get("settings"), dict)
-            and isinstance(report.get("rows"), list)):
-        raise CascadeError(f"{out} is not a report of this script (settings and rows); give another --out, or "
-                           "move the file away to start over")
+        raise CascadeError(
+            f"cannot read {out} to continue its rows ({exc}); give another --out, or move the file away to start over"
+        ) from None
+    if not (
+        isinstance(report, dict) and isinstance(report.get("settings"), dict) and isinstance(report.get("rows"), list)
+    ):
+        raise CascadeError(
+            f"{out} is not a report of this script (settings and rows); give another --out, or "
+            "move the file away to start over"
+        )
     return report
 
 
@@ -104,14 +120,22 @@ def tables(rows: list[dict]) -> str:
         here = [row for row in rows if row["context"] == context]
         budgets = sorted({(row["budget_fraction"], row["budget"]) for row in here})
         cells = {(row["policy"], row["budget_fraction"]): row for row in here}
-        out += [f"{context} tokens:", "",
-                "| policy | " + " | ".join(f"{fraction:.0%} ({budget} tokens)" for fraction, budget in budgets) + " |",
-                "|---|" + "---:|" * len(budgets)]
+        out += [
+            f"{context} tokens:",
+            "",
+            "| policy | " + " | ".join(f"{fraction:.0%} ({budget} tokens)" for fraction, budget in budgets) + " |",
+            "|---|" + "---:|" * len(budgets),
+        ]
         for policy in dict.fromkeys(row["policy"] for row in here):
             row_cells = [cells.get((policy, fraction)) for fraction, _ in budgets]
-            out.append(f"| `{policy}` | " + " | ".join(
-                f"{cell['acceptance']:.3f} ({cell['accepted']} of {cell['proposed']})" if cell else ""
-                for cell in row_cells) + " |")
+            out.append(
+                f"| `{policy}` | "
+                + " | ".join(
+                    f"{cell['acceptance']:.3f} ({cell['accepted']} of {cell['proposed']})" if cell else ""
+                    for cell in row_cells
+                )
+                + " |"
+            )
         out.append("")
     return "\n".join(out)
 
@@ -124,26 +148,48 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python scripts/acceptance.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[8000, 16000])
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.01, 0.03, 0.05, 0.10])
-    parser.add_argument("--policies", nargs="+", type=policy_option,
-                        default=["topk_oracle", "retrieval", "h2o", "streaming"])
+    parser.add_argument(
+        "--policies", nargs="+", type=policy_option, default=["topk_oracle", "retrieval", "h2o", "streaming"]
+    )
     parser.add_argument("--gamma", type=int, default=6)
-    parser.add_argument("--schedule", choices=sorted(SCHEDULES), default="fixed",
-                        help="the proposing stage's schedule (default: %(default)s, gamma every round; the "
-                             "cost model may stop proposing after a few bad rounds, leaving a cell few proposals)")
+    parser.add_argument(
+        "--schedule",
+        choices=sorted(SCHEDULES),
+        default="fixed",
+        help="the proposing stage's schedule (default: %(default)s, gamma every round; the "
+        "cost model may stop proposing after a few bad rounds, leaving a cell few proposals)",
+    )
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--tree", type=int, default=0, metavar="NODES",
-                        help="propose token trees of this many nodes (default: 0, one continuation of gamma)")
-    parser.add_argument("--tree-ranks", type=float, nargs="+", metavar="P",
-                        help="the trees' rank_acceptance (default: the config's)")
-    parser.add_argument("--tree-dynamic", action="store_true",
-                        help="fill each level of the trees by the proposer's path probabilities (tree.dynamic)")
+    parser.add_argument(
+        "--tree",
+        type=int,
+        default=0,
+        metavar="NODES",
+        help="propose token trees of this many nodes (default: 0, one continuation of gamma)",
+    )
+    parser.add_argument(
+        "--tree-ranks", type=float, nargs="+", metavar="P", help="the trees' rank_acceptance (default: the config's)"
+    )
+    parser.add_argument(
+        "--tree-dynamic",
+        action="store_true",
+        help="fill each level of the trees by the proposer's path probabilities (tree.dynamic)",
+    )
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--document", choices=DOCUMENT_NAMES, default="lcet10")
-    parser.add_argument("--out", type=Path, help="report path, continued if it holds an earlier run's rows "
-                        "(default: acceptance.json in a new run directory under $CASCADE_HOME/runs/acceptance/)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="report path, continued if it holds an earlier run's rows "
+        "(default: acceptance.json in a new run directory under $CASCADE_HOME/runs/acceptance/)",
+    )
     parser.add_argument("--fresh", action="store_true", help="measure every cell again, replacing --out's rows")
-    parser.add_argument("--prompt-cache", type=prompt_cache_option, default=str(prompt_cache_dir()),
-                        help="where prefilled prompts are stored and reused (default: %(default)s); 'none'")
+    parser.add_argument(
+        "--prompt-cache",
+        type=prompt_cache_option,
+        default=str(prompt_cache_dir()),
+        help="where prefilled prompts are stored and reused (default: %(default)s); 'none'",
+    )
     args = parser.parse_args(argv)
     for option, (least, most) in RANGES.items():
         value = getattr(args, option)
@@ -156,13 +202,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        rows = sweep(args)
-    except CascadeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    rows = sweep(args)
     print(tables(rows))
     return 0
 
@@ -181,13 +224,21 @@ def sweep(args: argparse.Namespace) -> list[dict]:
                 if (context, fraction, policy) in done:
                     continue
                 started = time.perf_counter()
-                row = {"context": context, "budget_fraction": fraction, "budget": budget, "policy": policy,
-                       **measure(args, target, prompt, policy, budget)}
+                row = {
+                    "context": context,
+                    "budget_fraction": fraction,
+                    "budget": budget,
+                    "policy": policy,
+                    **measure(args, target, prompt, policy, budget),
+                }
                 rows.append(row)
-                print(f"{context:6d} {policy:12} budget {fraction:4.0%} ({budget:5d}): acceptance "
-                      f"{row['acceptance']:.3f} (per token {row['acceptance_mle']:.3f}), "
-                      f"{row['mean_accepted_run']:.2f} per round of {args.gamma} "
-                      f"({time.perf_counter() - started:.0f} s)", flush=True)
+                print(
+                    f"{context:6d} {policy:12} budget {fraction:4.0%} ({budget:5d}): acceptance "
+                    f"{row['acceptance']:.3f} (per token {row['acceptance_mle']:.3f}), "
+                    f"{row['mean_accepted_run']:.2f} per round of {args.gamma} "
+                    f"({time.perf_counter() - started:.0f} s)",
+                    flush=True,
+                )
                 settings = vars(args) | {"out": str(files.report)}
                 files.write({"settings": settings, "rows": rows}, settings)
     return rows

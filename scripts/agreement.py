@@ -45,8 +45,9 @@ def reference_run(model, prompt: torch.Tensor, new_tokens: int) -> tuple[FullCac
     return full, tokens, torch.stack(log_probs[:-1])
 
 
-def agreement(model, policy: str, budget: int, prompt: torch.Tensor, full: FullCache, tokens: list[int],
-              reference: torch.Tensor) -> tuple[float, float]:
+def agreement(
+    model, policy: str, budget: int, prompt: torch.Tensor, full: FullCache, tokens: list[int], reference: torch.Tensor
+) -> tuple[float, float]:
     """Top-1 agreement with the full cache's next tokens, and the mean KL(full || policy) per token."""
     layout = model.cache_layout(prompt.numel() + len(tokens))
     settings = policy_at_budget(policy, budget)
@@ -69,14 +70,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[7936, 16000])
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.01, 0.03, 0.05, 0.10])
-    parser.add_argument("--policies", nargs="+", type=policy_option,
-                        default=["topk_oracle", "retrieval", "h2o", "streaming"],
-                        help="cache policies compared with the full cache (each at every budget): a kind, "
-                             "or kind:key=value,... (e.g. retrieval:scoring=attention,refresh.every=1)")
+    parser.add_argument(
+        "--policies",
+        nargs="+",
+        type=policy_option,
+        default=["topk_oracle", "retrieval", "h2o", "streaming"],
+        help="cache policies compared with the full cache (each at every budget): a kind, "
+        "or kind:key=value,... (e.g. retrieval:scoring=attention,refresh.every=1)",
+    )
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--document", default="plrabn12")
-    parser.add_argument("--out", type=Path, help="report path (default: agreement.json in a new run directory "
-                        "under $CASCADE_HOME/runs/agreement/); a manifest is written beside it")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="report path (default: agreement.json in a new run directory "
+        "under $CASCADE_HOME/runs/agreement/); a manifest is written beside it",
+    )
     args = parser.parse_args()
     files = run_files("agreement", args.out, "agreement.json")
     text = document_text(args.document)
@@ -94,10 +103,22 @@ def main() -> None:
             for policy in args.policies:
                 started = time.perf_counter()
                 score, divergence = agreement(target.model, policy, budget, prompt, full, tokens, reference)
-                rows.append({"context": context, "budget_fraction": fraction, "budget": budget, "policy": policy,
-                             "top1_agreement": score, "kl_from_full": divergence, "rope_scaling": scaling})
-                print(f"  {policy:12} budget {fraction:4.0%} ({budget:5d} tokens): top-1 agreement "
-                      f"{score:.3f}, KL {divergence:.4f} ({time.perf_counter() - started:.0f} s)", flush=True)
+                rows.append(
+                    {
+                        "context": context,
+                        "budget_fraction": fraction,
+                        "budget": budget,
+                        "policy": policy,
+                        "top1_agreement": score,
+                        "kl_from_full": divergence,
+                        "rope_scaling": scaling,
+                    }
+                )
+                print(
+                    f"  {policy:12} budget {fraction:4.0%} ({budget:5d} tokens): top-1 agreement "
+                    f"{score:.3f}, KL {divergence:.4f} ({time.perf_counter() - started:.0f} s)",
+                    flush=True,
+                )
                 files.write({"document": args.document, "new_tokens": args.new_tokens, "rows": rows}, vars(args))
     print(f"wrote {files.report} (manifest: {files.manifest})")
 

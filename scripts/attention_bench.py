@@ -52,8 +52,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--static", action="store_true", help="views as graphed passes read them (whole buffers)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--out", type=Path, help="report path (default: attention.json in a new run directory under "
-                        "$CASCADE_HOME/runs/attention_bench/); a manifest is written beside it")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="report path (default: attention.json in a new run directory under "
+        "$CASCADE_HOME/runs/attention_bench/); a manifest is written beside it",
+    )
     args = parser.parse_args(argv)
     if not args.queries and not args.nodes:
         parser.error("name at least one pass: --queries T or --nodes N")
@@ -63,8 +67,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def pass_view(num_keys: int, num_queries: int, tree: TokenTree | None, static: bool,
-              device: torch.device) -> tuple[torch.Tensor, AttentionView]:
+def pass_view(
+    num_keys: int, num_queries: int, tree: TokenTree | None, static: bool, device: torch.device
+) -> tuple[torch.Tensor, AttentionView]:
     """Random query [1, H, T, D] and the view of a pass whose T tokens are the last of ``num_keys``:
     causal among themselves, or the root and the nodes of ``tree``."""
     generator = torch.Generator().manual_seed(num_keys + num_queries)
@@ -78,8 +83,9 @@ def pass_view(num_keys: int, num_queries: int, tree: TokenTree | None, static: b
         return query, AttentionView(keys, values, mask, static=static, masked_tail=0 if static else num_queries)
     if static:
         valid = torch.tensor([num_keys], dtype=torch.int32, device=device)
-        return query, AttentionView(keys, values, causal_mask(slots, buffer, torch.bfloat16), static=True,
-                                    valid_lengths=valid)
+        return query, AttentionView(
+            keys, values, causal_mask(slots, buffer, torch.bfloat16), static=True, valid_lengths=valid
+        )
     return query, AttentionView(keys, values, None, causal=num_queries > 1)
 
 
@@ -109,13 +115,22 @@ def kernels_for(device: torch.device) -> dict[str, attention.AttentionKernel]:
 def passes(args: argparse.Namespace) -> list[tuple[str, int, TokenTree | None]]:
     """(name, queries, tree or None) of every pass the arguments name."""
     causal = [(f"{queries} causal", queries, None) for queries in args.queries]
-    trees = [(f"tree {nodes}", nodes + 1, TokenTree.best_first(RANK_ACCEPTANCE, nodes, depth=6)) for nodes in args.nodes]
+    trees = [
+        (f"tree {nodes}", nodes + 1, TokenTree.best_first(RANK_ACCEPTANCE, nodes, depth=6)) for nodes in args.nodes
+    ]
     return causal + trees
 
 
-def timed(kernel: attention.AttentionKernel, query: torch.Tensor, view: AttentionView, scale: float,
-          repeats: int, device: torch.device) -> tuple[float, torch.Tensor]:
+def timed(
+    kernel: attention.AttentionKernel,
+    query: torch.Tensor,
+    view: AttentionView,
+    scale: float,
+    repeats: int,
+    device: torch.device,
+) -> tuple[float, torch.Tensor]:
     """Median seconds of one call (on CUDA a replay of it captured as a graph) and its output."""
+
     def call() -> torch.Tensor:
         return kernel(query, view, scale)
 
@@ -135,17 +150,33 @@ def main(argv: list[str] | None = None) -> int:
         for name, num_queries, tree in passes(args):
             query, view = pass_view(num_keys, num_queries, tree, args.static, device)
             expected = reference(query, view, scale)
-            row = {"keys": num_keys, "pass": name, "queries": num_queries, "nodes": len(tree) if tree else None,
-                   "kv_bytes": 2 * KV_HEADS * num_keys * HEAD_DIM * 2, "ms": {}, "max_error": {}}
+            row = {
+                "keys": num_keys,
+                "pass": name,
+                "queries": num_queries,
+                "nodes": len(tree) if tree else None,
+                "kv_bytes": 2 * KV_HEADS * num_keys * HEAD_DIM * 2,
+                "ms": {},
+                "max_error": {},
+            }
             for kernel_name, kernel in kernels.items():
                 seconds, out = timed(kernel, query, view, scale, args.repeats, device)
                 row["ms"][kernel_name] = 1e3 * seconds
                 row["max_error"][kernel_name] = (out.double() - expected).abs().max().item()
             rows.append(row)
-            print(f"| {num_keys} | {name} | " + " | ".join(
-                f"{row['ms'][k]:.2f} ({row['max_error'][k]:.1e})" for k in kernels) + " |", flush=True)
-    report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "threads": torch.get_num_threads(), "repeats": args.repeats, "static": args.static, "rows": rows}
+            print(
+                f"| {num_keys} | {name} | "
+                + " | ".join(f"{row['ms'][k]:.2f} ({row['max_error'][k]:.1e})" for k in kernels)
+                + " |",
+                flush=True,
+            )
+    report = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "threads": torch.get_num_threads(),
+        "repeats": args.repeats,
+        "static": args.static,
+        "rows": rows,
+    }
     files.write(report, vars(args))
     return 0
 

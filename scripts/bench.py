@@ -45,11 +45,11 @@ from tqdm import tqdm
 
 from cascade.checkpoint import checkpoint_option, yarn_scaling
 from cascade.data import DOCUMENT_NAMES, document_ids
-from cascade.errors import CascadeError
+from cascade.errors import CascadeError, entry_point
 from cascade.home import prompt_cache_option
 from cascade.limits import memory_bandwidth
-from cascade.runs import machine, run_files
 from cascade.peers.bench_case import flash_attn_summary
+from cascade.runs import machine, run_files
 
 PRESETS = ("autoregressive", "speculative", "self-spec", "triforce")
 PEERS = {"llama.cpp": "bf16", "llama.cpp-q8_0": "q8_0", "llama.cpp-speculative": "bf16"}
@@ -64,37 +64,75 @@ SAMPLING = {"greedy": {"temperature": 0.0, "top_p": 1.0}, "sample": {"temperatur
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python scripts/bench.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--impls", nargs="+", type=impl_option, default=["autoregressive", "self-spec", "transformers"],
-                        metavar="IMPL", help=f"what to measure, from {', '.join(IMPLS)}; a preset may carry its own "
-                        "config overrides, PRESET+KEY=VALUE[+KEY=VALUE] (e.g. self-spec+stages.0.schedule=cost_model, "
-                        "to compare settings side by side); the first is the baseline of the ratios")
+    parser.add_argument(
+        "--impls",
+        nargs="+",
+        type=impl_option,
+        default=["autoregressive", "self-spec", "transformers"],
+        metavar="IMPL",
+        help=f"what to measure, from {', '.join(IMPLS)}; a preset may carry its own "
+        "config overrides, PRESET+KEY=VALUE[+KEY=VALUE] (e.g. self-spec+stages.0.schedule=cost_model, "
+        "to compare settings side by side); the first is the baseline of the ratios",
+    )
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 8000], help="prompt lengths in tokens")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per run")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="rounds, each running every case once (medians reported)")
-    parser.add_argument("--warmups", type=int, default=2,
-                        help="generations before the measured one, per process (on a shorter prompt, "
-                        "except where CUDA graphs are captured)")
-    parser.add_argument("--sampling", nargs="+", choices=sorted(SAMPLING), default=["greedy"],
-                        help="greedy and/or sample at temperature 0.6 / top-p 0.9 (seeded)")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="rounds, each running every case once (medians reported)"
+    )
+    parser.add_argument(
+        "--warmups",
+        type=int,
+        default=2,
+        help="generations before the measured one, per process (on a shorter prompt, "
+        "except where CUDA graphs are captured)",
+    )
+    parser.add_argument(
+        "--sampling",
+        nargs="+",
+        choices=sorted(SAMPLING),
+        default=["greedy"],
+        help="greedy and/or sample at temperature 0.6 / top-p 0.9 (seeded)",
+    )
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--document", choices=DOCUMENT_NAMES, default="plrabn12", help="prompt source")
-    parser.add_argument("--target", type=checkpoint_option, help="checkpoint directory (default: the provisioned SmolLM2)")
-    parser.add_argument("--draft", type=checkpoint_option, help="draft checkpoint directory (default: the provisioned draft)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="config override for every cascade preset (repeatable)")
-    parser.add_argument("--prompt-cache", type=prompt_cache_option, default=None, metavar="DIR",
-                        help="reuse prefilled prompts stored in DIR: cascade cases load the prompt's K/V "
-                             "instead of prefilling it, transformers' target continues from it (decode "
-                             "only; prefill is then not measured)")
-    parser.add_argument("--out", type=Path, help="report path (default: bench.json in a new run directory under "
-                        "$CASCADE_HOME/runs/bench/); a manifest is written beside it")
+    parser.add_argument(
+        "--target", type=checkpoint_option, help="checkpoint directory (default: the provisioned SmolLM2)"
+    )
+    parser.add_argument(
+        "--draft", type=checkpoint_option, help="draft checkpoint directory (default: the provisioned draft)"
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override for every cascade preset (repeatable)",
+    )
+    parser.add_argument(
+        "--prompt-cache",
+        type=prompt_cache_option,
+        default=None,
+        metavar="DIR",
+        help="reuse prefilled prompts stored in DIR: cascade cases load the prompt's K/V "
+        "instead of prefilling it, transformers' target continues from it (decode "
+        "only; prefill is then not measured)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="report path (default: bench.json in a new run directory under "
+        "$CASCADE_HOME/runs/bench/); a manifest is written beside it",
+    )
     parser.add_argument("--case", help=argparse.SUPPRESS)  # "impl:context": run one case, print JSON
     parser.add_argument("--store-only", action="store_true", help=argparse.SUPPRESS)  # 2 tokens: store the prompt
     parser.add_argument("--prompt-file", help=argparse.SUPPRESS)  # a transformers case continues from it
     args = parser.parse_args(argv)
-    least_allowed = {"--new-tokens": (args.new_tokens, 2), "--repeats": (args.repeats, 1),
-                     "--warmups": (args.warmups, 0), "--contexts": (min(args.contexts), 1)}
+    least_allowed = {
+        "--new-tokens": (args.new_tokens, 2),
+        "--repeats": (args.repeats, 1),
+        "--warmups": (args.warmups, 0),
+        "--contexts": (min(args.contexts), 1),
+    }
     for flag, (value, least) in least_allowed.items():
         if value < least:
             parser.error(f"{flag} must be >= {least}; got {value}")
@@ -132,9 +170,13 @@ def cascade_config(args, impl: str, target: Path, draft: Path | None, prompt: to
     """The validated config of ``impl`` (a preset and its +KEY=VALUE overrides) for this case."""
     from configs import load_config
 
-    settings = {"dtype": args.dtype, "max_new_tokens": args.new_tokens, "target.path": str(target),
-                "prompt_cache.dir": args.prompt_cache,
-                **{f"sampling.{key}": value for key, value in SAMPLING[mode].items()}}
+    settings = {
+        "dtype": args.dtype,
+        "max_new_tokens": args.new_tokens,
+        "target.path": str(target),
+        "prompt_cache.dir": args.prompt_cache,
+        **{f"sampling.{key}": value for key, value in SAMPLING[mode].items()},
+    }
     if draft is not None:
         settings["draft.path"] = str(draft)
     if scaling := yarn_scaling(target, prompt.numel() + args.new_tokens):
@@ -143,8 +185,9 @@ def cascade_config(args, impl: str, target: Path, draft: Path | None, prompt: to
     return load_config(preset, None, [*args.set, *overrides], settings)[1]
 
 
-def run_cascade(args, impl: str, target: Path, draft: Path | None, prompt: torch.Tensor,
-                mode: str) -> tuple[dict, list[int]]:
+def run_cascade(
+    args, impl: str, target: Path, draft: Path | None, prompt: torch.Tensor, mode: str
+) -> tuple[dict, list[int]]:
     from cascade.runtime import build_runtime
 
     config = cascade_config(args, impl, target, draft, prompt, mode)
@@ -162,13 +205,17 @@ def run_cascade(args, impl: str, target: Path, draft: Path | None, prompt: torch
     loaded = stats["prefill_loaded"]
     stored = runtime.prompt_caches["target"].path(prompt, config.prefill_chunk) if args.prompt_cache else None
     verifier = stats["stages"][-1]  # the full-cache target: its passes read its weights and the whole KV
-    return {"prefill_s": None if loaded else stats["prefill_s"], "decode_s": stats["decode_s"],
-            "step_bytes": runtime.target.model.pass_weight_bytes()
-            + verifier["kv_bytes_read"] / max(verifier["forward_calls"], 1),
-            "prefill_tokens_per_s": None if loaded else prompt.numel() / stats["prefill_s"],
-            "decode_tokens_per_s": stats["tokens_per_s"], "stats": stats,
-            "graphs_captured_while_measured": captured_graphs(runtime) - graphs_before,
-            "prompt_file": str(stored) if stored else None}, result.token_ids
+    return {
+        "prefill_s": None if loaded else stats["prefill_s"],
+        "decode_s": stats["decode_s"],
+        "step_bytes": runtime.target.model.pass_weight_bytes()
+        + verifier["kv_bytes_read"] / max(verifier["forward_calls"], 1),
+        "prefill_tokens_per_s": None if loaded else prompt.numel() / stats["prefill_s"],
+        "decode_tokens_per_s": stats["tokens_per_s"],
+        "stats": stats,
+        "graphs_captured_while_measured": captured_graphs(runtime) - graphs_before,
+        "prompt_file": str(stored) if stored else None,
+    }, result.token_ids
 
 
 def captured_graphs(runtime) -> int:
@@ -207,8 +254,9 @@ def continued_cache(path: Path, config, length: int, device: torch.device):
     return cache
 
 
-def run_transformers(args, impl: str, target: Path, draft: Path | None, prompt: torch.Tensor,
-                     mode: str) -> tuple[dict, list[int]]:
+def run_transformers(
+    args, impl: str, target: Path, draft: Path | None, prompt: torch.Tensor, mode: str
+) -> tuple[dict, list[int]]:
     """Prefill = time to the first new token; decode = the rest. With ``--prompt-cache`` the target
     continues from the prompt's K/V a cascade case stored (``prompt_file``; all but its last token, which
     generate() then feeds), so long prompts are not prefilled again; the assistant model (no stored
@@ -242,28 +290,43 @@ def run_transformers(args, impl: str, target: Path, draft: Path | None, prompt: 
         torch.manual_seed(0)
         started = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(ids[None, :], attention_mask=torch.ones_like(ids)[None, :],
-                                 max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                 pad_token_id=model.config.eos_token_id, streamer=clock, **extra, **continued)
-        return clock.first_token_at - started, time.perf_counter() - clock.first_token_at, out[0, ids.numel():].tolist()
+            out = model.generate(
+                ids[None, :],
+                attention_mask=torch.ones_like(ids)[None, :],
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                pad_token_id=model.config.eos_token_id,
+                streamer=clock,
+                **extra,
+                **continued,
+            )
+        return (
+            clock.first_token_at - started,
+            time.perf_counter() - clock.first_token_at,
+            out[0, ids.numel() :].tolist(),
+        )
 
     for _ in range(args.warmups):
         timed(prompt[:WARMUP_TOKENS], min(args.new_tokens, WARMUP_NEW_TOKENS))
     continued = {}
     if args.prompt_file:
-        continued["past_key_values"] = continued_cache(Path(args.prompt_file), model.config, prompt.numel() - 1,
-                                                       device)
+        continued["past_key_values"] = continued_cache(Path(args.prompt_file), model.config, prompt.numel() - 1, device)
     prefill_s, decode_s, tokens = timed(prompt, args.new_tokens, **continued)
-    return {"prefill_s": None if continued else prefill_s, "decode_s": decode_s,
-            "prefill_tokens_per_s": None if continued else prompt.numel() / prefill_s,
-            "decode_tokens_per_s": (args.new_tokens - 1) / decode_s}, tokens
+    return {
+        "prefill_s": None if continued else prefill_s,
+        "decode_s": decode_s,
+        "prefill_tokens_per_s": None if continued else prompt.numel() / prefill_s,
+        "decode_tokens_per_s": (args.new_tokens - 1) / decode_s,
+    }, tokens
 
 
-def run_llamacpp(args, impl: str, target: Path, draft: Path | None, prompt: torch.Tensor,
-                 mode: str) -> tuple[dict, list[int]]:
+def run_llamacpp(
+    args, impl: str, target: Path, draft: Path | None, prompt: torch.Tensor, mode: str
+) -> tuple[dict, list[int]]:
     """llama-bench (``llama.cpp-speculative``: llama-speculative with the draft's GGUF) on the
-    target's GGUF of ``impl``'s type, YaRN-stretched as cascade stretches it, with as many threads as torch uses here (its own warm-up run stands for --warmups); its peak RSS
-    is llama-bench's. No tokens: it samples none."""
+    target's GGUF of ``impl``'s type, YaRN-stretched as cascade stretches it, with as many threads as
+    torch uses here (its own warm-up run stands for --warmups); its peak RSS is llama-bench's. No
+    tokens: it samples none."""
     from cascade.peers.bench_case import context_case
     from cascade.peers.convert import peer_gguf
     from cascade.peers.llamacpp import ensure_built
@@ -318,13 +381,27 @@ RATES = ("decode_tokens_per_s", "prefill_tokens_per_s")
 
 
 def spawn_case(args: argparse.Namespace, impl: str, context: int, mode: str) -> dict:
-    command = [sys.executable, __file__, "--case", f"{impl}:{context}:{mode}", "--new-tokens", str(args.new_tokens),
-               "--dtype", args.dtype, "--document", args.document, "--warmups", str(args.warmups),
-               "--contexts", str(context), *(["--store-only"] if args.store_only else []),
-               *(["--target", str(args.target)] if args.target else []),
-               *(["--draft", str(args.draft)] if args.draft else []),
-               *(["--prompt-cache", args.prompt_cache] if args.prompt_cache else []),
-               *[arg for setting in args.set for arg in ("--set", setting)]]
+    command = [
+        sys.executable,
+        __file__,
+        "--case",
+        f"{impl}:{context}:{mode}",
+        "--new-tokens",
+        str(args.new_tokens),
+        "--dtype",
+        args.dtype,
+        "--document",
+        args.document,
+        "--warmups",
+        str(args.warmups),
+        "--contexts",
+        str(context),
+        *(["--store-only"] if args.store_only else []),
+        *(["--target", str(args.target)] if args.target else []),
+        *(["--draft", str(args.draft)] if args.draft else []),
+        *(["--prompt-cache", args.prompt_cache] if args.prompt_cache else []),
+        *[arg for setting in args.set for arg in ("--set", setting)],
+    ]
     if impl.startswith("transformers") and context in args.prompt_files:
         command += ["--prompt-file", args.prompt_files[context]]
     result = subprocess.run(command, stdout=subprocess.PIPE, text=True)
@@ -350,9 +427,12 @@ def run_round(args: argparse.Namespace, cases: list[Case], index: int, bar: tqdm
         run = case["run"]
         run.update(round=index, slot=slot, bandwidth_bytes_per_s=bandwidth)
         prefill = rate_text(run["prefill_tokens_per_s"])
-        bar.write(f"[round {index + 1}/{args.repeats} {impl:21} ctx {context:>6} {mode:6}] decode "
-                  f"{run['decode_tokens_per_s']:7.1f} tok/s, prefill {prefill:>7} tok/s, "
-                  f"peak RSS {run['peak_rss_mb']:6.0f} MB ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+        bar.write(
+            f"[round {index + 1}/{args.repeats} {impl:21} ctx {context:>6} {mode:6}] decode "
+            f"{run['decode_tokens_per_s']:7.1f} tok/s, prefill {prefill:>7} tok/s, "
+            f"peak RSS {run['peak_rss_mb']:6.0f} MB ({time.perf_counter() - started:.0f} s)",
+            file=sys.stderr,
+        )
         bar.update(1)
         measured[(impl, context, mode)] = case
     return measured
@@ -366,16 +446,26 @@ def summarize(args: argparse.Namespace, case: Case, cases: list[dict]) -> dict:
         log(f"warning: {impl} at context {context} generated different tokens in different rounds")
     decode = statistics.median(run["decode_tokens_per_s"] for run in runs)
     stages = runs[0].get("stats", {}).get("stages", [])[:-1]
-    return {"preset": impl, "context": context, "temperature": SAMPLING[mode]["temperature"], "sampling": mode,
-            "tokens_per_s": decode, "ms_per_token": 1000 / decode, "speedup_vs_autoregressive": None,
-            "acceptance": {stage["name"]: stage["acceptance_rate"] for stage in stages}
-            or ({"draft": median_of(run["acceptance"] for run in runs)} if "acceptance" in runs[0] else {}),
-            "new_tokens": args.new_tokens, "dtype": PEERS.get(impl, args.dtype),
-            **{key: median_of(run[key] for run in runs) for key in RATES},
-            **(flash_attn_summary(runs) if "flash_attn" in runs[0] else {}),
-            "peak_rss_mb": max(run["peak_rss_mb"] for run in runs),
-            "step_roofline_tokens_per_s": None, "decode_over_step_roofline": None,
-            "runs": runs, "token_ids": cases[0]["token_ids"]}
+    return {
+        "preset": impl,
+        "context": context,
+        "temperature": SAMPLING[mode]["temperature"],
+        "sampling": mode,
+        "tokens_per_s": decode,
+        "ms_per_token": 1000 / decode,
+        "speedup_vs_autoregressive": None,
+        "acceptance": {stage["name"]: stage["acceptance_rate"] for stage in stages}
+        or ({"draft": median_of(run["acceptance"] for run in runs)} if "acceptance" in runs[0] else {}),
+        "new_tokens": args.new_tokens,
+        "dtype": PEERS.get(impl, args.dtype),
+        **{key: median_of(run[key] for run in runs) for key in RATES},
+        **(flash_attn_summary(runs) if "flash_attn" in runs[0] else {}),
+        "peak_rss_mb": max(run["peak_rss_mb"] for run in runs),
+        "step_roofline_tokens_per_s": None,
+        "decode_over_step_roofline": None,
+        "runs": runs,
+        "token_ids": cases[0]["token_ids"],
+    }
 
 
 def price_at_rooflines(runs: list[dict]) -> None:
@@ -395,7 +485,8 @@ def price_at_rooflines(runs: list[dict]) -> None:
         rates = [case["bandwidth_bytes_per_s"] / bytes_ for case in run["runs"]]
         run["step_roofline_tokens_per_s"] = statistics.median(rates)
         run["decode_over_step_roofline"] = statistics.median(
-            case["decode_tokens_per_s"] / rate for case, rate in zip(run["runs"], rates))
+            case["decode_tokens_per_s"] / rate for case, rate in zip(run["runs"], rates)
+        )
 
 
 def ratios(runs: list[dict], baseline: str) -> list[dict]:
@@ -408,13 +499,25 @@ def ratios(runs: list[dict], baseline: str) -> list[dict]:
         if run["preset"] == baseline:
             continue
         base = by_key[(baseline, run["context"], run["sampling"])]
-        per_round = {key: [None if None in (a[key], b[key]) else a[key] / b[key]
-                           for a, b in zip(run["runs"], base["runs"], strict=True)] for key in RATES}
-        row = {"preset": run["preset"], "baseline": baseline, "context": run["context"], "sampling": run["sampling"],
-               **{key: median_of(per_round[key]) for key in RATES},
-               "peak_rss_mb": run["peak_rss_mb"] / base["peak_rss_mb"], "per_round": per_round,
-               "same_prefix_tokens": common_prefix(run["token_ids"], base["token_ids"])
-               if run["token_ids"] and base["token_ids"] else None}  # llama.cpp generates no text
+        per_round = {
+            key: [
+                None if None in (a[key], b[key]) else a[key] / b[key]
+                for a, b in zip(run["runs"], base["runs"], strict=True)
+            ]
+            for key in RATES
+        }
+        row = {
+            "preset": run["preset"],
+            "baseline": baseline,
+            "context": run["context"],
+            "sampling": run["sampling"],
+            **{key: median_of(per_round[key]) for key in RATES},
+            "peak_rss_mb": run["peak_rss_mb"] / base["peak_rss_mb"],
+            "per_round": per_round,
+            "same_prefix_tokens": common_prefix(run["token_ids"], base["token_ids"])
+            if run["token_ids"] and base["token_ids"]
+            else None,
+        }  # llama.cpp generates no text
         if baseline == "autoregressive":
             run["speedup_vs_autoregressive"] = row[RATES[0]]
         out.append(row)
@@ -441,25 +544,31 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def table(runs: list[dict], ratio_rows: list[dict]) -> str:
-    lines = ["| context | sampling | implementation | decode tok/s | prefill tok/s | peak RSS (MB) | decode vs "
-             f"{ratio_rows[0]['baseline'] if ratio_rows else 'baseline'} | decode / step roofline | acceptance per stage |",
-             "|---:|---|---|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        "| context | sampling | implementation | decode tok/s | prefill tok/s | peak RSS (MB) | decode vs "
+        f"{ratio_rows[0]['baseline'] if ratio_rows else 'baseline'} | decode / step roofline | acceptance per stage |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---|",
+    ]
     ratio_of = {(row["preset"], row["context"], row["sampling"]): row for row in ratio_rows}
     for run in runs:
         ratio = ratio_of.get((run["preset"], run["context"], run["sampling"]))
         acceptance = " / ".join(f"{rate:.2f}" for rate in run["acceptance"].values())
-        lines.append(f"| {run['context']} | {run['sampling']} | {run['preset']} | {run['decode_tokens_per_s']:.1f} | "
-                     f"{rate_text(run['prefill_tokens_per_s'])} | {run['peak_rss_mb']:.0f} | "
-                     f"{f'**{ratio[RATES[0]]:.2f}x**' if ratio else '1'} | {roofline_text(run)} | "
-                     f"{acceptance} |")
+        lines.append(
+            f"| {run['context']} | {run['sampling']} | {run['preset']} | {run['decode_tokens_per_s']:.1f} | "
+            f"{rate_text(run['prefill_tokens_per_s'])} | {run['peak_rss_mb']:.0f} | "
+            f"{f'**{ratio[RATES[0]]:.2f}x**' if ratio else '1'} | {roofline_text(run)} | "
+            f"{acceptance} |"
+        )
     return "\n".join(lines)
 
 
 def peer_table(peer: str, ratio_rows: list[dict]) -> str:
     """Every implementation's decode and prefill rates over the llama.cpp case ``peer``'s (medians of
     per-round ratios)."""
-    lines = [f"| context | sampling | implementation | decode vs {peer} | prefill vs {peer} |",
-             "|---:|---|---|---:|---:|"]
+    lines = [
+        f"| context | sampling | implementation | decode vs {peer} | prefill vs {peer} |",
+        "|---:|---|---|---:|---:|",
+    ]
     for row in ratio_rows:
         decode, prefill = ("loaded" if row[key] is None else f"**{row[key]:.2f}x**" for key in RATES)
         lines.append(f"| {row['context']} | {row['sampling']} | {row['preset']} | {decode} | {prefill} |")
@@ -471,16 +580,17 @@ def store_prompts(args: argparse.Namespace, cases: list[Case]) -> dict[int, str]
     prefill and its write would otherwise set the peak RSS of one round) -> {context: the file
     holding its target prefill}, which the transformers cases continue from."""
     files = {}
-    for impl, context in dict.fromkeys((impl, context) for impl, context, _ in cases
-                                       if split_impl(impl)[0] in PRESETS):
+    for impl, context in dict.fromkeys((impl, context) for impl, context, _ in cases if split_impl(impl)[0] in PRESETS):
         started = time.perf_counter()
         storing = argparse.Namespace(**{**vars(args), "warmups": 0, "store_only": True})
         case = spawn_case(storing, impl, context, args.sampling[0])
         files[context] = case["run"]["prompt_file"]
         log(f"[prompt cache] {impl} at {context}: prompt stored or found ({time.perf_counter() - started:.0f} s)")
     if missing := sorted({context for impl, context, _ in cases if impl.startswith("transformers")} - set(files)):
-        raise CascadeError(f"transformers cases continue from a cascade case's stored prompt, and contexts "
-                           f"{missing} have none: add a preset to --impls, or drop --prompt-cache")
+        raise CascadeError(
+            f"transformers cases continue from a cascade case's stored prompt, and contexts "
+            f"{missing} have none: add a preset to --impls, or drop --prompt-cache"
+        )
     return files
 
 
@@ -516,20 +626,39 @@ def drive(args: argparse.Namespace) -> None:
     log(f"wrote {args.files.report} (manifest: {args.files.manifest})")
 
 
-def write_report(args: argparse.Namespace, cases: list[Case],
-                 rounds: list[dict]) -> tuple[list[dict], list[dict], dict[str, list[dict]]]:
+def write_report(
+    args: argparse.Namespace, cases: list[Case], rounds: list[dict]
+) -> tuple[list[dict], list[dict], dict[str, list[dict]]]:
     """The JSON report over the rounds done so far -> (its runs, its ratio rows, {llama.cpp case:
     every other implementation's ratio rows to it})."""
     runs = [summarize(args, case, [measured[case] for measured in rounds]) for case in cases]
     price_at_rooflines(runs)
     ratio_rows = ratios(runs, args.impls[0])
     peer_rows = {peer: ratios(runs, peer) for peer in args.impls if peer in PEERS and peer != args.impls[0]}
-    settings = {key: getattr(args, key) for key in
-                ("impls", "document", "contexts", "new_tokens", "repeats", "warmups", "sampling", "dtype", "set",
-                 "prompt_cache")}
+    settings = {
+        key: getattr(args, key)
+        for key in (
+            "impls",
+            "document",
+            "contexts",
+            "new_tokens",
+            "repeats",
+            "warmups",
+            "sampling",
+            "dtype",
+            "set",
+            "prompt_cache",
+        )
+    }
     settings["order"] = "each round runs every case once, in its own process; odd rounds in reverse"
-    report = {"machine": {**machine(), "llama_cpp": args.llama_cpp}, "settings": settings,
-              "rounds_done": len(rounds), "runs": runs, "ratios": ratio_rows, "ratios_to_llama_cpp": peer_rows}
+    report = {
+        "machine": {**machine(), "llama_cpp": args.llama_cpp},
+        "settings": settings,
+        "rounds_done": len(rounds),
+        "runs": runs,
+        "ratios": ratio_rows,
+        "ratios_to_llama_cpp": peer_rows,
+    }
     args.files.write(report, settings)
     return runs, ratio_rows, peer_rows
 
@@ -538,16 +667,13 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        if args.case:
-            print(json.dumps(run_case(args)))
-        else:
-            drive(args)
-    except CascadeError as exc:
-        log(f"error: {exc}")
-        return 2
+    if args.case:
+        print(json.dumps(run_case(args)))
+    else:
+        drive(args)
     return 0
 
 

@@ -31,12 +31,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--document", choices=DOCUMENT_NAMES, default="lcet10")
-    parser.add_argument("--draft", type=checkpoint_option,
-                        help="draft checkpoint: name or directory (presets with a draft stage)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="config override for the presets (e.g. stages.0.cache.budget=512)")
-    parser.add_argument("--out", type=Path, help="report path (default: divergence.json in a new run directory "
-                        "under $CASCADE_HOME/runs/divergence/); a manifest is written beside it")
+    parser.add_argument(
+        "--draft", type=checkpoint_option, help="draft checkpoint: name or directory (presets with a draft stage)"
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override for the presets (e.g. stages.0.cache.budget=512)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="report path (default: divergence.json in a new run directory "
+        "under $CASCADE_HOME/runs/divergence/); a manifest is written beside it",
+    )
     return parser.parse_args(argv)
 
 
@@ -59,8 +69,12 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     files = run_files("divergence", args.out, "divergence.json")
-    report = {"settings": {k: getattr(args, k) for k in ("presets", "context", "prompts", "new_tokens", "dtype",
-                                                           "document", "set")}, "presets": {}}
+    report = {
+        "settings": {
+            k: getattr(args, k) for k in ("presets", "context", "prompts", "new_tokens", "dtype", "document", "set")
+        },
+        "presets": {},
+    }
     autoregressive = preset_runtime("autoregressive", args, [])
     ids = autoregressive.tokenizer.encode(document_text(args.document))
     prompts = [ids[i * args.context : (i + 1) * args.context] for i in range(args.prompts)]
@@ -71,8 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         firsts = [first_difference(out, ref) for out, ref in zip(outputs, reference, strict=True)]
         diverged = [f for f in firsts if f is not None]
         report["presets"][preset] = {"diverged": len(diverged), "of": len(firsts), "first_difference": firsts}
-        print(f"{preset}: {len(diverged)} of {len(firsts)} outputs differ from autoregressive "
-              f"({args.dtype}); first differing positions: {diverged or 'none'}")
+        print(
+            f"{preset}: {len(diverged)} of {len(firsts)} outputs differ from autoregressive "
+            f"({args.dtype}); first differing positions: {diverged or 'none'}"
+        )
     files.write(report, vars(args))
     print(f"wrote {files.report} (manifest: {files.manifest})", file=sys.stderr)
     return 0

@@ -46,17 +46,28 @@ def agreement(target: Path, draft: Path, document: str, tokens: int, evaluated: 
 
 
 def triforce_acceptance(target: Path, draft: Path, prompt: torch.Tensor, new_tokens: int, temperature: float) -> dict:
-    settings = {"max_new_tokens": new_tokens, "sampling.temperature": temperature, "sampling.top_p": 1.0,
-                "seed": 0, "target.path": str(target), "draft.path": str(draft)}
+    settings = {
+        "max_new_tokens": new_tokens,
+        "sampling.temperature": temperature,
+        "sampling.top_p": 1.0,
+        "seed": 0,
+        "target.path": str(target),
+        "draft.path": str(draft),
+    }
     if scaling := yarn_scaling(target, prompt.numel() + new_tokens):
         settings["target.rope_scaling"] = scaling
     _, config = load_config("triforce", None, [], settings)
     runtime = build_runtime(config, log=lambda message: print(message, file=sys.stderr))
     result = runtime.generate(prompt.tolist(), new_tokens, stop_at_eos=False)
     tier0, verifier = result.stats.stages[0], result.stats.stages[1]
-    return {"acceptance": tier0.acceptance_rate, "acceptance_per_token": tier0.acceptance_mle,
-            "mean_accepted_run": tier0.mean_accepted_run, "gamma": tier0.mean_gamma,
-            "proposed": tier0.proposed, "verified_by": verifier.name}
+    return {
+        "acceptance": tier0.acceptance_rate,
+        "acceptance_per_token": tier0.acceptance_mle,
+        "mean_accepted_run": tier0.mean_accepted_run,
+        "gamma": tier0.mean_gamma,
+        "proposed": tier0.proposed,
+        "verified_by": verifier.name,
+    }
 
 
 def main() -> None:
@@ -67,8 +78,12 @@ def main() -> None:
     parser.add_argument("--evaluated", type=int, default=256, help="positions scored per agreement run")
     parser.add_argument("--document", default="lcet10", help="prompt of the acceptance runs (held out)")
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--out", type=Path, help="report path (default: draft_evaluation.json in a new run "
-                        "directory under $CASCADE_HOME/runs/evaluate_draft/); a manifest is written beside it")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="report path (default: draft_evaluation.json in a new run "
+        "directory under $CASCADE_HOME/runs/evaluate_draft/); a manifest is written beside it",
+    )
     parser.add_argument("--card", action="store_true", help="also store the figures in the draft's card.json")
     args = parser.parse_args()
     files = run_files("evaluate_draft", args.out, "draft_evaluation.json")
@@ -87,13 +102,22 @@ def main() -> None:
             print(f"agreement {document} @ {context}: {value:.3f}", flush=True)
         prompt = torch.tensor(document_ids(target, args.document, context))
         for temperature in (0.0, 0.6):
-            row = {"document": args.document, "context": context, "temperature": temperature,
-                   **triforce_acceptance(target, draft, prompt, args.new_tokens, temperature)}
+            row = {
+                "document": args.document,
+                "context": context,
+                "temperature": temperature,
+                **triforce_acceptance(target, draft, prompt, args.new_tokens, temperature),
+            }
             results["acceptance"].append(row)
-            print(f"triforce tier-0 acceptance @ {context}, T={temperature}: {row['acceptance']:.3f} of proposals, "
-                  f"{row['acceptance_per_token']:.3f} per token (verified by {row['verified_by']})", flush=True)
-    sample = {**SAMPLE, "agreement": agreement(target, draft, SAMPLE["document"], SAMPLE["tokens"],
-                                               SAMPLE["evaluated"], torch.float32)}
+            print(
+                f"triforce tier-0 acceptance @ {context}, T={temperature}: {row['acceptance']:.3f} of proposals, "
+                f"{row['acceptance_per_token']:.3f} per token (verified by {row['verified_by']})",
+                flush=True,
+            )
+    sample = {
+        **SAMPLE,
+        "agreement": agreement(target, draft, SAMPLE["document"], SAMPLE["tokens"], SAMPLE["evaluated"], torch.float32),
+    }
     results["sample"] = sample
     files.write(results, vars(args) | {"target": target, "draft": draft})
     print(f"wrote {files.report} (manifest: {files.manifest})")

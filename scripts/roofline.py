@@ -56,8 +56,8 @@ from cache.streaming import StreamingCacheConfig
 from cascade.attention import KERNELS, resolve_kernels
 from cascade.checkpoint import load_checkpoint, model_spec, yarn_scaling
 from cascade.costs import expected_speedup, expected_tokens
-from cascade.limits import matmul_peak, median_seconds, memory_bandwidth
 from cascade.graphs import PassGraphs, cuda_graph
+from cascade.limits import matmul_peak, median_seconds, memory_bandwidth
 from cascade.model import CausalLM
 from cascade.models import default_model
 from cascade.rope import Rotary, rope_frequencies
@@ -67,10 +67,22 @@ from cascade.tree import TokenTree
 from configs.schema import TreeConfig
 
 SHAPES = {  # random-weight models in published shapes (Llama-2-7B and TriForce's 68M draft)
-    "llama-2-7b": LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                              num_attention_heads=32, num_key_value_heads=32, vocab_size=32000),
-    "llama-68m": LlamaConfig(hidden_size=768, intermediate_size=3072, num_hidden_layers=2,
-                             num_attention_heads=12, num_key_value_heads=12, vocab_size=32000),
+    "llama-2-7b": LlamaConfig(
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=32000,
+    ),
+    "llama-68m": LlamaConfig(
+        hidden_size=768,
+        intermediate_size=3072,
+        num_hidden_layers=2,
+        num_attention_heads=12,
+        num_key_value_heads=12,
+        vocab_size=32000,
+    ),
 }
 
 
@@ -81,58 +93,116 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--budget", type=int, default=4096, help="retrieval budget")
     parser.add_argument("--repeats", type=int, default=7, help="timed passes per figure (median)")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    parser.add_argument("--kernels", choices=["compiled", "eager"], default="compiled",
-                        help="short passes through the compiled kernels (as the runtime runs them) or eagerly")
+    parser.add_argument(
+        "--kernels",
+        choices=["compiled", "eager"],
+        default="compiled",
+        help="short passes through the compiled kernels (as the runtime runs them) or eagerly",
+    )
     parser.add_argument("--attention", choices=["auto", *KERNELS], default="auto")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-graphs", action="store_true", help="on CUDA, run every pass eagerly")
     parser.add_argument("--shape", choices=list(SHAPES), help="a random-weight model of this shape, not SmolLM2")
-    parser.add_argument("--draft-shape", choices=list(SHAPES), help="also time this shape's draft step "
-                                                                    "(streaming cache of --draft-window tokens)")
+    parser.add_argument(
+        "--draft-shape",
+        choices=list(SHAPES),
+        help="also time this shape's draft step (streaming cache of --draft-window tokens)",
+    )
     parser.add_argument("--draft-window", type=int, default=256)
-    parser.add_argument("--acceptance", type=float, nargs="+", metavar="A",
-                        help="the retrieval stage's per-token acceptance at each context (one value, or one "
-                             "per context): also print self-spec's speed-up ceiling there")
-    parser.add_argument("--draft-acceptance", type=float, nargs="+", metavar="A",
-                        help="with --draft-shape and --acceptance: the draft's per-token acceptance by the "
-                             "retrieval stage at each context; also print triforce's speed-up ceiling there")
-    parser.add_argument("--reselect", nargs="+", default=[], choices=list(get_args(Scoring)), metavar="SCORING",
-                        help="also time a proposal that re-selects the retrieval chunks first, scored each of "
-                             "these ways (mean_key, bound, attention, sparq), as refresh every_pass runs it")
+    parser.add_argument(
+        "--acceptance",
+        type=float,
+        nargs="+",
+        metavar="A",
+        help="the retrieval stage's per-token acceptance at each context (one value, or one "
+        "per context): also print self-spec's speed-up ceiling there",
+    )
+    parser.add_argument(
+        "--draft-acceptance",
+        type=float,
+        nargs="+",
+        metavar="A",
+        help="with --draft-shape and --acceptance: the draft's per-token acceptance by the "
+        "retrieval stage at each context; also print triforce's speed-up ceiling there",
+    )
+    parser.add_argument(
+        "--reselect",
+        nargs="+",
+        default=[],
+        choices=list(get_args(Scoring)),
+        metavar="SCORING",
+        help="also time a proposal that re-selects the retrieval chunks first, scored each of "
+        "these ways (mean_key, bound, attention, sparq), as refresh every_pass runs it",
+    )
     for schedule, how in (("every-pass", "before every proposal"), ("every-round", "once per round")):
-        parser.add_argument(f"--{schedule}-acceptance", type=float, nargs="+", default=[], metavar="A",
-                            help=f"with --reselect: the per-token acceptance of each of those scorings re-selecting "
-                                 f"{how} (one per scoring, at every context): also print self-spec's ceiling so")
-    parser.add_argument("--tree", type=int, default=0, metavar="NODES",
-                        help="with --tree-accepted: the token trees' nodes (shaped as the runtime shapes them)")
-    parser.add_argument("--tree-ranks", type=float, nargs="+", default=TreeConfig().rank_acceptance, metavar="P",
-                        help="the trees' rank_acceptance (default: %(default)s)")
-    parser.add_argument("--tree-accepted", type=float, nargs="+", default=[], metavar="RUN",
-                        help="with --reselect and --tree: tokens accepted per tree round with each of those scorings "
-                             "selecting once per round (one per scoring): also print self-spec's ceiling so")
-    parser.add_argument("--roofline-of", type=Path, metavar="REPORT",
-                        help="take the rooflines' memory bandwidth and matmul peak from this earlier report (e.g. "
-                             "a GPU's) instead of measuring this machine's: that machine's ceilings from these bytes")
-    parser.add_argument("--out", type=Path, help="report path (default: roofline.json in a new run directory under "
-                        "$CASCADE_HOME/runs/roofline/); a manifest is written beside it")
+        parser.add_argument(
+            f"--{schedule}-acceptance",
+            type=float,
+            nargs="+",
+            default=[],
+            metavar="A",
+            help=f"with --reselect: the per-token acceptance of each of those scorings re-selecting "
+            f"{how} (one per scoring, at every context): also print self-spec's ceiling so",
+        )
+    parser.add_argument(
+        "--tree",
+        type=int,
+        default=0,
+        metavar="NODES",
+        help="with --tree-accepted: the token trees' nodes (shaped as the runtime shapes them)",
+    )
+    parser.add_argument(
+        "--tree-ranks",
+        type=float,
+        nargs="+",
+        default=TreeConfig().rank_acceptance,
+        metavar="P",
+        help="the trees' rank_acceptance (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--tree-accepted",
+        type=float,
+        nargs="+",
+        default=[],
+        metavar="RUN",
+        help="with --reselect and --tree: tokens accepted per tree round with each of those scorings "
+        "selecting once per round (one per scoring): also print self-spec's ceiling so",
+    )
+    parser.add_argument(
+        "--roofline-of",
+        type=Path,
+        metavar="REPORT",
+        help="take the rooflines' memory bandwidth and matmul peak from this earlier report (e.g. "
+        "a GPU's) instead of measuring this machine's: that machine's ceilings from these bytes",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="report path (default: roofline.json in a new run directory under "
+        "$CASCADE_HOME/runs/roofline/); a manifest is written beside it",
+    )
     args = parser.parse_args(argv)
     for option in ("every_pass_acceptance", "every_round_acceptance", "tree_accepted"):
         values = getattr(args, option)
         if values and len(values) != len(args.reselect):
-            parser.error(f"--{option.replace('_', '-')} takes one value per --reselect scoring "
-                         f"({len(args.reselect)}), got {len(values)}")
+            parser.error(
+                f"--{option.replace('_', '-')} takes one value per --reselect scoring "
+                f"({len(args.reselect)}), got {len(values)}"
+            )
     if bool(args.tree) != bool(args.tree_accepted):
         parser.error("--tree and --tree-accepted go together (the tree's nodes, and what it had accepted)")
     if args.draft_acceptance is not None and not (args.draft_shape and args.acceptance):
-        parser.error("--draft-acceptance needs --draft-shape (the draft's step) and --acceptance (the retrieval "
-                     "stage's own)")
+        parser.error(
+            "--draft-acceptance needs --draft-shape (the draft's step) and --acceptance (the retrieval stage's own)"
+        )
     for option in ("acceptance", "draft_acceptance"):
         setattr(args, option, per_context(parser, option, getattr(args, option), len(args.contexts)))
     return args
 
 
-def per_context(parser: argparse.ArgumentParser, option: str, values: list[float] | None,
-                contexts: int) -> list[float | None]:
+def per_context(
+    parser: argparse.ArgumentParser, option: str, values: list[float] | None, contexts: int
+) -> list[float | None]:
     """An acceptance option's values, one per context (a single value stands for every context)."""
     flag = "--" + option.replace("_", "-")
     if values is None:
@@ -162,8 +232,9 @@ def random_model(config: LlamaConfig, dtype: torch.dtype, device: torch.device) 
     return model
 
 
-def pass_figures(model, cache, tokens: int, args, bandwidth: float, peak: float, selects: bool = False,
-                 tree: TreePass | None = None) -> dict:
+def pass_figures(
+    model, cache, tokens: int, args, bandwidth: float, peak: float, selects: bool = False, tree: TreePass | None = None
+) -> dict:
     """Time a ``tokens``-token pass at the cache's end (rolled back after each) against its roofline;
     ``selects``: the retrieval cache re-selects its chunks at each pass, and what that reads counts;
     ``tree``: the pass's tokens are the nodes of this token tree."""
@@ -185,10 +256,17 @@ def pass_figures(model, cache, tokens: int, args, bandwidth: float, peak: float,
     attention_flops = 4 * spec.num_layers * spec.num_heads * spec.head_dim * keys_read * tokens
     flops = 2 * weights * tokens + attention_flops
     roofline = max((weight_bytes + kv_bytes) / bandwidth, flops / peak)
-    return {"tokens": tokens, "graphed": graphed, "ms": seconds * 1000, "bytes_read": weight_bytes + kv_bytes,
-            "flops": flops, "memory_ms": (weight_bytes + kv_bytes) / bandwidth * 1000,
-            "compute_ms": flops / peak * 1000, "roofline_ms": roofline * 1000,
-            "measured_over_roofline": seconds / roofline}
+    return {
+        "tokens": tokens,
+        "graphed": graphed,
+        "ms": seconds * 1000,
+        "bytes_read": weight_bytes + kv_bytes,
+        "flops": flops,
+        "memory_ms": (weight_bytes + kv_bytes) / bandwidth * 1000,
+        "compute_ms": flops / peak * 1000,
+        "roofline_ms": roofline * 1000,
+        "measured_over_roofline": seconds / roofline,
+    }
 
 
 def verification_cost(one: dict, wide: dict) -> tuple[Callable[[int], float], Callable[[int], float]]:
@@ -197,20 +275,24 @@ def verification_cost(one: dict, wide: dict) -> tuple[Callable[[int], float], Ca
     cost model's line in the pass width), the roofline exact (the bytes do not change with the
     width, the FLOPs grow with it)."""
     widest = wide["tokens"] - 1
-    return (lambda gamma: one["ms"] + (wide["ms"] - one["ms"]) * gamma / widest,
-            lambda gamma: max(one["memory_ms"], one["compute_ms"] * (gamma + 1)))
+    return (
+        lambda gamma: one["ms"] + (wide["ms"] - one["ms"]) * gamma / widest,
+        lambda gamma: max(one["memory_ms"], one["compute_ms"] * (gamma + 1)),
+    )
 
 
-def best_speedup(acceptance: float, propose_ms: float, verify_ms: Callable[[int], float], step_ms: float,
-               widest: int) -> dict:
+def best_speedup(
+    acceptance: float, propose_ms: float, verify_ms: Callable[[int], float], step_ms: float, widest: int
+) -> dict:
     """The gamma in 1..``widest`` the cost model expects the most of, and that speed-up."""
     speedups = {g: expected_speedup(acceptance, propose_ms, verify_ms(g), step_ms, g) for g in range(1, widest + 1)}
     gamma = max(speedups, key=speedups.get)
     return {"gamma": gamma, "speedup": speedups[gamma]}
 
 
-def self_spec_ceiling(step: dict, proposal: dict, verification: dict, acceptance: float,
-                      selecting: dict | None = None) -> dict:
+def self_spec_ceiling(
+    step: dict, proposal: dict, verification: dict, acceptance: float, selecting: dict | None = None
+) -> dict:
     """The best (gamma, speed-up) of ``self-spec`` at ``acceptance``, from measured pass times and from
     rooflines, for gammas up to the verification pass's width - 1; with a ``selecting`` proposal, the
     first proposal of every round is that one (chunks re-selected once per round)."""
@@ -219,12 +301,19 @@ def self_spec_ceiling(step: dict, proposal: dict, verification: dict, acceptance
     verify_costs = verification_cost(step, verification)
     for (name, key), verify in zip((("measured", "ms"), ("roofline", "roofline_ms")), verify_costs, strict=True):
         selection = selecting[key] - proposal[key] if selecting else 0.0
-        ceiling[name] = best_speedup(acceptance, proposal[key], lambda g: verify(g) + selection, step[key], widest)
+        ceiling[name] = best_speedup(
+            acceptance,
+            proposal[key],
+            lambda g, verify=verify, selection=selection: verify(g) + selection,
+            step[key],
+            widest,
+        )
     return ceiling
 
 
-def tree_ceiling(step: dict, proposal: dict, selecting: dict, level: dict, verification: dict, tree: TokenTree,
-                 accepted_run: float) -> dict:
+def tree_ceiling(
+    step: dict, proposal: dict, selecting: dict, level: dict, verification: dict, tree: TokenTree, accepted_run: float
+) -> dict:
     """``self-spec``'s speed-up with token trees that had ``accepted_run`` tokens accepted per round:
     per round a ``selecting`` pass at the root, a pass per level but the last (a level of W nodes
     costs what the line through the one-token ``proposal`` and the widest ``level`` gives) and a
@@ -239,8 +328,15 @@ def tree_ceiling(step: dict, proposal: dict, selecting: dict, level: dict, verif
     return ceiling
 
 
-def triforce_ceiling(draft: dict, proposal: dict, retrieval_verification: dict, step: dict, verification: dict,
-                     draft_acceptance: float, acceptance: float) -> dict:
+def triforce_ceiling(
+    draft: dict,
+    proposal: dict,
+    retrieval_verification: dict,
+    step: dict,
+    verification: dict,
+    draft_acceptance: float,
+    acceptance: float,
+) -> dict:
     """The best speed-up of TriForce's three tiers (a draft proposing to the retrieval stage, which
     proposes to the full cache) at per-token acceptances ``draft_acceptance`` and ``acceptance``,
     from measured pass times and from rooflines.
@@ -253,8 +349,10 @@ def triforce_ceiling(draft: dict, proposal: dict, retrieval_verification: dict, 
     middle_costs, top_costs = verification_cost(proposal, retrieval_verification), verification_cost(step, verification)
     ceiling = {"draft_acceptance": draft_acceptance, "acceptance": acceptance}
     for index, (name, key) in enumerate((("measured", "ms"), ("roofline", "roofline_ms"))):
-        per_token = {g: (g * draft[key] + middle_costs[index](g)) / expected_tokens(draft_acceptance, g)
-                     for g in range(1, widest + 1)}
+        per_token = {
+            g: (g * draft[key] + middle_costs[index](g)) / expected_tokens(draft_acceptance, g)
+            for g in range(1, widest + 1)
+        }
         per_token[0] = proposal[key]
         draft_gamma = min(per_token, key=per_token.get)
         top = best_speedup(acceptance, per_token[draft_gamma], top_costs[index], step[key], widest)
@@ -285,7 +383,12 @@ def filled_cache(cache, tokens: int):
 
 
 def context_figures(
-    args, path: Path | None, context: int, bandwidth: float, peak: float, acceptance: float | None,
+    args,
+    path: Path | None,
+    context: int,
+    bandwidth: float,
+    peak: float,
+    acceptance: float | None,
     draft_acceptance: float | None,
 ) -> dict:
     model, scaling = load_target(args, path, context)
@@ -307,12 +410,16 @@ def context_figures(
     if args.tree:
         tree = TokenTree.best_first(args.tree_ranks, args.tree, args.gamma)
         widest = max(len(tree.level(depth)) for depth in range(1, tree.depth))
-        level = TreePass(torch.ones(widest, dtype=torch.long, device=model.device),
-                         torch.eye(widest, dtype=torch.bool, device=model.device))  # the root's children
+        level = TreePass(
+            torch.ones(widest, dtype=torch.long, device=model.device),
+            torch.eye(widest, dtype=torch.bool, device=model.device),
+        )  # the root's children
         passes[f"retrieval {args.budget}, a tree level of {widest} tokens"] = tree_level = pass_figures(
-            model, retrieval, widest, args, bandwidth, peak, tree=level)
+            model, retrieval, widest, args, bandwidth, peak, tree=level
+        )
         passes[f"full, a tree of {len(tree)} tokens after one (verification)"] = tree_verification = pass_figures(
-            model, full, len(tree) + 1, args, bandwidth, peak, tree=tree.tree_pass(model.device))
+            model, full, len(tree) + 1, args, bandwidth, peak, tree=tree.tree_pass(model.device)
+        )
     for index, scoring in enumerate(args.reselect):
         config = RetrievalCacheConfig(budget=args.budget, scoring=scoring, refresh="every_pass")
         selecting = build_policy(config, layout, full)
@@ -321,13 +428,16 @@ def context_figures(
         del selecting
         if args.every_pass_acceptance:
             reselecting_ceilings["every_pass"][scoring] = self_spec_ceiling(
-                step, selecting_proposal, verification, args.every_pass_acceptance[index])
+                step, selecting_proposal, verification, args.every_pass_acceptance[index]
+            )
         if args.every_round_acceptance:
             reselecting_ceilings["every_round"][scoring] = self_spec_ceiling(
-                step, proposal, verification, args.every_round_acceptance[index], selecting_proposal)
+                step, proposal, verification, args.every_round_acceptance[index], selecting_proposal
+            )
         if args.tree:
             reselecting_ceilings["tree"][scoring] = tree_ceiling(
-                step, proposal, selecting_proposal, tree_level, tree_verification, tree, args.tree_accepted[index])
+                step, proposal, selecting_proposal, tree_level, tree_verification, tree, args.tree_accepted[index]
+            )
     if args.draft_shape:
         draft = random_model(SHAPES[args.draft_shape], model.dtype, model.device)
         draft.attention, draft.fused_tokens = model.attention, model.fused_tokens
@@ -346,8 +456,9 @@ def context_figures(
         if ceilings:
             figures[f"{schedule}_ceilings"] = ceilings
     if draft_acceptance is not None:
-        figures["triforce_ceiling"] = triforce_ceiling(draft_step, proposal, retrieval_verification, step,
-                                                       verification, draft_acceptance, acceptance)
+        figures["triforce_ceiling"] = triforce_ceiling(
+            draft_step, proposal, retrieval_verification, step, verification, draft_acceptance, acceptance
+        )
     return figures
 
 
@@ -372,36 +483,58 @@ def main(argv: list[str] | None = None) -> int:
         figures = context_figures(args, path, context, bandwidth, peak, acceptance, draft_acceptance)
         rows.append(figures)
         for name, row in figures["passes"].items():
-            print(f"| {context} | {name} | {row['ms']:.1f} | {row['memory_ms']:.1f} | {row['compute_ms']:.1f} | "
-                  f"{row['measured_over_roofline']:.1f}x |")
+            print(
+                f"| {context} | {name} | {row['ms']:.1f} | {row['memory_ms']:.1f} | {row['compute_ms']:.1f} | "
+                f"{row['measured_over_roofline']:.1f}x |"
+            )
     for figures in rows:
-        ceilings = {"": figures.get("self_spec_ceiling"), **{
-            f", re-selecting {schedule.replace('_', ' ')} ({scoring})": ceiling
-            for schedule in ("every_pass", "every_round")
-            for scoring, ceiling in figures.get(f"{schedule}_ceilings", {}).items()}}
+        ceilings = {
+            "": figures.get("self_spec_ceiling"),
+            **{
+                f", re-selecting {schedule.replace('_', ' ')} ({scoring})": ceiling
+                for schedule in ("every_pass", "every_round")
+                for scoring, ceiling in figures.get(f"{schedule}_ceilings", {}).items()
+            },
+        }
         for selection, ceiling in ceilings.items():
             if ceiling is not None:
-                print(f"self-spec ceiling at {figures['context']}{selection} (acceptance {ceiling['acceptance']:.2f}): "
-                      f"{ceiling['measured']['speedup']:.2f}x at gamma {ceiling['measured']['gamma']} from measured "
-                      f"passes, {ceiling['roofline']['speedup']:.2f}x at gamma {ceiling['roofline']['gamma']} "
-                      "at the rooflines")
+                print(
+                    f"self-spec ceiling at {figures['context']}{selection} (acceptance {ceiling['acceptance']:.2f}): "
+                    f"{ceiling['measured']['speedup']:.2f}x at gamma {ceiling['measured']['gamma']} from measured "
+                    f"passes, {ceiling['roofline']['speedup']:.2f}x at gamma {ceiling['roofline']['gamma']} "
+                    "at the rooflines"
+                )
         for scoring, ceiling in figures.get("tree_ceilings", {}).items():
-            print(f"self-spec ceiling at {figures['context']} with trees of {ceiling['nodes']} nodes (depth "
-                  f"{ceiling['depth']}), re-selecting every round ({scoring}, {ceiling['accepted_run']:.2f} accepted "
-                  f"per round): {ceiling['measured']['speedup']:.2f}x from measured passes, "
-                  f"{ceiling['roofline']['speedup']:.2f}x at the rooflines")
+            print(
+                f"self-spec ceiling at {figures['context']} with trees of {ceiling['nodes']} nodes (depth "
+                f"{ceiling['depth']}), re-selecting every round ({scoring}, {ceiling['accepted_run']:.2f} accepted "
+                f"per round): {ceiling['measured']['speedup']:.2f}x from measured passes, "
+                f"{ceiling['roofline']['speedup']:.2f}x at the rooflines"
+            )
         if "triforce_ceiling" in figures:
             ceiling = figures["triforce_ceiling"]
-            print(f"triforce ceiling at {figures['context']} (acceptance {ceiling['draft_acceptance']:.2f} / "
-                  f"{ceiling['acceptance']:.2f}): " + ", ".join(
-                      f"{ceiling[name]['speedup']:.2f}x at gammas {ceiling[name]['draft_gamma']} / "
-                      f"{ceiling[name]['gamma']} {where}"
-                      for name, where in (("measured", "from measured passes"), ("roofline", "at the rooflines"))))
-    report = {"hardware": hardware, "rooflines_of": str(args.roofline_of) if args.roofline_of else None,
-              "model": args.shape or "SmolLM2", "dtype": args.dtype, "kernels": args.kernels,
-              "attention": args.attention, "graphs": device.type == "cuda" and not args.no_graphs,
-              "bandwidth_bytes_per_s": bandwidth,
-              "matmul_flops_per_s": peak, "threads": torch.get_num_threads(), "contexts": rows}
+            print(
+                f"triforce ceiling at {figures['context']} (acceptance {ceiling['draft_acceptance']:.2f} / "
+                f"{ceiling['acceptance']:.2f}): "
+                + ", ".join(
+                    f"{ceiling[name]['speedup']:.2f}x at gammas {ceiling[name]['draft_gamma']} / "
+                    f"{ceiling[name]['gamma']} {where}"
+                    for name, where in (("measured", "from measured passes"), ("roofline", "at the rooflines"))
+                )
+            )
+    report = {
+        "hardware": hardware,
+        "rooflines_of": str(args.roofline_of) if args.roofline_of else None,
+        "model": args.shape or "SmolLM2",
+        "dtype": args.dtype,
+        "kernels": args.kernels,
+        "attention": args.attention,
+        "graphs": device.type == "cuda" and not args.no_graphs,
+        "bandwidth_bytes_per_s": bandwidth,
+        "matmul_flops_per_s": peak,
+        "threads": torch.get_num_threads(),
+        "contexts": rows,
+    }
     files.write(report, vars(args))
     return 0
 

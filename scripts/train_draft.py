@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import shutil
 import time
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -28,6 +27,7 @@ from cascade.draft.architecture import DraftShape, draft_config, initialised_dra
 from cascade.draft.teacher import HELD_OUT, HIDDEN_SAMPLE, TeacherPlan, label_all, load_shards
 from cascade.draft.training import StepMetrics, Trainer, TrainPlan
 from cascade.models import default_model
+from cascade.packages import staged
 
 CARD = "card.json"
 
@@ -42,8 +42,12 @@ def add_dataclass_options(parser: argparse.ArgumentParser, cls: type, title: str
     taken = {action.dest for action in parser._actions}
     for field in fields(cls):
         if field.type in NUMBER_TYPES and field.name not in taken:
-            group.add_argument(f"--{field.name.replace('_', '-')}", type=NUMBER_TYPES[field.type],
-                               default=field.default, help=f"{cls.__name__}.{field.name}")
+            group.add_argument(
+                f"--{field.name.replace('_', '-')}",
+                type=NUMBER_TYPES[field.type],
+                default=field.default,
+                help=f"{cls.__name__}.{field.name}",
+            )
 
 
 def from_args(cls: type, args: argparse.Namespace):
@@ -54,8 +58,13 @@ def label(target_dir: Path, teacher_dir: Path, plan: TeacherPlan, device: torch.
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).to(device).eval()
     bar = tqdm(desc="labelling (target top-k)", unit="tok", unit_scale=True)
-    label_all(target, lambda text: tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"],
-              teacher_dir, plan, lambda name, tokens: (bar.update(tokens), bar.set_postfix_str(name)))
+    label_all(
+        target,
+        lambda text: tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"],
+        teacher_dir,
+        plan,
+        lambda name, tokens: (bar.update(tokens), bar.set_postfix_str(name)),
+    )
     bar.close()
 
 
@@ -74,8 +83,9 @@ def train(trainer: Trainer) -> StepMetrics | None:
         for key, value in asdict(metrics).items():
             smoothed[key] = value if key not in smoothed else 0.95 * smoothed[key] + 0.05 * value
         bar.update(1)
-        bar.set_postfix(loss=f"{smoothed['loss']:.3f}", kl=f"{smoothed['kl']:.3f}",
-                        agreement=f"{smoothed['agreement']:.3f}")
+        bar.set_postfix(
+            loss=f"{smoothed['loss']:.3f}", kl=f"{smoothed['kl']:.3f}", agreement=f"{smoothed['agreement']:.3f}"
+        )
 
     trainer.run(on_step)
     bar.close()
@@ -84,22 +94,23 @@ def train(trainer: Trainer) -> StepMetrics | None:
 
 def save(draft: LlamaForCausalLM, target_dir: Path, out: Path, card: dict) -> None:
     """bf16 safetensors + config + the target's tokenizer + card, written to a temporary directory first."""
-    staging = out.with_name(out.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    draft.to(torch.bfloat16).save_pretrained(staging)
-    AutoTokenizer.from_pretrained(target_dir).save_pretrained(staging)
-    (staging / CARD).write_text(json.dumps(card, indent=2) + "\n")
-    shutil.rmtree(out, ignore_errors=True)
-    staging.rename(out)
+    with staged(out) as staging:
+        draft.to(torch.bfloat16).save_pretrained(staging)
+        AutoTokenizer.from_pretrained(target_dir).save_pretrained(staging)
+        (staging / CARD).write_text(json.dumps(card, indent=2) + "\n")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--work", type=Path, required=True, help="labels and checkpoints (resumable)")
     parser.add_argument("--out", type=Path, required=True, help="where the trained draft is saved")
-    parser.add_argument("--target", type=checkpoint_option,
-                        help="target checkpoint: name or directory (default: the provisioned SmolLM2)")
+    parser.add_argument(
+        "--target",
+        type=checkpoint_option,
+        help="target checkpoint: name or directory (default: the provisioned SmolLM2)",
+    )
     add_dataclass_options(parser, TeacherPlan, "labelling")
     add_dataclass_options(parser, TrainPlan, "training")
     add_dataclass_options(parser, DraftShape, "architecture")
@@ -118,10 +129,15 @@ def main() -> None:
     card = {
         "architecture": shape_record(shape, draft.config, AutoConfig.from_pretrained(target_dir)),
         "data": {"plan": asdict(teacher_plan), "labelled_tokens": data["tokens"].numel(), "held_out": HELD_OUT},
-        "training": {"plan": asdict(train_plan), "final_smoothed": asdict(final) if final else None,
-                     "hardware": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor()
-                     or platform.machine(), "threads": torch.get_num_threads(),
-                     "wall_s_this_run": round(time.time() - started)},
+        "training": {
+            "plan": asdict(train_plan),
+            "final_smoothed": asdict(final) if final else None,
+            "hardware": torch.cuda.get_device_name()
+            if device.type == "cuda"
+            else platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads(),
+            "wall_s_this_run": round(time.time() - started),
+        },
     }
     save(trainer.draft, target_dir, args.out, card)
     print(f"saved the draft to {args.out}")

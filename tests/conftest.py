@@ -23,13 +23,26 @@ TINY = dict(
 FAMILIES = {
     "llama-gqa-tied": (LlamaConfig, dict(tie_word_embeddings=True)),
     "llama-untied-mha": (LlamaConfig, dict(tie_word_embeddings=False, num_key_value_heads=4)),
-    "llama-yarn": (LlamaConfig, dict(rope_parameters={
-        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "rope_theta": 10000.0})),
-    "llama-linear": (LlamaConfig, dict(rope_parameters={
-        "rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})),
+    "llama-yarn": (
+        LlamaConfig,
+        dict(
+            rope_parameters={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+                "rope_theta": 10000.0,
+            }
+        ),
+    ),
+    "llama-linear": (LlamaConfig, dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})),
     "qwen2-bias": (Qwen2Config, dict(tie_word_embeddings=False)),
-    "qwen2-tied": (Qwen2Config, dict(tie_word_embeddings=True,  # Qwen2.5's published layout: bias, 2 KV heads, theta 1e6
-                                     rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    "qwen2-tied": (
+        Qwen2Config,
+        dict(
+            tie_word_embeddings=True,  # Qwen2.5's published layout: bias, 2 KV heads, theta 1e6
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        ),
+    ),
     "mistral": (MistralConfig, dict(sliding_window=None)),
 }
 
@@ -78,6 +91,9 @@ def tiny_dir(tmp_path_factory, smollm2_dir) -> Path:
 def tiny_draft_dir(tmp_path_factory, smollm2_dir) -> Path:
     """Another tiny Llama (other weights, same tokenizer): a draft that rarely agrees with tiny_dir."""
     return make_checkpoint(
-        tmp_path_factory.mktemp("tiny-draft") / "llama", "llama-gqa-tied", 49152, tokenizer_dir=smollm2_dir,
+        tmp_path_factory.mktemp("tiny-draft") / "llama",
+        "llama-gqa-tied",
+        49152,
+        tokenizer_dir=smollm2_dir,
         seed=1,
     )

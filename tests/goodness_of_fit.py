@@ -32,5 +32,7 @@ def pool_rare_cells(observed: torch.Tensor, expected: torch.Tensor) -> tuple[tor
     order = expected.argsort()
     pooled = min(int((expected[order].cumsum(0) < MIN_EXPECTED).sum()) + 1, len(order))
     rare, common = order[:pooled], order[pooled:]
-    return (torch.cat([observed[rare].sum()[None], observed[common]]),
-            torch.cat([expected[rare].sum()[None], expected[common]]))
+    return (
+        torch.cat([observed[rare].sum()[None], observed[common]]),
+        torch.cat([expected[rare].sum()[None], expected[common]]),
+    )

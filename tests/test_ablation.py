@@ -16,15 +16,22 @@ from cascade.ablation.measure import config_settings, sparse_stage
 from cascade.ablation.store import RunTable
 from cascade.errors import CascadeError
 from tests.scripts import linked_home, run_script
+from tests.test_append_only import RUN
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = {"preset": "self-spec", "document": "lcet10", "context": 1000, "new_tokens": 8, "temperature": 0.0}
 
 
 def test_expansion_adds_one_autoregressive_baseline_per_condition_and_runs_each_setting_once():
-    grid = Grid.model_validate({"defaults": BASE, "sweeps": {
-        "a": {"vary": {"stages.0.gamma": [2, 4]}},
-        "b": {"vary": {"stages.0.gamma": [4], "temperature": [0.0, 0.6]}}}})
+    grid = Grid.model_validate(
+        {
+            "defaults": BASE,
+            "sweeps": {
+                "a": {"vary": {"stages.0.gamma": [2, 4]}},
+                "b": {"vary": {"stages.0.gamma": [4], "temperature": [0.0, 0.6]}},
+            },
+        }
+    )
     runs = expand(grid)
     baselines = [run for run in runs if run.get("preset") == "autoregressive"]
     assert [run.get("temperature") for run in baselines] == [0.0, 0.6] and runs[:2] == baselines
@@ -42,8 +49,16 @@ def test_a_bad_grid_says_what_is_wrong(tmp_path):
 
 
 def test_zero_repeats_are_refused_before_any_run(tmp_path):
-    command = [sys.executable, "scripts/ablate.py", "--repeats", "0", "--grid", str(tmp_path / "absent.yaml"),
-               "--out", str(tmp_path / "out")]
+    command = [
+        sys.executable,
+        "scripts/ablate.py",
+        "--repeats",
+        "0",
+        "--grid",
+        str(tmp_path / "absent.yaml"),
+        "--out",
+        str(tmp_path / "out"),
+    ]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "--repeats must be >= 1 (measured generations per run); got 0" in result.stderr
@@ -72,11 +87,7 @@ def test_policy_and_budget_share_set_the_sparse_target_stage(smollm2_dir):
 
 def test_the_table_drops_a_torn_row_and_decodes_what_it_reads(tmp_path):
     table = RunTable(tmp_path / "runs.csv")
-    row = {"run_id": "r1", **BASE, "policy": "", "budget_share": "", "settings": "{}", "tokens_per_s": 10.0,
-           "ms_per_token": 100.0, "prefill_s": 1.0, "tokens_per_verify": 2.0, "predicted_speedup": 1.5,
-           "acceptance": json.dumps({"0:target/retrieval": 0.8}), "mean_accepted_run": "{}",
-           "stage_time_s": "{}", "wall_s": 3.0}
-    table.append(row)
+    table.append(RUN)
     with open(tmp_path / "runs.csv", "a") as handle:
         handle.write("r2,self-spec,lcet10,10")  # killed mid-row
     rows = RunTable(tmp_path / "runs.csv").rows()
@@ -90,8 +101,9 @@ def test_out_must_name_a_new_folder_and_resume_an_earlier_sweep(tiny_dir, tmp_pa
     (earlier / "runs.csv").write_text("")
     command = [sys.executable, "scripts/ablate.py", "--quick", "--target", str(tiny_dir)]
     for option, folder, message in [
-            ("--out", earlier, f"{earlier} already holds a sweep; continue it with --resume {earlier}"),
-            ("--resume", missing, f"{missing} holds no runs.csv to resume")]:
+        ("--out", earlier, f"{earlier} already holds a sweep; continue it with --resume {earlier}"),
+        ("--resume", missing, f"{missing} holds no runs.csv to resume"),
+    ]:
         result = subprocess.run([*command, option, str(folder)], cwd=REPO, capture_output=True, text=True)
         assert result.returncode == 2 and "Traceback" not in result.stderr
         assert f"error: {message}" in result.stderr
@@ -101,14 +113,36 @@ def test_out_must_name_a_new_folder_and_resume_an_earlier_sweep(tiny_dir, tmp_pa
 @pytest.mark.slow
 def test_a_tiny_sweep_writes_a_run_directory_then_resumes_it_with_nothing_to_do(tiny_dir, tmp_path):
     grid = tmp_path / "grid.yaml"
-    grid.write_text(json.dumps({"defaults": {**BASE, "context": 600, "new_tokens": 4}, "sweeps": {
-        "acceptance_by_budget": {"vary": {"policy": ["retrieval", "streaming"], "budget_share": [0.2]},
-                                 "plot": {"x": "budget_share", "y": "acceptance", "series": "policy"}},
-        "time_split": {"set": {"budget_share": 0.2}, "vary": {"stages.0.gamma": [2, 3]},
-                       "plot": {"kind": "time_split"}}}}))
+    grid.write_text(
+        json.dumps(
+            {
+                "defaults": {**BASE, "context": 600, "new_tokens": 4},
+                "sweeps": {
+                    "acceptance_by_budget": {
+                        "vary": {"policy": ["retrieval", "streaming"], "budget_share": [0.2]},
+                        "plot": {"x": "budget_share", "y": "acceptance", "series": "policy"},
+                    },
+                    "time_split": {
+                        "set": {"budget_share": 0.2},
+                        "vary": {"stages.0.gamma": [2, 3]},
+                        "plot": {"kind": "time_split"},
+                    },
+                },
+            }
+        )
+    )
     home = linked_home(tmp_path / "home")
     env = {**os.environ, "CASCADE_HOME": str(home)}
-    command = [sys.executable, "scripts/ablate.py", "--grid", str(grid), "--target", str(tiny_dir), "--dtype", "float32"]
+    command = [
+        sys.executable,
+        "scripts/ablate.py",
+        "--grid",
+        str(grid),
+        "--target",
+        str(tiny_dir),
+        "--dtype",
+        "float32",
+    ]
     first = run_script(command, cwd=REPO, env=env)
     assert "5 runs in grid.yaml: 0 done, 5 to go" in first.stderr
     [out] = (home / "runs" / "ablate").iterdir()

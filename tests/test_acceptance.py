@@ -17,8 +17,9 @@ SMALL = ("--contexts", "200", "--budgets", "0.1", "--policies", "streaming", "--
 
 
 def acceptance(*args: str, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "scripts/acceptance.py", *SMALL, *args], capture_output=True, text=True,
-                          **kwargs)
+    return subprocess.run(
+        [sys.executable, "scripts/acceptance.py", *SMALL, *args], capture_output=True, text=True, **kwargs
+    )
 
 
 def assert_refused(result: subprocess.CompletedProcess, message: str) -> None:
@@ -27,13 +28,16 @@ def assert_refused(result: subprocess.CompletedProcess, message: str) -> None:
     assert "Traceback" not in result.stderr, result.stderr
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--gamma", "0"], "--gamma must be from 1 to 64; got 0"),
-    (["--new-tokens", "0"], "--new-tokens must be from 1 to 1000000; got 0"),
-    (["--tree", "64"], "--tree must be from 0 to 63; got 64"),
-    (["--contexts", "200", "0"], "--contexts are prompt lengths in tokens, each >= 1; got [200, 0]"),
-    (["--budgets", "0.05", "1.5"], "--budgets are shares of the prompt in (0, 1]; got [0.05, 1.5]"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--gamma", "0"], "--gamma must be from 1 to 64; got 0"),
+        (["--new-tokens", "0"], "--new-tokens must be from 1 to 1000000; got 0"),
+        (["--tree", "64"], "--tree must be from 0 to 63; got 64"),
+        (["--contexts", "200", "0"], "--contexts are prompt lengths in tokens, each >= 1; got [200, 0]"),
+        (["--budgets", "0.05", "1.5"], "--budgets are shares of the prompt in (0, 1]; got [0.05, 1.5]"),
+    ],
+)
 def test_out_of_range_options_are_refused_while_parsing(tmp_path, args, message):
     assert_refused(acceptance(*args, "--out", str(tmp_path / "acceptance.json")), message)
     assert not (tmp_path / "acceptance.json").exists()
@@ -45,12 +49,17 @@ def test_a_context_longer_than_the_document_is_an_error_not_a_traceback(smollm2_
     assert "99999999 were asked for" in result.stderr
 
 
-@pytest.mark.parametrize("text, message", [
-    ("{not json", "cannot read {out} to continue its rows (Expecting property name"),
-    ('["rows"]', "{out} is not a report of this script (settings and rows)"),
-    (json.dumps({"settings": {"document": "lcet10", "gamma": 4}, "rows": []}),
-     "{out} holds rows measured with other settings (gamma: 4"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("{not json", "cannot read {out} to continue its rows (Expecting property name"),
+        ('["rows"]', "{out} is not a report of this script (settings and rows)"),
+        (
+            json.dumps({"settings": {"document": "lcet10", "gamma": 4}, "rows": []}),
+            "{out} holds rows measured with other settings (gamma: 4",
+        ),
+    ],
+)
 def test_an_out_file_it_cannot_continue_is_refused_and_kept(tmp_path, text, message):
     out = tmp_path / "acceptance.json"
     out.write_text(text)

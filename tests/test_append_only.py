@@ -10,11 +10,26 @@ import pytest
 from cascade.ablation.store import COLUMNS, RunTable
 from cascade.errors import CascadeError
 
-RUN = {"run_id": "r1", "preset": "self-spec", "document": "lcet10", "context": 1000, "new_tokens": 16,
-       "temperature": 0.0, "policy": "", "budget_share": "", "settings": "{}", "tokens_per_s": 10.0,
-       "ms_per_token": 100.0, "prefill_s": 1.0, "tokens_per_verify": 2.0, "predicted_speedup": 1.5,
-       "acceptance": json.dumps({"0:target/retrieval": 0.8}), "mean_accepted_run": "{}", "stage_time_s": "{}",
-       "wall_s": 3.0}
+RUN = {
+    "run_id": "r1",
+    "preset": "self-spec",
+    "document": "lcet10",
+    "context": 1000,
+    "new_tokens": 16,
+    "temperature": 0.0,
+    "policy": "",
+    "budget_share": "",
+    "settings": "{}",
+    "tokens_per_s": 10.0,
+    "ms_per_token": 100.0,
+    "prefill_s": 1.0,
+    "tokens_per_verify": 2.0,
+    "predicted_speedup": 1.5,
+    "acceptance": json.dumps({"0:target/retrieval": 0.8}),
+    "mean_accepted_run": "{}",
+    "stage_time_s": "{}",
+    "wall_s": 3.0,
+}
 
 
 def header_and_row(tmp_path: Path) -> list[bytes]:
@@ -24,12 +39,18 @@ def header_and_row(tmp_path: Path) -> list[bytes]:
     return path.read_bytes().split(b"\r\n")[:2]
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda header, row: b"name,score\r\nada,3\r\nbob,", "is not a sweep table: its first line is not the header"),
-    (lambda header, row: b"notes without a newline", "is not a sweep table"),
-    (lambda header, row: b"\r\n".join([header, row[:30], row, b"r2,self"]),
-     f"runs.csv:2 is not a row of {len(COLUMNS)} columns, so the sweep table is damaged; fix or delete that line"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda header, row: b"name,score\r\nada,3\r\nbob,", "is not a sweep table: its first line is not the header"),
+        (lambda header, row: b"notes without a newline", "is not a sweep table"),
+        (
+            lambda header, row: b"\r\n".join([header, row[:30], row, b"r2,self"]),
+            f"runs.csv:2 is not a row of {len(COLUMNS)} columns, so the sweep table is damaged; "
+            "fix or delete that line",
+        ),
+    ],
+)
 def test_a_file_that_is_not_an_intact_sweep_table_is_refused_as_it_is(tmp_path, damage, message):
     path = tmp_path / "runs.csv"
     content = damage(*header_and_row(tmp_path))

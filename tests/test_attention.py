@@ -37,8 +37,9 @@ SHAPES = {  # name: (queries, keys, how the view is built)
 BUFFER_SLOTS = 64
 
 
-def make_view(num_queries: int, num_keys: int, how: str, dtype: torch.dtype, device: str,
-              buffer_slots: int = BUFFER_SLOTS):
+def make_view(
+    num_queries: int, num_keys: int, how: str, dtype: torch.dtype, device: str, buffer_slots: int = BUFFER_SLOTS
+):
     """Random query [1, H, T, D] and a view whose pass tokens are keys num_keys - T .. num_keys - 1."""
     generator = torch.Generator().manual_seed(num_queries * 1000 + num_keys)
     size = buffer_slots if how.startswith("static") else num_keys
@@ -106,28 +107,39 @@ def test_cuda_family_sums_blockwise_products_to_the_reference(monkeypatch):
     torch.testing.assert_close(out.double(), reference(query, view, HEAD_DIM**-0.5), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("family,products,dtype,tolerance", [
-    ("cpu", "_per_head_matmul", torch.float32, 1e-4),
-    ("cuda", "_attention_weights", torch.float32, 1e-4),
-    ("flash", "_attention_weights", torch.bfloat16, 2e-2),  # no flash-attn call: runs on CPU tensors
-])
+@pytest.mark.parametrize(
+    "family,products,dtype,tolerance",
+    [
+        ("cpu", "_per_head_matmul", torch.float32, 1e-4),
+        ("cuda", "_attention_weights", torch.float32, 1e-4),
+        ("flash", "_attention_weights", torch.bfloat16, 2e-2),  # no flash-attn call: runs on CPU tensors
+    ],
+)
 @pytest.mark.parametrize("shape", ["tree-verify", "tree-level"])
-def test_tree_passes_of_any_width_run_as_products_masking_only_the_tail(shape, family, products, dtype, tolerance,
-                                                                         monkeypatch):
+def test_tree_passes_of_any_width_run_as_products_masking_only_the_tail(
+    shape, family, products, dtype, tolerance, monkeypatch
+):
     """A token-tree pass (20 queries for the whole tree) takes the family's matrix products, not
     SDPA, which add only the mask's last ``masked_tail`` columns: the keys before the tree are read
     by every node."""
     query, view = make_view(*SHAPES[shape], dtype, "cpu")
-    assert view.mask[:, : -view.masked_tail].eq(0).all() and view.mask[:, -view.masked_tail:].isinf().any()
+    assert view.mask[:, : -view.masked_tail].eq(0).all() and view.mask[:, -view.masked_tail :].isinf().any()
     taken = recorded_calls(monkeypatch, products)
     out = KERNELS[family](query, view, HEAD_DIM**-0.5)
     assert len(taken) == 1
     torch.testing.assert_close(out.double(), reference(query, view, HEAD_DIM**-0.5), rtol=tolerance, atol=tolerance)
 
 
-@pytest.mark.parametrize("shape,compiled", [
-    ("static-decode", 1), ("static-verify", 1), ("static-tree-verify", 1), ("verify", 0), ("tree-verify", 0),
-])
+@pytest.mark.parametrize(
+    "shape,compiled",
+    [
+        ("static-decode", 1),
+        ("static-verify", 1),
+        ("static-tree-verify", 1),
+        ("verify", 0),
+        ("tree-verify", 0),
+    ],
+)
 def test_flex_compiles_flex_attention_for_static_views_only(shape, compiled, monkeypatch):
     """Static views (the graphed passes, their shapes fixed) take the compiled FlexAttention;
     dynamic ones, whose key count moves every pass, would compile anew each time and take the
@@ -146,9 +158,21 @@ def test_flex_reads_only_the_key_blocks_a_static_pass_uses(shape):
     query, view = make_view(num_queries, num_keys, "static", torch.float32, "cpu", buffer_slots=4 * FLEX_KEY_BLOCK)
     view.keys[:, :, FLEX_KEY_BLOCK:] = view.values[:, :, FLEX_KEY_BLOCK:] = float("nan")
     out = KERNELS["flex"](query, view, HEAD_DIM**-0.5)
-    torch.testing.assert_close(out.double(), reference(query, dataclasses.replace(
-        view, keys=view.keys[:, :, :FLEX_KEY_BLOCK], values=view.values[:, :, :FLEX_KEY_BLOCK],
-        mask=view.mask[:, :FLEX_KEY_BLOCK]), HEAD_DIM**-0.5), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        out.double(),
+        reference(
+            query,
+            dataclasses.replace(
+                view,
+                keys=view.keys[:, :, :FLEX_KEY_BLOCK],
+                values=view.values[:, :, :FLEX_KEY_BLOCK],
+                mask=view.mask[:, :FLEX_KEY_BLOCK],
+            ),
+            HEAD_DIM**-0.5,
+        ),
+        rtol=1e-4,
+        atol=1e-5,
+    )
 
 
 def test_blocks_are_the_largest_aligned_divisor_up_to_the_split():

@@ -19,14 +19,35 @@ from tests.scripts import run_script
 
 
 def test_bench_compares_overridden_presets_and_continues_transformers_from_stored_prompts(
-        tmp_path, tiny_dir, tiny_draft_dir):
+    tmp_path, tiny_dir, tiny_draft_dir
+):
     home = tmp_path / "home"  # no --out: the report goes to a new run directory under $CASCADE_HOME/runs
     home.mkdir()
     (home / "data").symlink_to(cascade_home() / "data")
-    command = [sys.executable, "scripts/bench.py", "--impls", "autoregressive", "speculative+stages.0.gamma=2",
-               "transformers", "--contexts", "96", "--new-tokens", "8", "--repeats", "1", "--warmups", "0",
-               "--dtype", "float32", "--target", str(tiny_dir), "--draft", str(tiny_draft_dir),
-               "--prompt-cache", str(tmp_path / "prompts")]
+    command = [
+        sys.executable,
+        "scripts/bench.py",
+        "--impls",
+        "autoregressive",
+        "speculative+stages.0.gamma=2",
+        "transformers",
+        "--contexts",
+        "96",
+        "--new-tokens",
+        "8",
+        "--repeats",
+        "1",
+        "--warmups",
+        "0",
+        "--dtype",
+        "float32",
+        "--target",
+        str(tiny_dir),
+        "--draft",
+        str(tiny_draft_dir),
+        "--prompt-cache",
+        str(tmp_path / "prompts"),
+    ]
     run_script(command, env={**os.environ, "CASCADE_HOME": str(home)})
     [run_dir] = (home / "runs" / "bench").iterdir()
     manifest = json.loads((run_dir / "manifest.json").read_text())
@@ -62,9 +83,30 @@ def test_bench_measures_llama_cpp_beside_cascade_and_reports_the_ratios_to_it(tm
     (home / "peers" / installed_build().root.name).symlink_to(installed_build().root)
     (home / "data").symlink_to(cascade_home() / "data")
     out = tmp_path / "bench.json"
-    command = [sys.executable, "scripts/bench.py", "--impls", "autoregressive", "llama.cpp", "llama.cpp-speculative",
-               "--contexts", "96", "--new-tokens", "8", "--repeats", "1", "--warmups", "0", "--dtype", "bfloat16",
-               "--target", str(tiny_dir), "--draft", str(tiny_dir), "--out", str(out)]
+    command = [
+        sys.executable,
+        "scripts/bench.py",
+        "--impls",
+        "autoregressive",
+        "llama.cpp",
+        "llama.cpp-speculative",
+        "--contexts",
+        "96",
+        "--new-tokens",
+        "8",
+        "--repeats",
+        "1",
+        "--warmups",
+        "0",
+        "--dtype",
+        "bfloat16",
+        "--target",
+        str(tiny_dir),
+        "--draft",
+        str(tiny_dir),
+        "--out",
+        str(out),
+    ]
     run_script(command, env={**os.environ, "CASCADE_HOME": str(home)})
     report = json.loads(out.read_text())
     peer = next(run for run in report["runs"] if run["preset"] == "llama.cpp")
@@ -74,7 +116,8 @@ def test_bench_measures_llama_cpp_beside_cascade_and_reports_the_ratios_to_it(tm
     row = next(row for row in report["ratios_to_llama_cpp"]["llama.cpp"] if row["preset"] == "autoregressive")
     assert row["same_prefix_tokens"] is None
     assert row["decode_tokens_per_s"] == pytest.approx(
-        report["runs"][0]["decode_tokens_per_s"] / peer["decode_tokens_per_s"])
+        report["runs"][0]["decode_tokens_per_s"] / peer["decode_tokens_per_s"]
+    )
     assert (home / "peers" / "gguf" / "llama-bf16.gguf").is_file()
     # both priced at the bytes of a bf16 step of the same checkpoint, read at the round's bandwidth
     ours = report["runs"][0]
@@ -84,13 +127,16 @@ def test_bench_measures_llama_cpp_beside_cascade_and_reports_the_ratios_to_it(tm
     assert 2 * 2 * 16 * 2 * 2 * 96 <= kv_bytes <= 2 * 2 * 16 * 2 * 2 * 104
     assert peer["step_roofline_tokens_per_s"] == ours["step_roofline_tokens_per_s"] > 0
     assert peer["decode_over_step_roofline"] == pytest.approx(
-        peer["decode_tokens_per_s"] / peer["step_roofline_tokens_per_s"])
+        peer["decode_tokens_per_s"] / peer["step_roofline_tokens_per_s"]
+    )
     speculative = next(run for run in report["runs"] if run["preset"] == "llama.cpp-speculative")
     assert speculative["decode_tokens_per_s"] > 0 and speculative["acceptance"]["draft"] == 1.0  # draft = target
 
 
-@pytest.mark.parametrize("option, value, least", [("--warmups", "-1", 0), ("--repeats", "0", 1),
-                                                  ("--new-tokens", "1", 2), ("--contexts", "0", 1)])
+@pytest.mark.parametrize(
+    "option, value, least",
+    [("--warmups", "-1", 0), ("--repeats", "0", 1), ("--new-tokens", "1", 2), ("--contexts", "0", 1)],
+)
 def test_bench_refuses_counts_below_their_least(tmp_path, option, value, least):
     out = tmp_path / "bench.json"
     command = [sys.executable, "scripts/bench.py", "--impls", "autoregressive", option, value, "--out", str(out)]
@@ -103,8 +149,16 @@ def test_bench_refuses_counts_below_their_least(tmp_path, option, value, least):
 @pytest.mark.parametrize("option", ["--target", "--draft"])
 def test_bench_refuses_a_checkpoint_directory_that_is_not_one_while_parsing(tmp_path, option):
     out = tmp_path / "bench.json"
-    command = [sys.executable, "scripts/bench.py", "--impls", "speculative", option, str(tmp_path / "absent"),
-               "--out", str(out)]
+    command = [
+        sys.executable,
+        "scripts/bench.py",
+        "--impls",
+        "speculative",
+        option,
+        str(tmp_path / "absent"),
+        "--out",
+        str(out),
+    ]
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert f"argument {option}: model directory {tmp_path / 'absent'} does not exist" in result.stderr

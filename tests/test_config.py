@@ -52,23 +52,33 @@ def test_bad_settings_get_specific_messages(override, message):
 
 
 def test_a_single_value_addressed_as_a_group_says_how_to_replace_it():
-    with pytest.raises(CascadeError, match=r"'refresh' is a single value \('never'\), not a group of settings; "
-                                           r"to make it one, set it whole, e.g. --set stages.0.cache.refresh="
-                                           r"'\{every: VALUE\}'"):
+    with pytest.raises(
+        CascadeError,
+        match=r"'refresh' is a single value \('never'\), not a group of settings; "
+        r"to make it one, set it whole, e.g. --set stages.0.cache.refresh="
+        r"'\{every: VALUE\}'",
+    ):
         load_config("self-spec", overrides=["stages.0.cache.refresh=never", "stages.0.cache.refresh.every=16"])
-    _, config = load_config("self-spec", overrides=["stages.0.cache.refresh=never",
-                                                    "stages.0.cache.refresh={every: 16}"])
+    _, config = load_config(
+        "self-spec", overrides=["stages.0.cache.refresh=never", "stages.0.cache.refresh={every: 16}"]
+    )
     assert config.stages[0].cache.refresh.every == 16
 
 
 def test_a_retrieval_stage_needs_a_full_cache_stage_of_its_model_above_it():
-    with pytest.raises(CascadeError, match="a retrieval cache reads the prompt's KV from a full-cache stage "
-                                           r"of the same model \(draft\), and there is none"):
+    with pytest.raises(
+        CascadeError,
+        match="a retrieval cache reads the prompt's KV from a full-cache stage "
+        r"of the same model \(draft\), and there is none",
+    ):
         load_config("self-spec", overrides=["stages.0.model=draft"])
 
 
 def test_unknown_preset_lists_the_available_ones():
-    with pytest.raises(CascadeError, match="unknown preset 'fastest'; available presets: autoregressive, self-spec, speculative, triforce"):
+    with pytest.raises(
+        CascadeError,
+        match="unknown preset 'fastest'; available presets: autoregressive, self-spec, speculative, triforce",
+    ):
         load_config(preset="fastest")
 
 
@@ -87,7 +97,11 @@ def test_config_file(tmp_path):
 def test_a_policy_named_with_settings_at_a_budget():
     settings = policy_at_budget("retrieval:scoring=attention,refresh.every=4", 64)
     assert {key: settings[key] for key in ("kind", "budget", "scoring", "refresh")} == {
-        "kind": "retrieval", "budget": 64, "scoring": "attention", "refresh": {"every": 4}}
+        "kind": "retrieval",
+        "budget": 64,
+        "scoring": "attention",
+        "refresh": {"every": 4},
+    }
     assert policy_at_budget("topk_oracle", 32) == {"kind": "topk_oracle", "budget": 32}
     with pytest.raises(CascadeError, match="unknown cache policy 'nope'; registered: .*retrieval"):
         policy_at_budget("nope", 64)

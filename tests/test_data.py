@@ -142,8 +142,11 @@ def test_archive_without_a_file_or_with_binary_is_reported(home):
 
 def test_unknown_document_points_to_the_list_and_close_names(tmp_path, monkeypatch):
     monkeypatch.setenv("CASCADE_HOME", str(tmp_path))
-    with pytest.raises(CascadeError, match=r"unknown document 'hamlett'; did you mean hamlet\? "
-                       r"`python -m cascade.data list` shows all \d+ \(from the corpora canterbury, essays, "):
+    with pytest.raises(
+        CascadeError,
+        match=r"unknown document 'hamlett'; did you mean hamlet\? "
+        r"`python -m cascade.data list` shows all \d+ \(from the corpora canterbury, essays, ",
+    ):
         document_text("hamlett", quiet)
     with pytest.raises(CascadeError, match="unknown document 'nope'; `python -m cascade.data list` shows all"):
         document_text("nope", quiet)
@@ -159,4 +162,6 @@ def test_every_corpus_names_its_documents_uniquely():
 def test_cli_rejects_an_unknown_corpus(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("CASCADE_HOME", str(tmp_path))
     assert data_main(["fetch", "nope"]) == 2
-    assert "unknown corpus 'nope'; available corpora: canterbury, essays, shakespeare, milton" in capsys.readouterr().err
+    assert (
+        "unknown corpus 'nope'; available corpora: canterbury, essays, shakespeare, milton" in capsys.readouterr().err
+    )

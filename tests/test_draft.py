@@ -19,14 +19,21 @@ VOCAB = 320
 
 
 def tiny_target_config() -> LlamaConfig:
-    return LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, rope_parameters={"rope_type": "default",
-                                                                                      "rope_theta": 10000.0})
+    return LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
 
 
 def tiny_shape() -> DraftShape:
-    return DraftShape(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=48,
-                      context_length=64)
+    return DraftShape(
+        hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=48, context_length=64
+    )
 
 
 def test_smollm2_draft_costs_about_a_tenth_of_the_target(smollm2_dir):
@@ -78,9 +85,11 @@ def test_batch_order_is_seeded_and_each_epoch_visits_every_window_once():
 def fake_teacher_data(count: int = 12, window: int = 16, k: int = 4) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
     logprobs = torch.log_softmax(torch.randn(count, window, k, generator=generator), -1).sort(-1, descending=True)
-    return {"tokens": torch.randint(0, VOCAB, (count, window), generator=generator, dtype=torch.int32),
-            "top_ids": torch.randint(0, VOCAB, (count, window, k), generator=generator, dtype=torch.int32),
-            "top_logprobs": logprobs.values.half()}
+    return {
+        "tokens": torch.randint(0, VOCAB, (count, window), generator=generator, dtype=torch.int32),
+        "top_ids": torch.randint(0, VOCAB, (count, window, k), generator=generator, dtype=torch.int32),
+        "top_logprobs": logprobs.values.half(),
+    }
 
 
 def test_training_resumed_from_a_checkpoint_ends_where_an_uninterrupted_run_ends(tmp_path):
@@ -116,8 +125,13 @@ def test_training_resumed_from_a_checkpoint_ends_where_an_uninterrupted_run_ends
 def test_training_lowers_the_distillation_loss(tmp_path):
     torch.manual_seed(0)
     data = fake_teacher_data(count=4)
-    trainer = Trainer(LlamaForCausalLM(draft_config(tiny_target_config(), tiny_shape())), data,
-                      TrainPlan(steps=30, batch=4, warmup=1, lr=1e-2), tmp_path / "c.pt", torch.device("cpu"))
+    trainer = Trainer(
+        LlamaForCausalLM(draft_config(tiny_target_config(), tiny_shape())),
+        data,
+        TrainPlan(steps=30, batch=4, warmup=1, lr=1e-2),
+        tmp_path / "c.pt",
+        torch.device("cpu"),
+    )
     losses = []
     trainer.run(lambda step, metrics: losses.append(metrics.kl))
     assert losses[-1] < 0.7 * losses[0]
@@ -145,8 +159,9 @@ def test_windows_drop_the_remainder():
 
 def test_agreement_of_a_model_with_itself_is_one_and_with_another_is_less(tmp_path):
     model_a = load_model(make_checkpoint(tmp_path / "a", "llama-gqa-tied", VOCAB), torch.float32, torch.device("cpu"))
-    model_b = load_model(make_checkpoint(tmp_path / "b", "llama-gqa-tied", VOCAB, seed=1), torch.float32,
-                         torch.device("cpu"))
+    model_b = load_model(
+        make_checkpoint(tmp_path / "b", "llama-gqa-tied", VOCAB, seed=1), torch.float32, torch.device("cpu")
+    )
     ids = torch.randint(0, VOCAB, (120,), generator=torch.Generator().manual_seed(0))
     wide = POLICIES["streaming"].config(sinks=4, window=400)  # holds everything: the draft sees what the target sees
     assert torch.equal(draft_predictions(model_a, ids, 40, wide), target_predictions(model_a, ids, 40))

@@ -79,8 +79,12 @@ def test_compiled_decode_equals_eager_for_every_family(family_model, attention_l
 
 @needs_compiler
 def test_fused_short_passes_equal_eager_for_every_family(family_model):
-    torch.testing.assert_close(decode(family_model, "full", MAX_GRAPH_TOKENS, SHORT_PASSES),
-                               decode(family_model, "full", 0, SHORT_PASSES), atol=5e-5, rtol=0)
+    torch.testing.assert_close(
+        decode(family_model, "full", MAX_GRAPH_TOKENS, SHORT_PASSES),
+        decode(family_model, "full", 0, SHORT_PASSES),
+        atol=5e-5,
+        rtol=0,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +98,9 @@ def tiny_model(tmp_path_factory):
 def test_compiled_passes_equal_eager_under_every_policy(tiny_model, kind, widths, monkeypatch):
     compiled, fused_widths = fused.pre_attention, []
     monkeypatch.setattr(fused, "pre_attention", lambda x, *args: fused_widths.append(x.shape[0]) or compiled(x, *args))
-    torch.testing.assert_close(decode(tiny_model, kind, MAX_GRAPH_TOKENS, widths),
-                               decode(tiny_model, kind, 0, widths), atol=5e-5, rtol=0)
+    torch.testing.assert_close(
+        decode(tiny_model, kind, MAX_GRAPH_TOKENS, widths), decode(tiny_model, kind, 0, widths), atol=5e-5, rtol=0
+    )
     layers = tiny_model.spec.num_layers  # every layer of every pass of the first run, none of the eager one
     assert fused_widths == [width for width in widths for _ in range(layers)]
 
@@ -107,8 +112,9 @@ def test_fused_passes_equal_eager_on_cuda(tmp_path, kind):
     """On CUDA the kernels are Triton's and attention is the model's family (cuda)."""
     checkpoint = make_checkpoint(tmp_path / "m", "llama-gqa-tied")
     model = load_model(checkpoint, torch.float32, torch.device("cuda"))
-    torch.testing.assert_close(decode(model, kind, MAX_GRAPH_TOKENS, SHORT_PASSES),
-                               decode(model, kind, 0, SHORT_PASSES), atol=5e-5, rtol=0)
+    torch.testing.assert_close(
+        decode(model, kind, MAX_GRAPH_TOKENS, SHORT_PASSES), decode(model, kind, 0, SHORT_PASSES), atol=5e-5, rtol=0
+    )
 
 
 @pytest.fixture(params=["cpu-kernels", "torch-kernels"])
@@ -135,8 +141,12 @@ def layer_op_calls(profile) -> dict[str, int]:
 def layer_op_calls_expected(model, widths) -> dict[str, int]:
     """Every layer of every pass on cascade's ops (attention where its kernel runs), and the logits."""
     layers = len(widths) * model.spec.num_layers
-    return {"pre_attention": layers, "decode_attention": layers if fused.attention_kernel else 0,
-            "post_attention": layers, "logits": len(widths)}
+    return {
+        "pre_attention": layers,
+        "decode_attention": layers if fused.attention_kernel else 0,
+        "post_attention": layers,
+        "logits": len(widths),
+    }
 
 
 @needs_compiler
@@ -156,10 +166,15 @@ def test_compiled_bfloat16_passes_are_as_close_to_float32_as_eager(tmp_path, ker
 
 
 def runtime_fused_tokens(checkpoint, messages: list[str], **settings) -> list[int]:
-    config = PipelineConfig.model_validate({
-        "stages": [{"model": "draft", "cache": {"kind": "full"}}, {"model": "target", "cache": {"kind": "full"}}],
-        "target": {"path": str(checkpoint)}, "draft": {"path": str(checkpoint)}, "dtype": "float32", **settings,
-    })
+    config = PipelineConfig.model_validate(
+        {
+            "stages": [{"model": "draft", "cache": {"kind": "full"}}, {"model": "target", "cache": {"kind": "full"}}],
+            "target": {"path": str(checkpoint)},
+            "draft": {"path": str(checkpoint)},
+            "dtype": "float32",
+            **settings,
+        }
+    )
     runtime = build_runtime(config, log=messages.append)
     return [runtime.target.model.fused_tokens, runtime.draft.model.fused_tokens]
 
@@ -189,8 +204,14 @@ def test_a_failed_build_of_the_fused_kernels_falls_back_to_eager_and_says_why(ti
     monkeypatch.setattr(fused, "pre_attention", failing_build)
     messages: list[str] = []
     assert runtime_fused_tokens(tiny_dir, messages) == [0, 0]
-    assert messages == ["compiling the fused kernels failed (RuntimeError: Python.h: No such file or directory); "
-                        "short passes run eagerly (kernels: eager)"] * 2
+    assert (
+        messages
+        == [
+            "compiling the fused kernels failed (RuntimeError: Python.h: No such file or directory); "
+            "short passes run eagerly (kernels: eager)"
+        ]
+        * 2
+    )
 
 
 def test_a_failed_build_of_the_cpu_kernels_leaves_pytorchs_kernels_and_says_why(monkeypatch, caplog):
@@ -200,11 +221,15 @@ def test_a_failed_build_of_the_cpu_kernels_leaves_pytorchs_kernels_and_says_why(
     monkeypatch.setattr("torch.utils.cpp_extension.load", failing_build)
     with caplog.at_level("WARNING", logger="cascade.kernels"):
         assert kernels.weight_kernel_available.__wrapped__() is False
-    assert caplog.messages == ["building cascade's CPU kernels failed (RuntimeError: ninja: command not found); "
-                               "weight products and attention use PyTorch's kernels"]
+    assert caplog.messages == [
+        "building cascade's CPU kernels failed (RuntimeError: ninja: command not found); "
+        "weight products and attention use PyTorch's kernels"
+    ]
 
 
-@pytest.mark.skipif(not kernels.attention_kernel_available(), reason="cascade's CPU layer and attention ops do not run here")
+@pytest.mark.skipif(
+    not kernels.attention_kernel_available(), reason="cascade's CPU layer and attention ops do not run here"
+)
 @pytest.mark.parametrize("family", ["qwen2-bias", "llama-gqa-tied"])
 def test_bfloat16_passes_of_any_width_equal_one_token_steps_bit_for_bit(tmp_path, family):
     """Row-independent products and layer ops, and attention that scores every key alike however many

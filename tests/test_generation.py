@@ -27,7 +27,7 @@ def generate(runtime, prompt_ids: list[int], max_new_tokens: int, eos=None, seed
 def transformers_greedy(path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     output = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False)
-    return output[0, len(prompt_ids):].tolist()
+    return output[0, len(prompt_ids) :].tolist()
 
 
 @pytest.mark.parametrize(

@@ -10,9 +10,15 @@ from tests.goodness_of_fit import MIN_EXPECTED, fit_p_value, pool_rare_cells
 def test_p_values_of_exact_samples_are_uniform():
     """2000 seeded samples of 400 draws, rare cells included: about 5% and 1% fall below 0.05 and 0.01."""
     generator, probs = torch.Generator().manual_seed(0), torch.tensor([0.5, 0.3, 0.15, 0.04, 0.01])
-    p_values = torch.tensor([fit_p_value(torch.bincount(torch.multinomial(probs, 400, True, generator=generator),
-                                                        minlength=5)[None].double(), 400 * probs[None])
-                             for _ in range(2000)])
+    p_values = torch.tensor(
+        [
+            fit_p_value(
+                torch.bincount(torch.multinomial(probs, 400, True, generator=generator), minlength=5)[None].double(),
+                400 * probs[None],
+            )
+            for _ in range(2000)
+        ]
+    )
     assert 0.04 < float((p_values < 0.05).double().mean()) < 0.06
     assert 0.005 < float((p_values < 0.01).double().mean()) < 0.015
 

@@ -26,10 +26,12 @@ CONFIGS = {
     "streaming": StreamingCacheConfig(sinks=4, window=24),
     "retrieval": RetrievalCacheConfig(budget=32, chunk_size=4),
     "retrieval-bound-every-2": RetrievalCacheConfig(budget=32, chunk_size=4, scoring="bound", refresh={"every": 2}),
-    "retrieval-attention-every-3": RetrievalCacheConfig(budget=32, chunk_size=4, scoring="attention",
-                                                        refresh={"every": 3}),
-    "retrieval-sparq-every-pass": RetrievalCacheConfig(budget=32, chunk_size=4, scoring="sparq", query_dims=4,
-                                                       refresh="every_pass"),
+    "retrieval-attention-every-3": RetrievalCacheConfig(
+        budget=32, chunk_size=4, scoring="attention", refresh={"every": 3}
+    ),
+    "retrieval-sparq-every-pass": RetrievalCacheConfig(
+        budget=32, chunk_size=4, scoring="sparq", query_dims=4, refresh="every_pass"
+    ),
 }
 """Retrieval re-selecting on a schedule captures its selecting passes too."""
 PASSES = [1, 1, 4, 1, 3, 1, 1, 4, 2, 1]
@@ -184,8 +186,9 @@ def test_long_passes_and_one_off_selecting_passes_run_eagerly(tiny_model):
 
 @pytest.mark.parametrize("fused_tokens", [0, MAX_GRAPH_TOKENS], ids=["eager", "fused"])
 @pytest.mark.parametrize("preset", ["self-spec", "triforce"])
-def test_graphed_presets_greedy_equal_autoregressive_and_keep_their_graphs(preset, fused_tokens, tiny_dir,
-                                                                            tiny_draft_dir):
+def test_graphed_presets_greedy_equal_autoregressive_and_keep_their_graphs(
+    preset, fused_tokens, tiny_dir, tiny_draft_dir
+):
     """A runtime's next request (here a shorter prompt) restarts the last one's stages: same
     caches, and not one pass shape compiled twice; with every graphed pass fused, as on CUDA, too."""
     autoregressive = runtime_for("autoregressive", tiny_dir, tiny_draft_dir, kernels="eager")
@@ -203,11 +206,15 @@ def test_graphed_presets_greedy_equal_autoregressive_and_keep_their_graphs(prese
     assert all(shapes) and counter.frame_count == sum(shapes)
 
 
-@pytest.mark.parametrize("selection", [
-    ["stages.0.cache.scoring=mean_key", "stages.0.cache.refresh.every=1"],
-    ["stages.0.cache.scoring=attention", "stages.0.cache.refresh.every=1"],
-    ["stages.0.cache.scoring=sparq", "stages.0.cache.query_dims=8", "stages.0.cache.refresh=every_pass"],
-], ids=["mean_key-every-round", "attention-every-round", "sparq-every-pass"])
+@pytest.mark.parametrize(
+    "selection",
+    [
+        ["stages.0.cache.scoring=mean_key", "stages.0.cache.refresh.every=1"],
+        ["stages.0.cache.scoring=attention", "stages.0.cache.refresh.every=1"],
+        ["stages.0.cache.scoring=sparq", "stages.0.cache.query_dims=8", "stages.0.cache.refresh=every_pass"],
+    ],
+    ids=["mean_key-every-round", "attention-every-round", "sparq-every-pass"],
+)
 def test_graphed_self_spec_reselecting_replays_its_selections(selection, tiny_dir, tiny_draft_dir):
     autoregressive = runtime_for("autoregressive", tiny_dir, tiny_draft_dir, kernels="eager")
     overrides = [*SMALL_CACHES["self-spec"], *selection, "stages.0.schedule=fixed"]
@@ -245,6 +252,7 @@ def test_graphed_self_spec_through_flex_attention_equals_autoregressive(tiny_dir
 def test_rounds_that_capture_a_graph_are_not_timed(tiny_dir, tiny_draft_dir):
     """A capture's eager run and recording must not reach the cost model's pass times: every
     capture here takes a second, and the timed rounds together take far less."""
+
     def slow_capture(run):
         time.sleep(1.0)
         return run

@@ -17,8 +17,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from cascade.verification import verify, verify_greedy
 from tests.test_pipeline import PROMPT, SMALL_CACHES, generate, runtime_for
 
-HOST_READ_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default,
-                 torch.ops.aten.is_nonzero.default, torch.ops.aten.equal.default, torch.ops.aten.nonzero.default}
+HOST_READ_OPS = {
+    torch.ops.aten._local_scalar_dense.default,
+    torch.ops.aten.item.default,
+    torch.ops.aten.is_nonzero.default,
+    torch.ops.aten.equal.default,
+    torch.ops.aten.nonzero.default,
+}
 """Each read reaches exactly one of these: in inference mode ``.item()`` arrives as ``item`` and
 ``bool()`` as ``is_nonzero``, outside it both as ``_local_scalar_dense``."""
 MASK_INDEXING_OPS = {torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default}
@@ -61,30 +66,35 @@ def reads_per_call(pipeline, method: str, monkeypatch: pytest.MonkeyPatch, reads
 
 RESELECTING = ["stages.0.cache.scoring=attention", "stages.0.cache.refresh.every=1"]
 """``self-spec`` whose retrieval stage re-selects its chunks on the first pass of every round."""
-SELECTING_EVERY_PASS = ["stages.0.cache.scoring=sparq", "stages.0.cache.query_dims=8",
-                        "stages.0.cache.refresh=every_pass"]
+SELECTING_EVERY_PASS = [
+    "stages.0.cache.scoring=sparq",
+    "stages.0.cache.query_dims=8",
+    "stages.0.cache.refresh=every_pass",
+]
 FIXED = ["stages.0.schedule=fixed"]
 """Rounds at the configured gamma throughout: the cost model would bypass a tiny model's stages, whose
 proposals cost as much as the verifier's steps, after their first round."""
 TREE = ["stages.0.tree.nodes=10"]
 SELF_SPEC = SMALL_CACHES["self-spec"] + FIXED
-CASES = {"triforce": ("triforce", SMALL_CACHES["triforce"] + FIXED + ["stages.1.schedule=fixed"]),
-         "self-spec": ("self-spec", SELF_SPEC),
-         "self-spec-reselecting": ("self-spec", SELF_SPEC + RESELECTING),
-         "self-spec-selecting-every-pass": ("self-spec", SELF_SPEC + SELECTING_EVERY_PASS),
-         "self-spec-tree": ("self-spec", SELF_SPEC + SELECTING_EVERY_PASS + TREE),
-         "self-spec-dynamic-tree": ("self-spec", SELF_SPEC + TREE + ["stages.0.tree.dynamic=true"])}
+CASES = {
+    "triforce": ("triforce", SMALL_CACHES["triforce"] + FIXED + ["stages.1.schedule=fixed"]),
+    "self-spec": ("self-spec", SELF_SPEC),
+    "self-spec-reselecting": ("self-spec", SELF_SPEC + RESELECTING),
+    "self-spec-selecting-every-pass": ("self-spec", SELF_SPEC + SELECTING_EVERY_PASS),
+    "self-spec-tree": ("self-spec", SELF_SPEC + SELECTING_EVERY_PASS + TREE),
+    "self-spec-dynamic-tree": ("self-spec", SELF_SPEC + TREE + ["stages.0.tree.dynamic=true"]),
+}
 DECODES = {"self-spec-tree": "_propose_tree", "self-spec-dynamic-tree": "_propose_tree"}
 """How each case's lowest stage decodes its proposals when not by ``_decode``."""
 
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_the_lowest_stage_decodes_a_round_without_host_reads(case, temperature, tiny_dir, tiny_draft_dir,
-                                                             monkeypatch):
+def test_the_lowest_stage_decodes_a_round_without_host_reads(case, temperature, tiny_dir, tiny_draft_dir, monkeypatch):
     preset, overrides = CASES[case]
-    runtime = runtime_for(preset, tiny_dir, tiny_draft_dir, overrides, kernels="eager",
-                          **{"sampling.temperature": temperature})
+    runtime = runtime_for(
+        preset, tiny_dir, tiny_draft_dir, overrides, kernels="eager", **{"sampling.temperature": temperature}
+    )
     pipeline = runtime.pipeline_for(len(PROMPT), 24)
     reads = HostReads(monkeypatch)
     counts = reads_per_call(pipeline, DECODES.get(case, "_decode"), monkeypatch, reads)
@@ -100,8 +110,9 @@ def test_the_lowest_stage_decodes_a_round_without_host_reads(case, temperature, 
 def test_a_token_tree_round_reads_the_host_once(temperature, case, tiny_dir, tiny_draft_dir, monkeypatch):
     """Its nodes and their parents, the verifier's choices and the proposer's ranks of them, in one transfer."""
     preset, overrides = CASES[case]
-    runtime = runtime_for(preset, tiny_dir, tiny_draft_dir, overrides, kernels="eager",
-                          **{"sampling.temperature": temperature})
+    runtime = runtime_for(
+        preset, tiny_dir, tiny_draft_dir, overrides, kernels="eager", **{"sampling.temperature": temperature}
+    )
     pipeline = runtime.pipeline_for(len(PROMPT), 24)
     reads = HostReads(monkeypatch)
     counts = reads_per_call(pipeline, "_speculate_tree", monkeypatch, reads)

@@ -9,8 +9,9 @@ import torch
 
 from cascade import kernels
 
-pytestmark = pytest.mark.skipif(not kernels.weight_kernel_available(),
-                                reason="cascade's weight kernel does not build or lacks AVX512-BF16 here")
+pytestmark = pytest.mark.skipif(
+    not kernels.weight_kernel_available(), reason="cascade's weight kernel does not build or lacks AVX512-BF16 here"
+)
 
 
 def product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -69,12 +70,15 @@ def test_two_threads_and_one_agree():
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("rows, weight, message", [
-    (torch.randn(2, 8).bfloat16(), torch.randn(4, 9).bfloat16(), "rows have 8 columns, the weight 9"),
-    (torch.randn(2, 8), torch.randn(4, 8).bfloat16(), "bfloat16 rows and weight"),
-    (torch.randn(2, 2, 8).bfloat16(), torch.randn(4, 8).bfloat16(), "rows [T, I] and weight [O, I]"),
-    (torch.randn(2, 8).bfloat16(), torch.randn(8, 4).bfloat16().T, "the weight must be contiguous"),
-])
+@pytest.mark.parametrize(
+    "rows, weight, message",
+    [
+        (torch.randn(2, 8).bfloat16(), torch.randn(4, 9).bfloat16(), "rows have 8 columns, the weight 9"),
+        (torch.randn(2, 8), torch.randn(4, 8).bfloat16(), "bfloat16 rows and weight"),
+        (torch.randn(2, 2, 8).bfloat16(), torch.randn(4, 8).bfloat16(), "rows [T, I] and weight [O, I]"),
+        (torch.randn(2, 8).bfloat16(), torch.randn(8, 4).bfloat16().T, "the weight must be contiguous"),
+    ],
+)
 def test_bad_operands_are_refused_by_name(rows, weight, message):
     with pytest.raises(RuntimeError, match=message.replace("[", r"\[").replace("]", r"\]")):
         product(rows, weight)
@@ -105,10 +109,20 @@ def reference_attention(query, keys, values, scale, causal):
     return torch.einsum("hts,hsd->htd", scores.softmax(-1), values.double().repeat_interleave(group, 0))
 
 
-@pytest.mark.parametrize("heads, kv_heads, tokens, num_keys, dim", [
-    (9, 3, 1, 1000, 64), (9, 3, 7, 1000, 64), (12, 2, 1, 4099, 128), (12, 2, 5, 300, 128), (14, 2, 3, 17, 64),
-    (4, 4, 16, 16, 32), (9, 3, 8, 257, 64), (2, 1, 1, 1, 64), (4, 2, 3, 70, 16),
-])
+@pytest.mark.parametrize(
+    "heads, kv_heads, tokens, num_keys, dim",
+    [
+        (9, 3, 1, 1000, 64),
+        (9, 3, 7, 1000, 64),
+        (12, 2, 1, 4099, 128),
+        (12, 2, 5, 300, 128),
+        (14, 2, 3, 17, 64),
+        (4, 4, 16, 16, 32),
+        (9, 3, 8, 257, 64),
+        (2, 1, 1, 1, 64),
+        (4, 2, 3, 70, 16),
+    ],
+)
 @pytest.mark.parametrize("causal", [True, False])
 def test_decode_attention_equals_float64_reference(path, heads, kv_heads, tokens, num_keys, dim, causal):
     generator = torch.Generator().manual_seed(heads * num_keys + tokens)

@@ -120,11 +120,14 @@ def test_stretch_factor_is_the_smallest_power_of_two_that_fits():
     assert stretch_factor(64_064, 8192) == 8.0
 
 
-@pytest.mark.parametrize("damage,message", [
-    ("vocab_size", "weights do not match its config.json (size mismatch for embed_tokens.weight"),
-    ("num_hidden_layers", "weights do not match its config.json (no tensor model.layers.2."),
-    ("truncated", "cannot read weights"),
-])
+@pytest.mark.parametrize(
+    "damage,message",
+    [
+        ("vocab_size", "weights do not match its config.json (size mismatch for embed_tokens.weight"),
+        ("num_hidden_layers", "weights do not match its config.json (no tensor model.layers.2."),
+        ("truncated", "cannot read weights"),
+    ],
+)
 def test_weights_that_do_not_match_the_config_are_refused_by_name(damage, message, tmp_path):
     path = make_checkpoint(tmp_path / "llama", "llama-gqa-tied")
     config = json.loads((path / "config.json").read_text())

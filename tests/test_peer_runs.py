@@ -28,8 +28,24 @@ needs_llamacpp = pytest.mark.skipif(LLAMA_CPP is None, reason="llama.cpp is not 
 def test_bench_command_runs_every_test_at_every_depth_with_flash_attention_off_and_on():
     settings = BenchSettings(prompt_tokens=(512,), gen_tokens=(64,), depths=(0, 1024), threads=2, repetitions=3)
     assert bench_command(Path("bin/llama-bench"), Path("m.gguf"), settings) == [
-        "bin/llama-bench", "-m", "m.gguf", "-o", "json", "-t", "2", "-r", "3",
-        "-p", "512", "-n", "64", "-d", "0,1024", "-fa", "off,on"]
+        "bin/llama-bench",
+        "-m",
+        "m.gguf",
+        "-o",
+        "json",
+        "-t",
+        "2",
+        "-r",
+        "3",
+        "-p",
+        "512",
+        "-n",
+        "64",
+        "-d",
+        "0,1024",
+        "-fa",
+        "off,on",
+    ]
 
 
 def test_bench_command_asks_for_no_test_of_a_kind_left_out():
@@ -40,15 +56,18 @@ def test_bench_command_asks_for_no_test_of_a_kind_left_out():
     assert command[command.index("-fa") + 1] == "on"
 
 
-@pytest.mark.parametrize("settings, message", [
-    ({}, "needs a prompt-processing or a token-generation test"),
-    ({"gen_tokens": (16,), "depths": ()}, "needs a KV depth"),
-    ({"prompt_tokens": (0,)}, r"prompt lengths must be >= 1; got \[0\]"),
-    ({"gen_tokens": (16,), "depths": (-1,)}, r"depths must be >= 0; got \[-1\]"),
-    ({"gen_tokens": (16,), "threads": 0}, r"threads must be >= 1; got \[0\]"),
-    ({"gen_tokens": (16,), "repetitions": 0}, r"repetitions must be >= 1; got \[0\]"),
-    ({"gen_tokens": (16,), "flash_attn": ("yes",)}, "expected some of off, on, auto"),
-])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({}, "needs a prompt-processing or a token-generation test"),
+        ({"gen_tokens": (16,), "depths": ()}, "needs a KV depth"),
+        ({"prompt_tokens": (0,)}, r"prompt lengths must be >= 1; got \[0\]"),
+        ({"gen_tokens": (16,), "depths": (-1,)}, r"depths must be >= 0; got \[-1\]"),
+        ({"gen_tokens": (16,), "threads": 0}, r"threads must be >= 1; got \[0\]"),
+        ({"gen_tokens": (16,), "repetitions": 0}, r"repetitions must be >= 1; got \[0\]"),
+        ({"gen_tokens": (16,), "flash_attn": ("yes",)}, "expected some of off, on, auto"),
+    ],
+)
 def test_bench_settings_refuse_bad_input(settings, message):
     with pytest.raises(CascadeError, match=message):
         BenchSettings(**settings)
@@ -56,8 +75,12 @@ def test_bench_settings_refuse_bad_input(settings, message):
 
 def test_recorded_llama_bench_json_parses_into_one_dict_per_test():
     tests = parse_bench_json(BENCH_JSON)
-    assert [(test["test"], test["flash_attn"]) for test in tests] == [("pp", "off"), ("tg", "off"),
-                                                                      ("pp", "on"), ("tg", "on")]
+    assert [(test["test"], test["flash_attn"]) for test in tests] == [
+        ("pp", "off"),
+        ("tg", "off"),
+        ("pp", "on"),
+        ("tg", "on"),
+    ]
     prefill = tests[0]
     assert (prefill["n_prompt"], prefill["n_gen"], prefill["n_depth"], prefill["threads"]) == (64, 0, 0, 2)
     assert prefill["tokens_per_s"] == pytest.approx(64.730969) and prefill["tokens_per_s_stddev"] == 0.0
@@ -67,11 +90,14 @@ def test_recorded_llama_bench_json_parses_into_one_dict_per_test():
     assert tests[1]["n_gen"] == 16 and tests[1]["tokens_per_s"] == pytest.approx(5.540943)
 
 
-@pytest.mark.parametrize("text, message", [
-    ("build: 0c1e57098 (0)", "llama-bench's output is not JSON"),
-    ('{"avg_ts": 1.0}', "not a list of test records"),
-    ('[{"n_prompt": 64}]', "a llama-bench test record lacks 'n_gen'"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("build: 0c1e57098 (0)", "llama-bench's output is not JSON"),
+        ('{"avg_ts": 1.0}', "not a list of test records"),
+        ('[{"n_prompt": 64}]', "a llama-bench test record lacks 'n_gen'"),
+    ],
+)
 def test_unexpected_llama_bench_output_is_an_error_naming_the_problem(text, message):
     with pytest.raises(CascadeError, match=message):
         parse_bench_json(text)
@@ -79,14 +105,19 @@ def test_unexpected_llama_bench_output_is_an_error_naming_the_problem(text, mess
 
 def recorded_tests_at(context: int, new_tokens: int, prefill: dict[str, float], decode: dict[str, float]):
     """A fake run_llama_bench: the recorded tests with this case's sizes and the given rates."""
+
     def run(tool, model, settings):
         kind, rates = ("pp", prefill) if settings.prompt_tokens else ("tg", decode)
         assert settings.repetitions == 1 and settings.flash_attn == ("off", "on")
         expected = ((context,), ()) if kind == "pp" else ((), (new_tokens,))
         assert (settings.prompt_tokens, settings.gen_tokens) == expected
         assert settings.depths == ((0,) if kind == "pp" else (context,))
-        return [{**test, "tokens_per_s": rates[test["flash_attn"]]} for test in parse_bench_json(BENCH_JSON)
-                if test["test"] == kind]
+        return [
+            {**test, "tokens_per_s": rates[test["flash_attn"]]}
+            for test in parse_bench_json(BENCH_JSON)
+            if test["test"] == kind
+        ]
+
     return run
 
 
@@ -103,8 +134,12 @@ def test_context_case_reports_the_faster_flash_attention_setting_for_each_rate(m
 
 def test_flash_attn_summary_takes_medians_over_rounds_then_the_best_setting():
     def round_(off: float, on: float) -> dict:
-        return {"flash_attn": {"off": {"prefill_tokens_per_s": off, "decode_tokens_per_s": off},
-                               "on": {"prefill_tokens_per_s": on, "decode_tokens_per_s": on / 2}}}
+        return {
+            "flash_attn": {
+                "off": {"prefill_tokens_per_s": off, "decode_tokens_per_s": off},
+                "on": {"prefill_tokens_per_s": on, "decode_tokens_per_s": on / 2},
+            }
+        }
 
     summary = flash_attn_summary([round_(10, 30), round_(20, 5), round_(30, 25)])
     assert summary["flash_attn"]["on"] == {"prefill_tokens_per_s": 25, "decode_tokens_per_s": 12.5}
@@ -118,17 +153,47 @@ def test_speculative_command_is_greedy_with_the_draft_settings_given():
     settings = SpeculativeSettings(new_tokens=128, draft_max=8, draft_min=2, context=40960, flash_attn="on")
     paths = (Path("llama-speculative"), Path("t.gguf"), Path("d.gguf"), Path("p.txt"))
     command = speculative.speculative_command(*paths, settings)
-    assert command == ["llama-speculative", "-m", "t.gguf", "-md", "d.gguf", "-f", "p.txt", "-n", "128",
-                       "--temp", "0", "--seed", "0", "-t", "2", "-td", "2", "-c", "40960", "-fa", "on",
-                       "--spec-draft-n-max", "8", "--spec-draft-n-min", "2"]
+    assert command == [
+        "llama-speculative",
+        "-m",
+        "t.gguf",
+        "-md",
+        "d.gguf",
+        "-f",
+        "p.txt",
+        "-n",
+        "128",
+        "--temp",
+        "0",
+        "--seed",
+        "0",
+        "-t",
+        "2",
+        "-td",
+        "2",
+        "-c",
+        "40960",
+        "-fa",
+        "on",
+        "--spec-draft-n-max",
+        "8",
+        "--spec-draft-n-min",
+        "2",
+    ]
     assert not any("rope" in arg or "yarn" in arg for arg in command)  # the GGUFs carry their stretch
 
 
-@pytest.mark.parametrize("settings, message", [
-    ({"new_tokens": 0}, "new_tokens >= 1"), ({"draft_max": 0}, "draft_max >= 1"),
-    ({"draft_min": 5, "draft_max": 4}, "draft_min <= draft_max"), ({"context": -1}, "context >= 0"),
-    ({"threads": 0}, "threads >= 1"), ({"flash_attn": "fast"}, "expected off, on or auto"),
-])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"new_tokens": 0}, "new_tokens >= 1"),
+        ({"draft_max": 0}, "draft_max >= 1"),
+        ({"draft_min": 5, "draft_max": 4}, "draft_min <= draft_max"),
+        ({"context": -1}, "context >= 0"),
+        ({"threads": 0}, "threads >= 1"),
+        ({"flash_attn": "fast"}, "expected off, on or auto"),
+    ],
+)
 def test_speculative_settings_refuse_bad_input(settings, message):
     with pytest.raises(CascadeError, match=message):
         SpeculativeSettings(**settings)
@@ -136,9 +201,18 @@ def test_speculative_settings_refuse_bad_input(settings, message):
 
 def test_recorded_llama_speculative_log_parses_into_speeds_and_acceptance():
     figures = parse_speculative_output(SPECULATIVE_LOG)  # SmolLM2 q8_0 proposing to itself in bf16, 16 asked
-    assert figures == {"prompt_tokens": 414, "prefill_s": 9.142, "prefill_tokens_per_s": 45.285, "new_tokens": 21,
-                       "decode_s": 18.975, "decode_tokens_per_s": 1.107, "n_draft": 4, "n_drafted": 16,
-                       "n_accept": 16, "acceptance": 1.0}
+    assert figures == {
+        "prompt_tokens": 414,
+        "prefill_s": 9.142,
+        "prefill_tokens_per_s": 45.285,
+        "new_tokens": 21,
+        "decode_s": 18.975,
+        "decode_tokens_per_s": 1.107,
+        "n_draft": 4,
+        "n_drafted": 16,
+        "n_accept": 16,
+        "acceptance": 1.0,
+    }
 
 
 def test_a_llama_speculative_log_without_its_figures_is_an_error():
@@ -159,5 +233,9 @@ def test_built_llama_bench_measures_smollm2_with_flash_attention_off_and_on(smol
     settings = BenchSettings(prompt_tokens=(16,), gen_tokens=(4,), depths=(32,), repetitions=1)
     tests = bench_case.run_llama_bench(LLAMA_CPP.tool("llama-bench"), model, settings)
     assert sorted((test["test"], test["flash_attn"], test["n_depth"]) for test in tests) == [
-        ("pp", "off", 32), ("pp", "on", 32), ("tg", "off", 32), ("tg", "on", 32)]
+        ("pp", "off", 32),
+        ("pp", "on", 32),
+        ("tg", "off", 32),
+        ("tg", "on", 32),
+    ]
     assert all(test["tokens_per_s"] > 0 and test["build_commit"] == LLAMA_CPP.commit for test in tests)

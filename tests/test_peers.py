@@ -34,8 +34,9 @@ CHANGELOG = """# Changelog
 """
 
 
-@pytest.mark.parametrize("version, commit", [("0.3.36", "0c1e57098"), ("0.3.35", "unknown"),
-                                             ("0.3.34", "4df29be4f"), ("0.1.0", "unknown")])
+@pytest.mark.parametrize(
+    "version, commit", [("0.3.36", "0c1e57098"), ("0.3.35", "unknown"), ("0.3.34", "4df29be4f"), ("0.1.0", "unknown")]
+)
 def test_vendored_commit_is_read_from_the_release_entry_of_the_changelog(tmp_path, version, commit):
     changelog = tmp_path / "CHANGELOG.md"
     changelog.write_text(CHANGELOG)
@@ -65,8 +66,9 @@ def test_a_finished_build_is_found_and_not_built_again(home, monkeypatch):
     root = home / "peers" / "llama.cpp-0.3.36"
     root.mkdir(parents=True)
     version = "version: 0.5.0-dev (build 0, commit 0c1e57098); built with GNU 12.2.0 for Linux x86_64"
-    (root / "build.json").write_text(json.dumps({"llama_cpp_python": "0.3.36", "commit": "0c1e57098",
-                                                 "version": version}))
+    (root / "build.json").write_text(
+        json.dumps({"llama_cpp_python": "0.3.36", "commit": "0c1e57098", "version": version})
+    )
     monkeypatch.setattr(llamacpp, "missing_toolchain", lambda: pytest.fail("checked the toolchain"))
     build = ensure_built("0.3.36", log=lambda message: None)
     assert build == installed_build("0.3.36") == LlamaCpp(root, "0.3.36", "0c1e57098", version)
@@ -78,7 +80,7 @@ def test_a_finished_build_is_found_and_not_built_again(home, monkeypatch):
 @pytest.mark.parametrize("flags, amx_off", [({"avx512f", "amx_int8"}, True), ({"avx512f"}, False), (set(), False)])
 def test_cmake_options_name_the_commit_and_leave_out_amx_int8_kernels_only_where_the_cpu_has_them(flags, amx_off):
     options = llamacpp.cmake_options("0c1e57098", flags)
-    assert options[:len(llamacpp.CMAKE_OPTIONS)] == list(llamacpp.CMAKE_OPTIONS)
+    assert options[: len(llamacpp.CMAKE_OPTIONS)] == list(llamacpp.CMAKE_OPTIONS)
     assert "-DLLAMA_BUILD_COMMIT=0c1e57098" in options and "-DLLAMA_BUILD_NUMBER=0" in options
     assert "-DGGML_NATIVE=ON" in options and "-DBUILD_SHARED_LIBS=OFF" in options
     assert all(option in options for option in llamacpp.WITHOUT_AMX_INT8) == amx_off
@@ -134,10 +136,12 @@ def fake_build(tmp_path: Path) -> LlamaCpp:
     return LlamaCpp(tmp_path / "no-build", "0.3.36", "0c1e57098", "version: 0.5.0-dev (build 0, commit 0c1e57098)")
 
 
-@pytest.mark.parametrize("tokens, expected", [(512, "llama-bf16.gguf"), (600, "llama-bf16-yarn2.gguf"),
-                                              (1500, "llama-bf16-yarn4.gguf")])
+@pytest.mark.parametrize(
+    "tokens, expected", [(512, "llama-bf16.gguf"), (600, "llama-bf16-yarn2.gguf"), (1500, "llama-bf16-yarn4.gguf")]
+)
 def test_peer_gguf_stretches_with_yarn_beyond_the_native_context_as_cascade_does(
-        home, tmp_path, tiny_dir, tokens, expected):
+    home, tmp_path, tiny_dir, tokens, expected
+):
     write_tiny_gguf(gguf_path(tiny_dir, "bf16"), context=512)  # tiny_dir's native context: 512
     assert peer_gguf(fake_build(tmp_path), tiny_dir, "bf16", tokens, log=lambda message: None).name == expected
 
@@ -159,8 +163,9 @@ def test_ensure_gguf_refuses_an_unknown_type_and_a_directory_that_is_no_checkpoi
 def test_a_failed_conversion_says_why_and_leaves_no_file(home, tmp_path, tiny_dir, monkeypatch):
     def converter(command, **kwargs):
         Path(command[-1]).write_text("partial")
-        return convert.subprocess.CompletedProcess(command, 1, "", "Traceback ...\n"
-                                                   "ModuleNotFoundError: No module named 'sentencepiece'\n")
+        return convert.subprocess.CompletedProcess(
+            command, 1, "", "Traceback ...\nModuleNotFoundError: No module named 'sentencepiece'\n"
+        )
 
     monkeypatch.setattr(convert.subprocess, "run", converter)
     fix = r"No module named 'sentencepiece'; install .*`pip install -e \"\.\[peers\]\"`"

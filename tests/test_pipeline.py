@@ -42,8 +42,7 @@ def autoregressive_tokens(tiny_dir, tiny_draft_dir):
 
 @pytest.mark.parametrize("draft_is_target", [False, True], ids=["random-draft", "draft=target"])
 @pytest.mark.parametrize("preset", ["speculative", "self-spec", "triforce"])
-def test_preset_greedy_equals_autoregressive(preset, draft_is_target, tiny_dir, tiny_draft_dir,
-                                             autoregressive_tokens):
+def test_preset_greedy_equals_autoregressive(preset, draft_is_target, tiny_dir, tiny_draft_dir, autoregressive_tokens):
     draft = tiny_dir if draft_is_target else tiny_draft_dir
     result = generate(runtime_for(preset, tiny_dir, draft, SMALL_CACHES[preset]), PROMPT)
     assert result.token_ids == autoregressive_tokens
@@ -53,12 +52,16 @@ def test_preset_greedy_equals_autoregressive(preset, draft_is_target, tiny_dir, 
         assert proposers[0].acceptance_rate == (1.0 if draft_is_target else pytest.approx(0.0, abs=0.1))
 
 
-@pytest.mark.parametrize("cache", [
-    {"kind": "topk_oracle", "budget": 64},
-    {"kind": "retrieval", "budget": 64, "scoring": "attention", "refresh": {"every": 1}},
-    {"kind": "retrieval", "budget": 64, "scoring": "bound", "refresh": {"every": 1}},
-    {"kind": "retrieval", "budget": 64, "scoring": "sparq", "query_dims": 8, "refresh": "every_pass"},
-], ids=["topk_oracle", "retrieval-attention-each-round", "retrieval-bound-each-round", "retrieval-sparq-each-pass"])
+@pytest.mark.parametrize(
+    "cache",
+    [
+        {"kind": "topk_oracle", "budget": 64},
+        {"kind": "retrieval", "budget": 64, "scoring": "attention", "refresh": {"every": 1}},
+        {"kind": "retrieval", "budget": 64, "scoring": "bound", "refresh": {"every": 1}},
+        {"kind": "retrieval", "budget": 64, "scoring": "sparq", "query_dims": 8, "refresh": "every_pass"},
+    ],
+    ids=["topk_oracle", "retrieval-attention-each-round", "retrieval-bound-each-round", "retrieval-sparq-each-pass"],
+)
 def test_self_spec_selecting_keys_afresh_stays_exact(cache, tiny_dir, tiny_draft_dir, autoregressive_tokens):
     overrides = [f"stages.0.cache={cache}", "stages.0.schedule=fixed"]
     result = generate(runtime_for("self-spec", tiny_dir, tiny_draft_dir, overrides), PROMPT)
@@ -66,11 +69,18 @@ def test_self_spec_selecting_keys_afresh_stays_exact(cache, tiny_dir, tiny_draft
     assert result.stats.stages[0].name == f"0:target/{cache['kind']}" and result.stats.stages[0].rounds > 0
 
 
-def test_triforce_selecting_before_every_pass_of_its_middle_stage_stays_exact(tiny_dir, tiny_draft_dir,
-                                                                             autoregressive_tokens):
+def test_triforce_selecting_before_every_pass_of_its_middle_stage_stays_exact(
+    tiny_dir, tiny_draft_dir, autoregressive_tokens
+):
     """The middle stage verifies the draft's proposals: each pass selects by its first query only."""
-    overrides = [*SMALL_CACHES["triforce"], "stages.1.cache.scoring=sparq", "stages.1.cache.query_dims=8",
-                 "stages.1.cache.refresh=every_pass", "stages.0.schedule=fixed", "stages.1.schedule=fixed"]
+    overrides = [
+        *SMALL_CACHES["triforce"],
+        "stages.1.cache.scoring=sparq",
+        "stages.1.cache.query_dims=8",
+        "stages.1.cache.refresh=every_pass",
+        "stages.0.schedule=fixed",
+        "stages.1.schedule=fixed",
+    ]
     runtime = runtime_for("triforce", tiny_dir, tiny_draft_dir, overrides)
     pipeline = runtime.pipeline_for(len(PROMPT), 40)
     result = generate(runtime, PROMPT, pipeline=pipeline)
@@ -96,8 +106,12 @@ def test_adaptive_schedules_stay_exact(schedule, tiny_dir, tiny_draft_dir, autor
 def test_a_stage_bypassed_for_long_catches_up_within_its_room(tiny_dir, tiny_draft_dir):
     """The cost model bypasses the useless draft; its streaming cache then lags the context by more
     than a prefill chunk and must be fed the missed tokens in chunks, not overflow."""
-    overrides = ["stages.0.cache.kind=streaming", "stages.0.cache.window=40", "stages.0.schedule=cost_model",
-                 "prefill_chunk=16"]
+    overrides = [
+        "stages.0.cache.kind=streaming",
+        "stages.0.cache.window=40",
+        "stages.0.schedule=cost_model",
+        "prefill_chunk=16",
+    ]
     result = generate(runtime_for("speculative", tiny_dir, tiny_draft_dir, overrides), PROMPT, 120)
     draft = result.stats.stages[0]
     assert draft.gamma_choices.get(0, 0) > 16  # bypassed for longer than a probe interval
@@ -107,16 +121,26 @@ def test_a_stage_bypassed_for_long_catches_up_within_its_room(tiny_dir, tiny_dra
 
 def test_four_stages_from_a_yaml_file(tmp_path, tiny_dir, tiny_draft_dir, autoregressive_tokens):
     config = tmp_path / "four.yaml"
-    config.write_text(yaml.safe_dump({"stages": [
-        {"model": "draft", "cache": {"kind": "streaming", "sinks": 4, "window": 28}, "gamma": 3},
-        {"model": "target", "cache": {"kind": "h2o", "budget": 96, "recent": 32}, "gamma": 4},
-        {"model": "target", "cache": {"kind": "retrieval", "budget": 128, "chunk_size": 8}, "gamma": 5},
-        {"model": "target", "cache": {"kind": "full"}},
-    ]}))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "stages": [
+                    {"model": "draft", "cache": {"kind": "streaming", "sinks": 4, "window": 28}, "gamma": 3},
+                    {"model": "target", "cache": {"kind": "h2o", "budget": 96, "recent": 32}, "gamma": 4},
+                    {"model": "target", "cache": {"kind": "retrieval", "budget": 128, "chunk_size": 8}, "gamma": 5},
+                    {"model": "target", "cache": {"kind": "full"}},
+                ]
+            }
+        )
+    )
     result = generate(runtime_for(None, tiny_dir, tiny_draft_dir, config_file=config), PROMPT)
     assert result.token_ids == autoregressive_tokens
     assert [stage.name for stage in result.stats.stages] == [
-        "0:draft/streaming", "1:target/h2o", "2:target/retrieval", "3:target/full"]
+        "0:draft/streaming",
+        "1:target/h2o",
+        "2:target/retrieval",
+        "3:target/full",
+    ]
 
 
 def test_a_prompt_within_the_retrieval_budget_skips_that_optional_stage(tiny_dir, tiny_draft_dir):
@@ -147,8 +171,12 @@ def test_max_new_tokens_cuts_inside_an_accepted_run(max_new_tokens, tiny_dir, au
     assert result.token_ids == autoregressive_tokens[:max_new_tokens]
 
 
-SAMPLED_FIXED = SMALL_CACHES["triforce"] + ["sampling.temperature=0.8", "sampling.top_p=0.9",
-                                            "stages.0.schedule=fixed", "stages.1.schedule=fixed"]
+SAMPLED_FIXED = SMALL_CACHES["triforce"] + [
+    "sampling.temperature=0.8",
+    "sampling.top_p=0.9",
+    "stages.0.schedule=fixed",
+    "stages.1.schedule=fixed",
+]
 """Sampled triforce whose gammas do not follow measured times (as the cost model's do), so a seed
 gives the same tokens every time."""
 

@@ -59,8 +59,9 @@ class ToyStage:
         self.committed = len(self.seen)
         return self.logits[self.seen[-1]]  # [V]
 
-    def extend(self, context: list[int], num_logits: int, proposed: torch.Tensor | None = None,
-               tree: TreePass | None = None) -> torch.Tensor:
+    def extend(
+        self, context: list[int], num_logits: int, proposed: torch.Tensor | None = None, tree: TreePass | None = None
+    ) -> torch.Tensor:
         """A token-tree node's next distribution, like any token's, depends on it alone."""
         if proposed is not None:
             context = context + proposed.tolist()
@@ -105,8 +106,10 @@ BAD = -TARGET  # a draft that prefers what the target avoids
 
 
 def cascade_of(logit_tables: list[torch.Tensor], gammas: list[int], schedule: str = "fixed") -> list[ToyStage]:
-    stages = [ToyStage(f"toy{i}", table, SCHEDULES[schedule](gamma)) for i, (table, gamma) in
-              enumerate(zip(logit_tables[:-1], gammas, strict=True))]
+    stages = [
+        ToyStage(f"toy{i}", table, SCHEDULES[schedule](gamma))
+        for i, (table, gamma) in enumerate(zip(logit_tables[:-1], gammas, strict=True))
+    ]
     return stages + [ToyStage("target", logit_tables[-1])]
 
 
@@ -149,7 +152,7 @@ def test_three_levels_emit_the_target_distribution(sampling, schedule):
 @pytest.mark.parametrize("sampling", SAMPLINGS, ids=["plain", "transformed"])
 def test_token_trees_emit_the_target_distribution(sampling, levels, dynamic):
     """The lowest stage proposes a tree of its 1-3 most likely tokens per node (of 5 here)."""
-    stages = cascade_of([BAD, CLOSE, TARGET][-levels:], [4, 3][:levels - 1])
+    stages = cascade_of([BAD, CLOSE, TARGET][-levels:], [4, 3][: levels - 1])
     stages[0].tree, stages[0].dynamic_tree = TokenTree.best_first([0.5, 0.3, 0.1], nodes=9, depth=4), dynamic
     pipeline = Pipeline(stages, sampling, prefill_chunk=16)
     assert follows_target(emitted_transitions(pipeline), sampling) > P_FLOOR
@@ -179,8 +182,13 @@ def test_the_test_catches_a_verifier_that_accepts_too_often(sampling, excess, mo
     """u < excess * target / draft instead of u < target / draft: biases of 0.028 (plain, 10%) and
     0.019 (transformed, 5%) in total variation, which a bound at 3x the plain noise (0.03) misses."""
     exact_verify = pipeline_module.verify
-    monkeypatch.setattr(pipeline_module, "verify", lambda tokens, draft_probs, target_probs, uniforms, generator:
-                        exact_verify(tokens, draft_probs, target_probs, uniforms / excess, generator))
+    monkeypatch.setattr(
+        pipeline_module,
+        "verify",
+        lambda tokens, draft_probs, target_probs, uniforms, generator: exact_verify(
+            tokens, draft_probs, target_probs, uniforms / excess, generator
+        ),
+    )
     pipeline = Pipeline(cascade_of([CLOSE, TARGET], [4]), sampling, prefill_chunk=16)
     assert follows_target(emitted_transitions(pipeline), sampling) < P_FLOOR
 
@@ -212,8 +220,10 @@ def test_sampled_outputs_stop_as_the_target_would(sampling):
     outputs, their lengths included, follow the target chain's law over RUNS seeded generations."""
     stop, law = StopRule(frozenset({EOS}), 4), output_law(sampling, 4)
     pipeline = Pipeline(cascade_of([BAD, CLOSE, TARGET], [2, 3]), sampling, prefill_chunk=16)
-    outputs = Counter(tuple(pipeline.generate(torch.tensor([0]), stop, torch.Generator().manual_seed(seed)).token_ids)
-                      for seed in range(RUNS))
+    outputs = Counter(
+        tuple(pipeline.generate(torch.tensor([0]), stop, torch.Generator().manual_seed(seed)).token_ids)
+        for seed in range(RUNS)
+    )
     assert set(outputs) <= set(law), f"outputs the target cannot sample: {set(outputs) - set(law)}"
     observed = torch.tensor([[float(outputs[output]) for output in law]])
     assert fit_p_value(observed, RUNS * torch.tensor([list(law.values())])) > P_FLOOR

@@ -43,8 +43,9 @@ def test_streaming_with_a_window_covering_everything_equals_full(tiny_model):
     for cache in (full, streaming):
         tiny_model(prompt, cache)
         cache.commit(40)
-    torch.testing.assert_close(decode_logits(tiny_model, streaming, generated),
-                               decode_logits(tiny_model, full, generated), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        decode_logits(tiny_model, streaming, generated), decode_logits(tiny_model, full, generated), atol=1e-5, rtol=0
+    )
     assert streaming.dropped == 0
 
 
@@ -83,8 +84,12 @@ def test_retrieval_with_budget_covering_the_prompt_equals_full(tiny_model):
     reference = FullCache(layout)
     tiny_model(prompt, reference)
     reference.commit(40)
-    torch.testing.assert_close(decode_logits(tiny_model, retrieval, generated),
-                               decode_logits(tiny_model, reference, generated), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        decode_logits(tiny_model, retrieval, generated),
+        decode_logits(tiny_model, reference, generated),
+        atol=1e-5,
+        rtol=0,
+    )
     assert retrieval.kept == 40
 
 
@@ -102,8 +107,15 @@ def hand_made_source(prompt: int = 14) -> tuple[FullCache, CacheLayout]:
     return source, layout
 
 
-def brute_force_chunks(source: FullCache, query: torch.Tensor, prompt: int, size: int, chosen: int,
-                       scoring: str = "mean_key", query_dims: int = 2):
+def brute_force_chunks(
+    source: FullCache,
+    query: torch.Tensor,
+    prompt: int,
+    size: int,
+    chosen: int,
+    scoring: str = "mean_key",
+    query_dims: int = 2,
+):
     """Per KV head (2 query heads each): score every whole chunk, keep chunk 0 + the best. mean_key:
     (summed group query) . (mean key); attention: the probability its tokens receive, summed over
     the group's heads; bound: per head, sum over dimensions of the chunk's largest query-key
@@ -121,8 +133,12 @@ def brute_force_chunks(source: FullCache, query: torch.Tensor, prompt: int, size
             scores = received.unflatten(0, (-1, size)).sum(1)
         elif scoring == "sparq":
             dims = group.abs().sum(0).topk(query_dims).indices
-            received = sum(torch.softmax(keys[:, dims] @ one[dims] / (keys.shape[-1] * one[dims].abs().sum()
-                                                                      / one.abs().sum()) ** 0.5, 0) for one in group)
+            received = sum(
+                torch.softmax(
+                    keys[:, dims] @ one[dims] / (keys.shape[-1] * one[dims].abs().sum() / one.abs().sum()) ** 0.5, 0
+                )
+                for one in group
+            )
             scores = received.unflatten(0, (-1, size)).sum(1)
         else:
             bounds = [(chunks * one).amax(1).sum(1) for one in group]  # [C] per head
@@ -151,9 +167,10 @@ def test_retrieval_picks_the_brute_force_chunks_with_gqa():
     assert all(chunks[0] == 0 for chunks in expected)  # the sink chunk, although it scores lowest
 
 
-@pytest.mark.parametrize(("scoring", "picks"), [("attention", [[0, 1, 6], [0, 5, 6]]),
-                                               ("bound", [[0, 4, 6], [0, 5, 6]]),
-                                               ("sparq", [[0, 4, 6], [0, 5, 6]])])
+@pytest.mark.parametrize(
+    ("scoring", "picks"),
+    [("attention", [[0, 1, 6], [0, 5, 6]]), ("bound", [[0, 4, 6], [0, 5, 6]]), ("sparq", [[0, 4, 6], [0, 5, 6]])],
+)
 def test_retrieval_scored_otherwise_than_by_mean_keys_picks_the_brute_force_chunks(scoring, picks):
     """attention: the chunks receiving the most attention; bound: those whose best key can score most;
     sparq: those receiving the most attention seen through 2 of the query's 4 dimensions."""
@@ -205,8 +222,10 @@ SUMMARY_BYTES_PER_CHUNK_DIM = {"mean_key": 4, "bound": 2 * 4, "sparq": 4 * 4}
 @pytest.mark.parametrize("scoring", ["mean_key", "bound", "sparq"])
 def test_retrieval_summarizes_chunks_once_when_it_reselects_and_chooses_as_without(scoring, tiny_model):
     source, layout = prefilled_source(tiny_model)
-    caches = [RetrievalCache(layout, RetrievalCacheConfig(budget=16, chunk_size=4, scoring=scoring, refresh=refresh),
-                             source) for refresh in ("never", {"every": 1})]
+    caches = [
+        RetrievalCache(layout, RetrievalCacheConfig(budget=16, chunk_size=4, scoring=scoring, refresh=refresh), source)
+        for refresh in ("never", {"every": 1})
+    ]
     for cache in caches:
         decode_logits(tiny_model, cache, tokens(tiny_model, 1, 1))
     once, every = caches
@@ -307,8 +326,10 @@ def test_retrieval_refreshes_when_acceptance_drops(tiny_model):
 def test_retrieval_takes_the_full_caches_kv_of_committed_generated_tokens(tiny_model):
     source, layout = prefilled_source(tiny_model)  # a 64-token prompt
     generated = tokens(tiny_model, 5, 1)
-    caches = {exact: RetrievalCache(layout, RetrievalCacheConfig(budget=16, chunk_size=4, exact_generated=exact),
-                                    source) for exact in (True, False)}
+    caches = {
+        exact: RetrievalCache(layout, RetrievalCacheConfig(budget=16, chunk_size=4, exact_generated=exact), source)
+        for exact in (True, False)
+    }
     for cache in caches.values():
         tiny_model(generated, cache)  # the stage's own K/V: attention over 16 prompt tokens only
     tiny_model(generated, source)
@@ -332,8 +353,9 @@ def test_retrieval_budget_checks():
 
 
 def test_retrieval_holds_no_second_copy_of_a_32k_prompt():
-    layout = CacheLayout(num_layers=2, num_kv_heads=3, head_dim=64, capacity=32_768 + 256,
-                         dtype=torch.bfloat16, device=CPU)
+    layout = CacheLayout(
+        num_layers=2, num_kv_heads=3, head_dim=64, capacity=32_768 + 256, dtype=torch.bfloat16, device=CPU
+    )
     source = FullCache(layout)
     source.allocate(32_768)
     source.commit(32_768)
@@ -341,8 +363,12 @@ def test_retrieval_holds_no_second_copy_of_a_32k_prompt():
     assert retrieval.memory_bytes() == (4096 + 256) * layout.bytes_per_token
     assert retrieval.memory_bytes() < 0.14 * source.memory_bytes()
     retrieval.allocate(1)
-    view = retrieval.update(0, torch.zeros(1, 3, 1, 64, dtype=torch.bfloat16),
-                            torch.zeros(1, 3, 1, 64, dtype=torch.bfloat16), torch.ones(1, 9, 1, 64))
+    view = retrieval.update(
+        0,
+        torch.zeros(1, 3, 1, 64, dtype=torch.bfloat16),
+        torch.zeros(1, 3, 1, 64, dtype=torch.bfloat16),
+        torch.ones(1, 9, 1, 64),
+    )
     assert view.keys.shape == (1, 3, 4097, 64)
     assert retrieval.read_bytes() == 4097 * layout.bytes_per_token
 
@@ -465,8 +491,10 @@ def test_at_budget_gives_each_budgeted_policy_that_many_tokens():
     assert POLICIES["streaming"].config.at_budget(64).model_dump() == {"kind": "streaming", "sinks": 4, "window": 60}
     assert POLICIES["h2o"].config.at_budget(64).recent == 32
     assert POLICIES["retrieval"].config.at_budget(64).budget == 64
-    with pytest.raises(ValueError, match="full caches have no token budget; these kinds have one: h2o, retrieval, "
-                                         "streaming, topk_oracle"):
+    with pytest.raises(
+        ValueError,
+        match="full caches have no token budget; these kinds have one: h2o, retrieval, streaming, topk_oracle",
+    ):
         POLICIES["full"].config.at_budget(64)
 
 

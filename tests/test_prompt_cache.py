@@ -14,9 +14,16 @@ PROMPT = [(7 * i) % 300 + 5 for i in range(40)]
 def runtime_for(tiny_dir, tiny_draft_dir, cache_dir, logs=None, **settings):
     """Sampled ``speculative`` with a fixed gamma: a seeded sample repeats token for token (under
     ``cost_model`` the gammas, so the text, follow measured times)."""
-    settings = {"target.path": str(tiny_dir), "draft.path": str(tiny_draft_dir), "dtype": "float32",
-                "prefill_chunk": 16, "sampling.temperature": 0.8, "stages.0.gamma": 3,
-                "stages.0.schedule": "fixed", **settings}
+    settings = {
+        "target.path": str(tiny_dir),
+        "draft.path": str(tiny_draft_dir),
+        "dtype": "float32",
+        "prefill_chunk": 16,
+        "sampling.temperature": 0.8,
+        "stages.0.gamma": 3,
+        "stages.0.schedule": "fixed",
+        **settings,
+    }
     if cache_dir is not None:
         settings["prompt_cache.dir"] = str(cache_dir)
     _, config = load_config("speculative", None, [], settings)

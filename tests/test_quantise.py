@@ -19,8 +19,9 @@ from tests.conftest import make_checkpoint
 from tests.test_fused import CPU, SHORT_PASSES, decode, layer_op_calls, layer_op_calls_expected
 from tests.test_pipeline import PROMPT, generate, runtime_for
 
-needs_int8_kernel = pytest.mark.skipif(not kernels.int8_kernel_available(),
-                                       reason="cascade's int8 kernel needs AMX-INT8 or AVX512-VNNI and a C++ compiler")
+needs_int8_kernel = pytest.mark.skipif(
+    not kernels.int8_kernel_available(), reason="cascade's int8 kernel needs AMX-INT8 or AVX512-VNNI and a C++ compiler"
+)
 SHAPES = [(960, 576), (96, 1536), (101, 64), (7, 37), (33, 130), (16, 64)]
 
 
@@ -93,8 +94,7 @@ def test_int8_kernel_refuses_what_it_cannot_take():
     with pytest.raises(RuntimeError, match="rows have 64 columns, the packed weight 128"):
         torch.ops.cascade_kernels.rows_times_int8(torch.randn(1, 64).bfloat16(), quantised.weight, quantised.scales)
     with pytest.raises(RuntimeError, match="1 <= T <= 16"):
-        torch.ops.cascade_kernels.rows_times_int8(torch.randn(17, 128).bfloat16(), quantised.weight,
-                                                  quantised.scales)
+        torch.ops.cascade_kernels.rows_times_int8(torch.randn(17, 128).bfloat16(), quantised.weight, quantised.scales)
     with pytest.raises(RuntimeError, match="bfloat16 rows"):
         torch.ops.cascade_kernels.rows_times_int8(torch.randn(1, 128), quantised.weight, quantised.scales)
 
@@ -140,7 +140,7 @@ def test_the_speculative_preset_quantises_its_draft_where_the_int8_kernel_runs(t
     for name in ("cpu_layers", "int8_kernel", "attention_kernel"):  # the runtime sets them: restore them after
         monkeypatch.setattr(fused, name, getattr(fused, name))
     for available in (True, False):
-        monkeypatch.setattr(kernels, "int8_kernel_available", lambda: available)
+        monkeypatch.setattr(kernels, "int8_kernel_available", lambda available=available: available)
         runtime = runtime_for("speculative", tiny_dir, tiny_draft_dir, dtype="bfloat16")
         assert isinstance(runtime.draft.model.lm_head, Int8Linear) == available  # auto: int8 where the int8 kernel runs
         assert not isinstance(runtime.target.model.lm_head, Int8Linear)

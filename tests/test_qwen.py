@@ -54,7 +54,9 @@ def test_the_conversion_keeps_what_qwen2_needs(qwen_dir):
     assert config.vocab_size == 151_936 and eos_token_ids(qwen_dir, config) == (EOS,)
     tokenizer = AutoTokenizer.from_pretrained(qwen_dir)
     assert len(tokenizer) == 151_936 and tokenizer.eos_token_id == EOS
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False
+    )
     assert chat.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
     with safe_open(qwen_dir / "model.safetensors", framework="pt") as weights:
         names = set(weights.keys())
@@ -114,10 +116,13 @@ def autoregressive(long_prompt) -> list[int]:
     return qwen_generate("autoregressive", [], long_prompt)
 
 
-@pytest.mark.parametrize("preset,overrides", [
-    ("speculative", []),  # 0.5B -> 1.5B
-    ("self-spec", ["stages.0.cache.budget=512"]),
-    ("triforce", ["stages.1.cache.budget=512"]),  # 0.5B with a 256-token streaming cache -> retrieval -> full
-])
+@pytest.mark.parametrize(
+    "preset,overrides",
+    [
+        ("speculative", []),  # 0.5B -> 1.5B
+        ("self-spec", ["stages.0.cache.budget=512"]),
+        ("triforce", ["stages.1.cache.budget=512"]),  # 0.5B with a 256-token streaming cache -> retrieval -> full
+    ],
+)
 def test_presets_greedy_equal_autoregressive(long_prompt, autoregressive, preset, overrides):
     assert qwen_generate(preset, overrides, long_prompt) == autoregressive

@@ -23,28 +23,77 @@ def load_roofline_script():
 def test_roofline_times_every_pass_of_a_random_shape(tmp_path):
     out, rooflines = tmp_path / "roofline.json", tmp_path / "gpu.json"
     rooflines.write_text(json.dumps({"hardware": "a GPU", "bandwidth_bytes_per_s": 2e12, "matmul_flops_per_s": 5e14}))
-    command = [sys.executable, "scripts/roofline.py", "--shape", "llama-68m", "--draft-shape", "llama-68m",
-               "--contexts", "300", "--budget", "64", "--gamma", "3", "--draft-window", "28", "--repeats", "1",
-               "--device", "cpu", "--kernels", "eager", "--acceptance", "0.8", "--draft-acceptance", "0.6",
-               "--reselect", "mean_key", "attention", "sparq", "--every-pass-acceptance", "0.7", "0.9", "0.85",
-               "--every-round-acceptance", "0.6", "0.7", "0.65", "--tree", "6", "--tree-accepted", "1.5", "2", "1.8",
-               "--roofline-of", str(rooflines), "--out", str(out)]
+    command = [
+        sys.executable,
+        "scripts/roofline.py",
+        "--shape",
+        "llama-68m",
+        "--draft-shape",
+        "llama-68m",
+        "--contexts",
+        "300",
+        "--budget",
+        "64",
+        "--gamma",
+        "3",
+        "--draft-window",
+        "28",
+        "--repeats",
+        "1",
+        "--device",
+        "cpu",
+        "--kernels",
+        "eager",
+        "--acceptance",
+        "0.8",
+        "--draft-acceptance",
+        "0.6",
+        "--reselect",
+        "mean_key",
+        "attention",
+        "sparq",
+        "--every-pass-acceptance",
+        "0.7",
+        "0.9",
+        "0.85",
+        "--every-round-acceptance",
+        "0.6",
+        "0.7",
+        "0.65",
+        "--tree",
+        "6",
+        "--tree-accepted",
+        "1.5",
+        "2",
+        "1.8",
+        "--roofline-of",
+        str(rooflines),
+        "--out",
+        str(out),
+    ]
     printed = subprocess.run(command, capture_output=True, text=True, check=True).stdout
     report = json.loads(out.read_text())
     assert report["model"] == "llama-68m" and not report["graphs"] and report["contexts"][0]["fused_tokens"] == 0
     passes = report["contexts"][0]["passes"]
-    assert list(passes) == ["full, 1 token (autoregressive step)", "retrieval 64, 1 token (proposal)",
-                            "retrieval 64, 4 tokens (verifying the draft)", "full, 4 tokens (verification)",
-                            "retrieval 64, a tree level of 3 tokens",
-                            "full, a tree of 6 tokens after one (verification)",
-                            "retrieval 64, 1 token re-selecting (mean_key)",
-                            "retrieval 64, 1 token re-selecting (attention)",
-                            "retrieval 64, 1 token re-selecting (sparq)", "draft llama-68m, streaming 32, 1 token"]
+    assert list(passes) == [
+        "full, 1 token (autoregressive step)",
+        "retrieval 64, 1 token (proposal)",
+        "retrieval 64, 4 tokens (verifying the draft)",
+        "full, 4 tokens (verification)",
+        "retrieval 64, a tree level of 3 tokens",
+        "full, a tree of 6 tokens after one (verification)",
+        "retrieval 64, 1 token re-selecting (mean_key)",
+        "retrieval 64, 1 token re-selecting (attention)",
+        "retrieval 64, 1 token re-selecting (sparq)",
+        "draft llama-68m, streaming 32, 1 token",
+    ]
     full_step, proposal = passes["full, 1 token (autoregressive step)"], passes["retrieval 64, 1 token (proposal)"]
     assert proposal["bytes_read"] < full_step["bytes_read"]  # 64 prompt tokens of KV instead of 300
     token_bytes, copied = 2 * 2 * 12 * 64 * 2, 60  # K and V, 2 layers, 12 KV heads of 64, bf16; 60 kept tokens
-    selections = {scoring: passes[f"retrieval 64, 1 token re-selecting ({scoring})"]["bytes_read"]
-                  - proposal["bytes_read"] for scoring in ("mean_key", "attention", "sparq")}
+    selections = {
+        scoring: passes[f"retrieval 64, 1 token re-selecting ({scoring})"]["bytes_read"] - proposal["bytes_read"]
+        for scoring in ("mean_key", "attention", "sparq")
+    }
     assert selections["mean_key"] == 2 * 12 * 37 * 64 * 4 + copied * token_bytes  # float32 means of 37 chunks
     assert selections["attention"] == 296 * token_bytes // 2 + copied * token_bytes  # the keys of 37 chunks
     assert selections["sparq"] == 296 * token_bytes // 2 // 4 + copied * token_bytes  # 16 of their 64 dimensions
@@ -55,17 +104,33 @@ def test_roofline_times_every_pass_of_a_random_shape(tmp_path):
     assert "self-spec ceiling at 300 (acceptance 0.80)" in printed
     every_pass = report["contexts"][0]["every_pass_ceilings"]
     assert list(every_pass) == ["mean_key", "attention", "sparq"] and every_pass["sparq"]["acceptance"] == 0.85
-    assert every_pass["attention"]["roofline"] == load_roofline_script().self_spec_ceiling(
-        full_step, passes["retrieval 64, 1 token re-selecting (attention)"], passes["full, 4 tokens (verification)"],
-        0.9)["roofline"]
+    assert (
+        every_pass["attention"]["roofline"]
+        == load_roofline_script().self_spec_ceiling(
+            full_step,
+            passes["retrieval 64, 1 token re-selecting (attention)"],
+            passes["full, 4 tokens (verification)"],
+            0.9,
+        )["roofline"]
+    )
     assert "self-spec ceiling at 300, re-selecting every pass (sparq) (acceptance 0.85)" in printed
     roofline = load_roofline_script()
     every_round = report["contexts"][0]["every_round_ceilings"]["attention"]
     selecting = passes["retrieval 64, 1 token re-selecting (attention)"]
-    assert every_round["acceptance"] == 0.7 and every_round["roofline"]["speedup"] == pytest.approx(max(
-        roofline.expected_speedup(0.7, proposal["roofline_ms"], max(full_step["memory_ms"], full_step["compute_ms"] * (
-            gamma + 1)) + selecting["roofline_ms"] - proposal["roofline_ms"], full_step["roofline_ms"], gamma)
-        for gamma in (1, 2, 3)))
+    assert every_round["acceptance"] == 0.7 and every_round["roofline"]["speedup"] == pytest.approx(
+        max(
+            roofline.expected_speedup(
+                0.7,
+                proposal["roofline_ms"],
+                max(full_step["memory_ms"], full_step["compute_ms"] * (gamma + 1))
+                + selecting["roofline_ms"]
+                - proposal["roofline_ms"],
+                full_step["roofline_ms"],
+                gamma,
+            )
+            for gamma in (1, 2, 3)
+        )
+    )
     assert "re-selecting every round (mean_key) (acceptance 0.60)" in printed
     assert report["bandwidth_bytes_per_s"] == 2e12 and report["rooflines_of"] == str(rooflines)
     assert full_step["memory_ms"] == pytest.approx(full_step["bytes_read"] / 2e12 * 1000)
@@ -116,8 +181,9 @@ def test_the_triforce_ceiling_chains_the_cost_model_through_both_tiers():
     retrieval_verification = {"tokens": 4, "ms": 36.0}  # measured g + 1 tokens: 30 + 2 g ms
     step = {"ms": 100.0, "memory_ms": 30.0, "compute_ms": 5.0, "roofline_ms": 30.0}
     verification = {"tokens": 4, "ms": 130.0}  # 100 + 10 g ms
-    ceiling = load_roofline_script().triforce_ceiling(draft, proposal, retrieval_verification, step,
-                                                      verification, 0.5, 0.8)
+    ceiling = load_roofline_script().triforce_ceiling(
+        draft, proposal, retrieval_verification, step, verification, 0.5, 0.8
+    )
     # draft acceptance 0.5: 1.5, 1.75, 1.875 middle tokens per round at gamma 1-3; (30 + 3 g) ms a round
     middle_ms = 36 / 1.75
     assert ceiling["measured"]["draft_gamma"] == 2 and ceiling["measured"]["gamma"] == 3
@@ -131,26 +197,43 @@ def test_a_useless_draft_is_bypassed_in_the_triforce_ceiling():
     draft = {"ms": 50.0, "roofline_ms": 50.0}
     proposal = {"ms": 30.0, "memory_ms": 10.0, "compute_ms": 1.0, "roofline_ms": 10.0}
     step = {"ms": 100.0, "memory_ms": 30.0, "compute_ms": 5.0, "roofline_ms": 30.0}
-    ceiling = load_roofline_script().triforce_ceiling(draft, proposal, {"tokens": 4, "ms": 36.0}, step,
-                                                      {"tokens": 4, "ms": 130.0}, 0.1, 0.8)
+    ceiling = load_roofline_script().triforce_ceiling(
+        draft, proposal, {"tokens": 4, "ms": 36.0}, step, {"tokens": 4, "ms": 130.0}, 0.1, 0.8
+    )
     selfspec = load_roofline_script().self_spec_ceiling(step, proposal, {"tokens": 4, "ms": 130.0}, 0.8)
     assert ceiling["measured"]["draft_gamma"] == 0
     assert ceiling["measured"]["speedup"] == pytest.approx(selfspec["measured"]["speedup"])
 
 
 def test_acceptances_must_match_the_contexts_and_scorings():
-    command = [sys.executable, "scripts/roofline.py", "--contexts", "100", "200", "--acceptance", "0.5", "0.6",
-               "0.7"]
+    command = [sys.executable, "scripts/roofline.py", "--contexts", "100", "200", "--acceptance", "0.5", "0.6", "0.7"]
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 2
     assert "--acceptance takes one value or one per context (2), not 3" in result.stderr
-    command = [sys.executable, "scripts/roofline.py", "--contexts", "100", "--acceptance", "0.8",
-               "--draft-acceptance", "0.5"]
+    command = [
+        sys.executable,
+        "scripts/roofline.py",
+        "--contexts",
+        "100",
+        "--acceptance",
+        "0.8",
+        "--draft-acceptance",
+        "0.5",
+    ]
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 2
     assert "--draft-acceptance needs --draft-shape" in result.stderr
-    command = [sys.executable, "scripts/roofline.py", "--contexts", "100", "--reselect", "sparq",
-               "--every-round-acceptance", "0.8", "0.9"]
+    command = [
+        sys.executable,
+        "scripts/roofline.py",
+        "--contexts",
+        "100",
+        "--reselect",
+        "sparq",
+        "--every-round-acceptance",
+        "0.8",
+        "0.9",
+    ]
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 2
     assert "--every-round-acceptance takes one value per --reselect scoring (1), got 2" in result.stderr
@@ -162,12 +245,30 @@ def test_acceptances_must_match_the_contexts_and_scorings():
 @pytest.mark.parametrize("static", [False, True], ids=["eager-views", "static-views"])
 def test_attention_bench_times_every_runnable_kernel_on_each_pass_and_checks_it(static, tmp_path):
     out = tmp_path / "attention.json"
-    command = [sys.executable, "scripts/attention_bench.py", "--keys", "300", "--queries", "1", "7", "--nodes", "20",
-               "--repeats", "1", "--out", str(out), *(["--static"] if static else [])]
+    command = [
+        sys.executable,
+        "scripts/attention_bench.py",
+        "--keys",
+        "300",
+        "--queries",
+        "1",
+        "7",
+        "--nodes",
+        "20",
+        "--repeats",
+        "1",
+        "--out",
+        str(out),
+        *(["--static"] if static else []),
+    ]
     printed = subprocess.run(command, capture_output=True, text=True, check=True).stdout
     report = json.loads(out.read_text())
     assert report["static"] is static
-    assert [(row["pass"], row["queries"]) for row in report["rows"]] == [("1 causal", 1), ("7 causal", 7), ("tree 20", 21)]
+    assert [(row["pass"], row["queries"]) for row in report["rows"]] == [
+        ("1 causal", 1),
+        ("7 causal", 7),
+        ("tree 20", 21),
+    ]
     for row in report["rows"]:
         assert set(row["ms"]) == set(row["max_error"]) == {"cpu", "sdpa", "flex", "grouped_sdpa"}  # what runs on CPU
         assert all(ms > 0 for ms in row["ms"].values()) and max(row["max_error"].values()) < 2e-2  # bf16 vs float64
@@ -179,8 +280,17 @@ def test_attention_bench_times_every_runnable_kernel_on_each_pass_and_checks_it(
 
 
 def test_attention_bench_without_out_writes_a_run_directory_with_its_manifest(tmp_path):
-    command = [sys.executable, "scripts/attention_bench.py", "--keys", "100", "--queries", "1", "--nodes",
-               "--repeats", "1"]
+    command = [
+        sys.executable,
+        "scripts/attention_bench.py",
+        "--keys",
+        "100",
+        "--queries",
+        "1",
+        "--nodes",
+        "--repeats",
+        "1",
+    ]
     run_script(command, env={**os.environ, "CASCADE_HOME": str(tmp_path)})
     [run_dir] = (tmp_path / "runs" / "attention_bench").iterdir()
     assert [row["queries"] for row in json.loads((run_dir / "attention.json").read_text())["rows"]] == [1]

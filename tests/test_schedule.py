@@ -5,13 +5,21 @@ from __future__ import annotations
 import pytest
 
 from cascade.costs import along_curve, expected_speedup, expected_tokens, rising_curve
-from cascade.schedule import (PLAIN_STEPS_FIRST, PROBE_EVERY, WARMUP_ROUNDS, CostModelSchedule, HeuristicSchedule,
-                              Schedule, warmup_gammas)
+from cascade.schedule import (
+    PLAIN_STEPS_FIRST,
+    PROBE_EVERY,
+    WARMUP_ROUNDS,
+    CostModelSchedule,
+    HeuristicSchedule,
+    Schedule,
+    warmup_gammas,
+)
 from cascade.stats import PLAIN_SAMPLES_KEPT, StageStats
 
 
-def measured(acceptance_runs: list[tuple[int, int]], propose_s: float, verify_s: float | dict[int, float],
-             step_s: float) -> StageStats:
+def measured(
+    acceptance_runs: list[tuple[int, int]], propose_s: float, verify_s: float | dict[int, float], step_s: float
+) -> StageStats:
     """Stats of rounds (proposed, accepted), each proposal costing propose_s, each verification verify_s
     (or ``verify_s[proposed]``)."""
     stats = StageStats("proposer")

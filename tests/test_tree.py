@@ -118,8 +118,11 @@ def test_a_tree_pass_gives_each_node_the_logits_of_its_path_fed_in_order(kind, c
     full = build_policy(FullCacheConfig(), layout)
     model(tokens[None, :30], full)
     full.commit(30)
-    configs = {"full": None, "retrieval": RetrievalCacheConfig(budget=64, chunk_size=4),
-               "streaming": StreamingCacheConfig(sinks=4, window=60)}
+    configs = {
+        "full": None,
+        "retrieval": RetrievalCacheConfig(budget=64, chunk_size=4),
+        "streaming": StreamingCacheConfig(sinks=4, window=60),
+    }
     cache = full if kind == "full" else build_policy(configs[kind], layout, full)
     if kind == "streaming":
         model(tokens[None, :30], cache)
@@ -128,12 +131,22 @@ def test_a_tree_pass_gives_each_node_the_logits_of_its_path_fed_in_order(kind, c
     graphs = None
     if capture:
         graphs = PassGraphs(model, cache, eager_capture if capture == "eager" else compiled_capture(counter))
-    run = (lambda ids, count, tree: graphs(ids, count, tree)) if graphs else (
-        lambda ids, count, tree: model(ids, cache, count, tree))
+    run = (
+        (lambda ids, count, tree: graphs(ids, count, tree))
+        if graphs
+        else (lambda ids, count, tree: model(ids, cache, count, tree))
+    )
     root_logits = run(tokens[None, 30:40], 1, None)[0]  # the root is token 39
-    node_logits = torch.cat([run(node_tokens[None, TREE.level(depth).start : TREE.level(depth).stop],
-                                 len(TREE.level(depth)), TREE.tree_pass(model.device, depth))[0]
-                             for depth in (1, 2, 3)])  # [N, V]
+    node_logits = torch.cat(
+        [
+            run(
+                node_tokens[None, TREE.level(depth).start : TREE.level(depth).stop],
+                len(TREE.level(depth)),
+                TREE.tree_pass(model.device, depth),
+            )[0]
+            for depth in (1, 2, 3)
+        ]
+    )  # [N, V]
     torch.testing.assert_close(root_logits[0], fed_causally(model, tokens, 39, [tokens[39].item()])[0])
     for node, path in enumerate(paths(TREE)):
         expected = fed_causally(model, tokens, 40, node_tokens[path].tolist())[-1]
@@ -150,14 +163,18 @@ their tokens than trained ones)."""
 SPARQ_EVERY_PASS = ["stages.0.cache.scoring=sparq", "stages.0.cache.query_dims=8", "stages.0.cache.refresh=every_pass"]
 
 
-@pytest.mark.parametrize("preset,overrides", [
-    ("self-spec", CLOSE_PROPOSER),
-    ("self-spec", [*SMALL_CACHES["self-spec"], *SPARQ_EVERY_PASS]),
-    ("speculative", []),
-    ("triforce", [*SMALL_CACHES["triforce"], "stages.1.schedule=fixed"]),
-    ("self-spec", [*CLOSE_PROPOSER, "stages.0.tree.dynamic=true"]),
-    ("triforce", [*SMALL_CACHES["triforce"], "stages.1.schedule=fixed", "stages.0.tree.dynamic=true"]),
-], ids=["self-spec", "self-spec-sparq-every-pass", "speculative", "triforce", "self-spec-dynamic", "triforce-dynamic"])
+@pytest.mark.parametrize(
+    "preset,overrides",
+    [
+        ("self-spec", CLOSE_PROPOSER),
+        ("self-spec", [*SMALL_CACHES["self-spec"], *SPARQ_EVERY_PASS]),
+        ("speculative", []),
+        ("triforce", [*SMALL_CACHES["triforce"], "stages.1.schedule=fixed"]),
+        ("self-spec", [*CLOSE_PROPOSER, "stages.0.tree.dynamic=true"]),
+        ("triforce", [*SMALL_CACHES["triforce"], "stages.1.schedule=fixed", "stages.0.tree.dynamic=true"]),
+    ],
+    ids=["self-spec", "self-spec-sparq-every-pass", "speculative", "triforce", "self-spec-dynamic", "triforce-dynamic"],
+)
 def test_tree_rounds_greedy_equal_autoregressive(preset, overrides, tiny_dir, tiny_draft_dir):
     """With the target itself proposing (a good proposer: long accepted paths) and a random draft."""
     autoregressive = generate(runtime_for("autoregressive", tiny_dir, tiny_draft_dir), PROMPT).token_ids
@@ -172,8 +189,10 @@ def test_tree_rounds_greedy_equal_autoregressive(preset, overrides, tiny_dir, ti
 @pytest.mark.parametrize("dynamic", [False, True], ids=["fixed-shape", "dynamic"])
 def test_a_tree_accepts_what_a_chain_of_its_depth_rejects(dynamic, tiny_dir, tiny_draft_dir):
     stats = {}
-    for shape, settings in (("chain", ["stages.0.schedule=fixed"]),
-                            ("tree", [*TREE_SETTINGS, f"stages.0.tree.dynamic={str(dynamic).lower()}"])):
+    for shape, settings in (
+        ("chain", ["stages.0.schedule=fixed"]),
+        ("tree", [*TREE_SETTINGS, f"stages.0.tree.dynamic={str(dynamic).lower()}"]),
+    ):
         runtime = runtime_for("self-spec", tiny_dir, tiny_draft_dir, [*CLOSE_PROPOSER, *settings])
         stats[shape] = generate(runtime, PROMPT).stats.stages[0]
     tree, chain = stats["tree"], stats["chain"]
@@ -196,15 +215,29 @@ def test_a_dynamic_tree_keeps_the_most_likely_paths_of_each_level():
     assert growth.whole().ancestry.shape == (4, 4) and growth.whole().depths.tolist() == [1, 1, 2, 2]
 
 
-@pytest.mark.parametrize("capture,dynamic,nodes", [
-    ("eager", False, 12), ("eager", True, 12), ("compiled", False, 12), ("compiled", True, 12), ("compiled", False, 24),
-], ids=["eager-fixed-shape", "eager-dynamic", "compiled-fixed-shape", "compiled-dynamic", "compiled-wider-than-16"])
-def test_graphed_tree_rounds_equal_autoregressive_and_compile_once_per_shape(capture, dynamic, nodes, tiny_dir,
-                                                                              tiny_draft_dir):
+@pytest.mark.parametrize(
+    "capture,dynamic,nodes",
+    [
+        ("eager", False, 12),
+        ("eager", True, 12),
+        ("compiled", False, 12),
+        ("compiled", True, 12),
+        ("compiled", False, 24),
+    ],
+    ids=["eager-fixed-shape", "eager-dynamic", "compiled-fixed-shape", "compiled-dynamic", "compiled-wider-than-16"],
+)
+def test_graphed_tree_rounds_equal_autoregressive_and_compile_once_per_shape(
+    capture, dynamic, nodes, tiny_dir, tiny_draft_dir
+):
     """Tree passes are graphed whatever their width: 24 nodes make a verification pass of 25 tokens."""
     autoregressive = generate(runtime_for("autoregressive", tiny_dir, tiny_draft_dir), PROMPT).token_ids
-    overrides = [*CLOSE_PROPOSER, *SPARQ_EVERY_PASS, *TREE_SETTINGS, f"stages.0.tree.nodes={nodes}",
-                 f"stages.0.tree.dynamic={str(dynamic).lower()}"]
+    overrides = [
+        *CLOSE_PROPOSER,
+        *SPARQ_EVERY_PASS,
+        *TREE_SETTINGS,
+        f"stages.0.tree.nodes={nodes}",
+        f"stages.0.tree.dynamic={str(dynamic).lower()}",
+    ]
     runtime = runtime_for("self-spec", tiny_dir, tiny_draft_dir, overrides, kernels="eager")
     counter = CompileCounter()
     runtime.capture = eager_capture if capture == "eager" else compiled_capture(counter)
@@ -235,13 +268,19 @@ def test_keeping_a_path_leaves_the_cache_as_feeding_the_path_would(tiny_model):
     torch.testing.assert_close(tree_cache.values[:, :, :, :33], path_cache.values[:, :, :, :33], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("settings,message", [
-    ({"stages.1.tree.nodes": 4}, "only the first stage of two or more"),
-    ({"stages.0.cache": {"kind": "h2o", "budget": 640}, "stages.0.tree.nodes": 4}, "a h2o cache cannot run token-tree"),
-    ({"stages.0.tree.rank_acceptance": [0.6, 0.5]}, "summing to at most 1"),
-    ({"stages.0.tree.rank_acceptance": [0.2, 0.5]}, "must not increase"),
-    ({"stages.0.tree.nodes": 0}, "greater than or equal to 1"),
-])
+@pytest.mark.parametrize(
+    "settings,message",
+    [
+        ({"stages.1.tree.nodes": 4}, "only the first stage of two or more"),
+        (
+            {"stages.0.cache": {"kind": "h2o", "budget": 640}, "stages.0.tree.nodes": 4},
+            "a h2o cache cannot run token-tree",
+        ),
+        ({"stages.0.tree.rank_acceptance": [0.6, 0.5]}, "summing to at most 1"),
+        ({"stages.0.tree.rank_acceptance": [0.2, 0.5]}, "must not increase"),
+        ({"stages.0.tree.nodes": 0}, "greater than or equal to 1"),
+    ],
+)
 def test_tree_settings_that_cannot_work_are_refused_with_the_reason(settings, message):
     with pytest.raises(CascadeError, match=message):
         load_config("triforce", None, [], settings)

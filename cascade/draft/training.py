@@ -8,13 +8,14 @@ device-agnostic (bf16 autocast on CPU and CUDA).
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from cascade import atomic
 
 
 @dataclass(frozen=True)
@@ -40,8 +41,9 @@ class StepMetrics:
     """Fraction of positions where the draft's argmax is the target's."""
 
 
-def distillation_loss(logits: torch.Tensor, tokens: torch.Tensor, top_ids: torch.Tensor,
-                      top_logprobs: torch.Tensor, ce_weight: float) -> tuple[torch.Tensor, StepMetrics]:
+def distillation_loss(
+    logits: torch.Tensor, tokens: torch.Tensor, top_ids: torch.Tensor, top_logprobs: torch.Tensor, ce_weight: float
+) -> tuple[torch.Tensor, StepMetrics]:
     """logits [B, W, V]; tokens [B, W]; top_ids / top_logprobs [B, W, K] (the target's, sorted)."""
     draft_logprobs = torch.log_softmax(logits.float(), dim=-1)  # [B, W, V]
     target_probs = torch.softmax(top_logprobs.float(), dim=-1)  # [B, W, K], renormalised over the top k
@@ -60,7 +62,7 @@ def batch_indices(step: int, batch: int, count: int, seed: int) -> torch.Tensor:
     while len(picked) < batch:
         epoch, offset = divmod(start + len(picked), count)
         order = torch.randperm(count, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
-        picked += order[offset:offset + batch - len(picked)].tolist()
+        picked += order[offset : offset + batch - len(picked)].tolist()
     return torch.tensor(picked)
 
 
@@ -70,21 +72,30 @@ def lr_factor(plan: TrainPlan) -> Callable[[int], float]:
             return (step + 1) / plan.warmup
         progress = (step - plan.warmup) / max(1, plan.steps - plan.warmup)
         return plan.min_lr_ratio + (1 - plan.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
     return factor
 
 
 class Trainer:
     """Owns the draft, its optimizer and schedule, and the checkpoint file that resumes them."""
 
-    def __init__(self, draft: torch.nn.Module, data: dict[str, torch.Tensor], plan: TrainPlan,
-                 checkpoint: Path, device: torch.device) -> None:
+    def __init__(
+        self,
+        draft: torch.nn.Module,
+        data: dict[str, torch.Tensor],
+        plan: TrainPlan,
+        checkpoint: Path,
+        device: torch.device,
+    ) -> None:
         self.draft, self.data, self.plan = draft.to(device), data, plan
         self.checkpoint, self.device = checkpoint, device
         decay = [p for n, p in draft.named_parameters() if p.ndim >= 2]
         no_decay = [p for n, p in draft.named_parameters() if p.ndim < 2]
-        self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": plan.weight_decay},
-                                            {"params": no_decay, "weight_decay": 0.0}], lr=plan.lr,
-                                           betas=(0.9, 0.95))
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": plan.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=plan.lr,
+            betas=(0.9, 0.95),
+        )
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(plan))
         self.step = 0
         if checkpoint.exists():
@@ -93,24 +104,31 @@ class Trainer:
     def resume(self) -> None:
         state = torch.load(self.checkpoint, map_location=self.device)
         if state["plan"] != asdict(self.plan):
-            raise ValueError(f"{self.checkpoint} was written with a different plan {state['plan']}; "
-                             f"pass the same settings or start in a new work directory")
+            raise ValueError(
+                f"{self.checkpoint} was written with a different plan {state['plan']}; "
+                f"pass the same settings or start in a new work directory"
+            )
         self.draft.load_state_dict(state["draft"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.schedule.load_state_dict(state["schedule"])
         self.step = state["step"]
 
     def save(self) -> None:
-        state = {"draft": self.draft.state_dict(), "optimizer": self.optimizer.state_dict(),
-                 "schedule": self.schedule.state_dict(), "step": self.step, "plan": asdict(self.plan)}
-        partial = self.checkpoint.with_suffix(".partial")
-        torch.save(state, partial)
-        os.replace(partial, self.checkpoint)
+        state = {
+            "draft": self.draft.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "schedule": self.schedule.state_dict(),
+            "step": self.step,
+            "plan": asdict(self.plan),
+        }
+        with atomic.replacing(self.checkpoint) as partial:
+            torch.save(state, partial)
 
     def train_step(self) -> StepMetrics:
         rows = batch_indices(self.step, self.plan.batch, len(self.data["tokens"]), self.plan.seed)
-        tokens, top_ids, top_logprobs = (self.data[key][rows].to(self.device)
-                                         for key in ("tokens", "top_ids", "top_logprobs"))
+        tokens, top_ids, top_logprobs = (
+            self.data[key][rows].to(self.device) for key in ("tokens", "top_ids", "top_logprobs")
+        )
         with torch.autocast(self.device.type, dtype=torch.bfloat16):
             logits = self.draft(input_ids=tokens.long()).logits  # [B, W, V]
         loss, metrics = distillation_loss(logits, tokens, top_ids, top_logprobs, self.plan.ce_weight)

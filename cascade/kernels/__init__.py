@@ -5,10 +5,11 @@ compiler torch.compile already needs.
 once at memory speed (see ``rows_times_weight.cpp``). ``decode_attention``: a short pass's
 attention over a bf16 KV cache, each key and value read once for every query head of its group
 and every token of the pass, key blocks split across threads (see ``attention.cpp``; scores from
-AMX tiles where the CPU has them, else from AVX512-BF16 products). ``rows_times_int8``: the same product for an int8 weight packed by ``cascade.quantise``,
-the activations quantised per 64 inputs (see ``rows_times_int8.cpp``; AMX-INT8 or AVX512-VNNI). Where
-the build fails or the CPU lacks AVX512-BF16, ``weight_kernel_available()`` is false, a warning
-says why, and callers keep PyTorch's own kernels.
+AMX tiles where the CPU has them, else from AVX512-BF16 products). ``rows_times_int8``: the same
+product for an int8 weight packed by ``cascade.quantise``, the activations quantised per 64 inputs
+(see ``rows_times_int8.cpp``; AMX-INT8 or AVX512-VNNI). Where the build fails or the CPU lacks
+AVX512-BF16, ``weight_kernel_available()`` is false, a warning says why, and callers keep PyTorch's
+own kernels.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ from cascade.home import cascade_home
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("rows_times_weight.cpp", "attention.cpp", "rows_times_int8.cpp",
-                                                        "layer.cpp")]
+SOURCES = [
+    Path(__file__).with_name(name)
+    for name in ("rows_times_weight.cpp", "attention.cpp", "rows_times_int8.cpp", "layer.cpp")
+]
 HEADERS = [Path(__file__).with_name(name) for name in ("tiles.h", "products.h", "vector_math.h")]
 MAX_KERNEL_ROWS = 16
 """Most activation rows per product the kernel takes (decode steps, proposals, verifications of up
@@ -77,14 +80,20 @@ def weight_kernel_available() -> bool:
         with open(directory / "build.flock", "w") as held, _exclusive(held):
             (directory / "lock").unlink(missing_ok=True)  # a build killed midway leaves torch's lock file
             cpp_extension.load(  # -fopenmp: at::parallel_for is inlined OpenMP, run by torch's own libgomp
-                name="cascade_kernels", sources=[str(path) for path in SOURCES],
-                extra_cflags=["-O3", "-march=native", "-fopenmp"], build_directory=str(directory),
-                is_python_module=False, verbose=False,
+                name="cascade_kernels",
+                sources=[str(path) for path in SOURCES],
+                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                build_directory=str(directory),
+                is_python_module=False,
+                verbose=False,
             )
     except Exception as error:  # compiler, headers or ninja missing: many exception types
         first_line = next(iter(str(error).splitlines()), "")
-        log.warning("building cascade's CPU kernels failed (%s: %s); weight products and attention use "
-                    "PyTorch's kernels", type(error).__name__, first_line)
+        log.warning(
+            "building cascade's CPU kernels failed (%s: %s); weight products and attention use PyTorch's kernels",
+            type(error).__name__,
+            first_line,
+        )
         return False
     if "avx512_bf16" not in compiled_features():
         log.warning("this CPU lacks AVX512-BF16: weight products use PyTorch's kernels")

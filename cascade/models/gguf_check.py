@@ -17,8 +17,10 @@ def check_gguf(gguf: Path, architecture: str, tensors: int) -> int:
     with gguf.open("rb") as handle:
         magic = handle.read(len(MAGIC))
     if magic != MAGIC:
-        raise CascadeError(f"{gguf} is not a GGUF file: it starts with {magic!r}, not {MAGIC!r} "
-                           "(a part missing, damaged or out of order?)")
+        raise CascadeError(
+            f"{gguf} is not a GGUF file: it starts with {magic!r}, not {MAGIC!r} "
+            "(a part missing, damaged or out of order?)"
+        )
     try:
         reader = GGUFReader(gguf)
     except (ValueError, IndexError) as exc:  # a tensor cut short fails numpy's view of it

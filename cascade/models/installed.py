@@ -41,8 +41,10 @@ def read_manifest(manifest: Path) -> dict:
 
 
 def unreadable_manifest(manifest: Path, why: str) -> str:
-    return (f"the model manifest {manifest} is unreadable ({why}); delete {manifest.parent} and fetch it again "
-            f"with `python -m cascade.models fetch {manifest.parent.name}`")
+    return (
+        f"the model manifest {manifest} is unreadable ({why}); delete {manifest.parent} and fetch it again "
+        f"with `python -m cascade.models fetch {manifest.parent.name}`"
+    )
 
 
 def default_model(role: Role, log: Callable[[str], None], target: Path | None = None) -> Path:
@@ -72,11 +74,13 @@ def checkpoint_path(value: str) -> Path:
     that is neither is an error that lists the catalog; a directory's problems are ``read_config``'s."""
     if value in CATALOG:
         if (path := installed_path(CATALOG[value])) is None:
-            raise CascadeError(f"the model {value} is not provisioned yet; fetch it with "
-                               f"`python -m cascade.models fetch {value}`")
+            raise CascadeError(
+                f"the model {value} is not provisioned yet; fetch it with `python -m cascade.models fetch {value}`"
+            )
         return path
     path = Path(value).expanduser()
     if not path.exists() and Path(value).name == value and not value.startswith("."):
-        raise CascadeError(f"{value!r} is neither a model directory nor a model of the catalog "
-                           f"({', '.join(sorted(CATALOG))})")
+        raise CascadeError(
+            f"{value!r} is neither a model directory nor a model of the catalog ({', '.join(sorted(CATALOG))})"
+        )
     return path

@@ -85,8 +85,10 @@ def copy_shipped(source: Shipped, tokenizer_dir: Path, staging: Path) -> None:
     """The shipped weights, config and card, plus the tokenizer files of ``tokenizer_dir``."""
     folder = SHIPPED_DIR / source.folder
     if not (folder / "model.safetensors").is_file():
-        raise CascadeError(f"this cascade installation lacks the shipped weights {folder / 'model.safetensors'}; "
-                           "reinstall it with `pip install -e .`")
+        raise CascadeError(
+            f"this cascade installation lacks the shipped weights {folder / 'model.safetensors'}; "
+            "reinstall it with `pip install -e .`"
+        )
     for file in folder.iterdir():
         shutil.copy2(file, staging / file.name)
     for name in TOKENIZER_FILES:

@@ -25,16 +25,25 @@ def context_case(tool: Path, model: Path, context: int, new_tokens: int, threads
     prefill = BenchSettings(prompt_tokens=(context,), threads=threads, repetitions=1)
     decode = BenchSettings(gen_tokens=(new_tokens,), depths=(context,), threads=threads, repetitions=1)
     tests = [*run_llama_bench(tool, model, prefill), *run_llama_bench(tool, model, decode)]
-    by_setting = {setting: {RATES[test["test"]]: test["tokens_per_s"] for test in tests
-                            if test["flash_attn"] == setting} for setting in FLASH_ATTN}
+    by_setting = {
+        setting: {RATES[test["test"]]: test["tokens_per_s"] for test in tests if test["flash_attn"] == setting}
+        for setting in FLASH_ATTN
+    }
     best = {rate: max(FLASH_ATTN, key=lambda setting: by_setting[setting][rate]) for rate in RATES.values()}
-    return {**{rate: by_setting[best[rate]][rate] for rate in RATES.values()}, "flash_attn": by_setting,
-            "best_flash_attn": best, "build_commit": tests[0]["build_commit"], "tests": tests}
+    return {
+        **{rate: by_setting[best[rate]][rate] for rate in RATES.values()},
+        "flash_attn": by_setting,
+        "best_flash_attn": best,
+        "build_commit": tests[0]["build_commit"],
+        "tests": tests,
+    }
 
 
 def flash_attn_summary(runs: list[dict]) -> dict:
     """A case's rounds -> {setting: {rate: median over rounds}}, and the best setting per rate."""
-    medians = {setting: {rate: statistics.median(run["flash_attn"][setting][rate] for run in runs)
-                         for rate in RATES.values()} for setting in FLASH_ATTN}
+    medians = {
+        setting: {rate: statistics.median(run["flash_attn"][setting][rate] for run in runs) for rate in RATES.values()}
+        for setting in FLASH_ATTN
+    }
     best = {rate: max(FLASH_ATTN, key=lambda setting: medians[setting][rate]) for rate in RATES.values()}
     return {"flash_attn": medians, "best_flash_attn": best}

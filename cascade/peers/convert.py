@@ -50,8 +50,15 @@ def ensure_gguf(llama: LlamaCpp, checkpoint: Path, outtype: str, log: Log = prin
     read_config(checkpoint)  # a Llama-family checkpoint directory, or an error saying what it is not
     log(f"converting {checkpoint} to {path} with llama.cpp's converter")
     with staged_file(path) as partial:
-        command = [sys.executable, str(llama.converter), str(checkpoint), "--outtype", outtype,
-                   "--outfile", str(partial)]
+        command = [
+            sys.executable,
+            str(llama.converter),
+            str(checkpoint),
+            "--outtype",
+            outtype,
+            "--outfile",
+            str(partial),
+        ]
         result = subprocess.run(command, check=False, capture_output=True, text=True)
         if result.returncode != 0:
             raise CascadeError(f"llama.cpp's converter failed on {checkpoint}: {converter_failure(result.stderr)}")
@@ -63,7 +70,7 @@ def converter_failure(stderr: str) -> str:
     lines = stderr.strip().splitlines() or ["it gave no reason"]
     missing = next((line for line in lines if line.startswith("ModuleNotFoundError")), None)
     if missing:
-        return f"{missing}; install the converter's packages with `pip install -e \".[peers]\"`"
+        return f'{missing}; install the converter\'s packages with `pip install -e ".[peers]"`'
     return lines[-1]
 
 
@@ -87,13 +94,16 @@ def ensure_yarn_gguf(base: Path, factor: float, log: Log = print) -> Path:
 def yarn_metadata(arch: str, native_context: int, factor: float) -> dict[str, MetadataDetails]:
     """The GGUF keys of a YaRN stretch of ``native_context`` positions by ``factor``: those the
     converter writes for a checkpoint whose config carries YaRN rope parameters."""
+
     def key(template: str) -> str:
         return template.format(arch=arch)
 
-    return {key(Keys.Rope.SCALING_TYPE): MetadataDetails(GGUFValueType.STRING, "yarn"),
-            key(Keys.Rope.SCALING_FACTOR): MetadataDetails(GGUFValueType.FLOAT32, factor),
-            key(Keys.Rope.SCALING_ORIG_CTX_LEN): MetadataDetails(GGUFValueType.UINT32, native_context),
-            key(Keys.LLM.CONTEXT_LENGTH): MetadataDetails(GGUFValueType.UINT32, int(native_context * factor))}
+    return {
+        key(Keys.Rope.SCALING_TYPE): MetadataDetails(GGUFValueType.STRING, "yarn"),
+        key(Keys.Rope.SCALING_FACTOR): MetadataDetails(GGUFValueType.FLOAT32, factor),
+        key(Keys.Rope.SCALING_ORIG_CTX_LEN): MetadataDetails(GGUFValueType.UINT32, native_context),
+        key(Keys.LLM.CONTEXT_LENGTH): MetadataDetails(GGUFValueType.UINT32, int(native_context * factor)),
+    }
 
 
 def field_value(reader: GGUFReader, key: str):

@@ -40,8 +40,13 @@ class BenchSettings:
             raise CascadeError("llama-bench needs a prompt-processing or a token-generation test")
         if not self.depths:
             raise CascadeError("llama-bench needs a KV depth (0: an empty cache)")
-        counts = {"prompt lengths": (self.prompt_tokens, 1), "generated tokens": (self.gen_tokens, 1),
-                  "depths": (self.depths, 0), "threads": ((self.threads,), 1), "repetitions": ((self.repetitions,), 1)}
+        counts = {
+            "prompt lengths": (self.prompt_tokens, 1),
+            "generated tokens": (self.gen_tokens, 1),
+            "depths": (self.depths, 0),
+            "threads": ((self.threads,), 1),
+            "repetitions": ((self.repetitions,), 1),
+        }
         for what, (values, least) in counts.items():
             if any(value < least for value in values):
                 raise CascadeError(f"llama-bench {what} must be >= {least}; got {list(values)}")
@@ -51,12 +56,29 @@ class BenchSettings:
 
 def bench_command(tool: Path, model: Path, settings: BenchSettings) -> list[str]:
     """The llama-bench command line that runs ``settings`` on the GGUF ``model`` and prints JSON."""
+
     def listed(values) -> str:
         return ",".join(str(value) for value in values) or "0"  # 0: no test of that kind
 
-    return [str(tool), "-m", str(model), "-o", "json", "-t", str(settings.threads), "-r", str(settings.repetitions),
-            "-p", listed(settings.prompt_tokens), "-n", listed(settings.gen_tokens), "-d", listed(settings.depths),
-            "-fa", listed(settings.flash_attn)]
+    return [
+        str(tool),
+        "-m",
+        str(model),
+        "-o",
+        "json",
+        "-t",
+        str(settings.threads),
+        "-r",
+        str(settings.repetitions),
+        "-p",
+        listed(settings.prompt_tokens),
+        "-n",
+        listed(settings.gen_tokens),
+        "-d",
+        listed(settings.depths),
+        "-fa",
+        listed(settings.flash_attn),
+    ]
 
 
 def run_llama_bench(tool: Path, model: Path, settings: BenchSettings) -> list[dict]:
@@ -85,13 +107,20 @@ def bench_result(record: dict) -> dict:
     ``file``), how fast (``tokens_per_s`` mean and ``tokens_per_s_stddev`` over the repetitions,
     ``samples_tokens_per_s``), and the llama.cpp ``build_commit`` / ``build_number``."""
     try:
-        return {"test": "pp" if record["n_prompt"] else "tg", "n_prompt": record["n_prompt"],
-                "n_gen": record["n_gen"], "n_depth": record["n_depth"],
-                "flash_attn": FLASH_ATTN_CODES.get(record["flash_attn"], str(record["flash_attn"])),
-                "threads": record["n_threads"],
-                "type": record["model_type"], "file": record["model_filename"],
-                "tokens_per_s": record["avg_ts"], "tokens_per_s_stddev": record["stddev_ts"],
-                "samples_tokens_per_s": record["samples_ts"],
-                "build_commit": record["build_commit"], "build_number": record["build_number"]}
+        return {
+            "test": "pp" if record["n_prompt"] else "tg",
+            "n_prompt": record["n_prompt"],
+            "n_gen": record["n_gen"],
+            "n_depth": record["n_depth"],
+            "flash_attn": FLASH_ATTN_CODES.get(record["flash_attn"], str(record["flash_attn"])),
+            "threads": record["n_threads"],
+            "type": record["model_type"],
+            "file": record["model_filename"],
+            "tokens_per_s": record["avg_ts"],
+            "tokens_per_s_stddev": record["stddev_ts"],
+            "samples_tokens_per_s": record["samples_ts"],
+            "build_commit": record["build_commit"],
+            "build_number": record["build_number"],
+        }
     except KeyError as exc:
         raise CascadeError(f"a llama-bench test record lacks {exc} (a llama.cpp whose JSON differs?)") from None

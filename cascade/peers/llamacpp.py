@@ -39,8 +39,12 @@ CMAKE_OPTIONS = (
     "-DCMAKE_BUILD_TYPE=Release",
     "-DGGML_NATIVE=ON",  # -march=native: this CPU's vector instructions, as a user's own build has them
     "-DBUILD_SHARED_LIBS=OFF",  # static tools keep working after the rename into place
-    "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_EXAMPLES=ON",  # llama-bench; llama-speculative
-    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_BUILD_TOOLS=ON",
+    "-DLLAMA_BUILD_EXAMPLES=ON",  # llama-bench; llama-speculative
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_SERVER=OFF",
+    "-DLLAMA_BUILD_APP=OFF",
+    "-DLLAMA_OPENSSL=OFF",
 )
 WITHOUT_AMX_INT8 = ("-DCMAKE_C_FLAGS=-mno-amx-int8", "-DCMAKE_CXX_FLAGS=-mno-amx-int8")
 """Explicit -mno flags win over -march=native in either order: no __AMX_INT8__, no AMX backend."""
@@ -68,8 +72,12 @@ class LlamaCpp:
 
     def describe(self) -> dict:
         """What a report records of it."""
-        return {"llama_cpp_python": self.llama_cpp_python, "llama_cpp_commit": self.commit,
-                "llama_cpp_version": self.version, "path": str(self.root)}
+        return {
+            "llama_cpp_python": self.llama_cpp_python,
+            "llama_cpp_commit": self.commit,
+            "llama_cpp_version": self.version,
+            "path": str(self.root),
+        }
 
 
 def build_root(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
@@ -104,8 +112,13 @@ def ensure_built(version: str = LLAMA_CPP_PYTHON_VERSION, log: Log = print) -> L
         keep(source, CONVERTER_FILES, staging / "convert")
         shutil.rmtree(staging / "sdist")
         shutil.rmtree(staging / "cmake-build")
-        record = {"llama_cpp_python": version, "commit": commit, "version": tool_version(staging / "bin" / TOOLS[0]),
-                  "tools": TOOLS, "cmake_options": options}
+        record = {
+            "llama_cpp_python": version,
+            "commit": commit,
+            "version": tool_version(staging / "bin" / TOOLS[0]),
+            "tools": TOOLS,
+            "cmake_options": options,
+        }
         (staging / MANIFEST).write_text(json.dumps(record, indent=2) + "\n")
     log(f"llama.cpp {commit} built in {final}")
     return installed_build(version)
@@ -168,16 +181,27 @@ def vendored_commit(changelog: Path, version: str) -> str:
 def compile_tools(source: Path, build: Path, options: list[str], build_log: Path) -> None:
     """Configure with ``options`` and build ``TOOLS``; output goes to ``build_log``, whose tail a failure quotes."""
     configure = ["cmake", "-S", str(source), "-B", str(build), *options]
-    compile_ = ["cmake", "--build", str(build), "--config", "Release", "-j", str(os.cpu_count() or 1),
-                "--target", *TOOLS]
+    compile_ = [
+        "cmake",
+        "--build",
+        str(build),
+        "--config",
+        "Release",
+        "-j",
+        str(os.cpu_count() or 1),
+        "--target",
+        *TOOLS,
+    ]
     build_log.parent.mkdir(parents=True, exist_ok=True)
     with build_log.open("w") as out:
         for command in (configure, compile_):
             out.write(f"$ {shlex.join(command)}\n")
             out.flush()
             if subprocess.run(command, check=False, stdout=out, stderr=subprocess.STDOUT).returncode != 0:
-                raise CascadeError(f"building llama.cpp failed in `{shlex.join(command[:2])}`; the end of "
-                                   f"{build_log}:\n{tail(build_log)}")
+                raise CascadeError(
+                    f"building llama.cpp failed in `{shlex.join(command[:2])}`; the end of "
+                    f"{build_log}:\n{tail(build_log)}"
+                )
 
 
 def tail(path: Path, lines: int = 15) -> str:

@@ -45,28 +45,53 @@ class SpeculativeSettings:
 
     def __post_init__(self) -> None:
         if self.new_tokens < 1 or self.draft_max < 1 or not 0 <= self.draft_min <= self.draft_max:
-            raise CascadeError(f"llama-speculative needs new_tokens >= 1 and 0 <= draft_min <= draft_max >= 1; "
-                               f"got {self.new_tokens}, {self.draft_min}, {self.draft_max}")
+            raise CascadeError(
+                f"llama-speculative needs new_tokens >= 1 and 0 <= draft_min <= draft_max >= 1; "
+                f"got {self.new_tokens}, {self.draft_min}, {self.draft_max}"
+            )
         if self.context < 0 or self.threads < 1:
-            raise CascadeError(f"llama-speculative needs context >= 0 and threads >= 1; got {self.context}, "
-                               f"{self.threads}")
+            raise CascadeError(
+                f"llama-speculative needs context >= 0 and threads >= 1; got {self.context}, {self.threads}"
+            )
         if self.flash_attn not in FLASH_ATTN_CODES.values():
             raise CascadeError(f"flash attention {self.flash_attn!r}: expected off, on or auto")
 
 
-def speculative_command(tool: Path, target: Path, draft: Path, prompt_file: Path,
-                        settings: SpeculativeSettings) -> list[str]:
+def speculative_command(
+    tool: Path, target: Path, draft: Path, prompt_file: Path, settings: SpeculativeSettings
+) -> list[str]:
     """The llama-speculative command line: ``draft`` proposing to ``target``, greedy (temperature
     0: the target's argmax decides), on the text of ``prompt_file``."""
-    return [str(tool), "-m", str(target), "-md", str(draft), "-f", str(prompt_file),
-            "-n", str(settings.new_tokens), "--temp", "0", "--seed", str(settings.seed),
-            "-t", str(settings.threads), "-td", str(settings.threads), "-c", str(settings.context),
-            "-fa", settings.flash_attn, "--spec-draft-n-max", str(settings.draft_max),
-            "--spec-draft-n-min", str(settings.draft_min)]
+    return [
+        str(tool),
+        "-m",
+        str(target),
+        "-md",
+        str(draft),
+        "-f",
+        str(prompt_file),
+        "-n",
+        str(settings.new_tokens),
+        "--temp",
+        "0",
+        "--seed",
+        str(settings.seed),
+        "-t",
+        str(settings.threads),
+        "-td",
+        str(settings.threads),
+        "-c",
+        str(settings.context),
+        "-fa",
+        settings.flash_attn,
+        "--spec-draft-n-max",
+        str(settings.draft_max),
+        "--spec-draft-n-min",
+        str(settings.draft_min),
+    ]
 
 
-def run_speculative(tool: Path, target: Path, draft: Path, prompt_file: Path,
-                    settings: SpeculativeSettings) -> dict:
+def run_speculative(tool: Path, target: Path, draft: Path, prompt_file: Path, settings: SpeculativeSettings) -> dict:
     """Run llama-speculative -> its figures (see ``parse_speculative_output``)."""
     command = speculative_command(tool, target, draft, prompt_file, settings)
     result = subprocess.run(command, check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -89,8 +114,15 @@ def parse_speculative_output(text: str) -> dict:
         raise CascadeError(f"llama-speculative's output lacks {', '.join(missing)}; it ended:\n{tail}")
     (prompt_tokens, prefill_s, prefill_rate), (_, decode_s, decode_rate) = speeds["encoded"], speeds["decoded"]
     drafted, accepted = int(counts["n_drafted"]), int(counts["n_accept"])
-    return {"prompt_tokens": int(prompt_tokens), "prefill_s": float(prefill_s),
-            "prefill_tokens_per_s": float(prefill_rate), "new_tokens": int(counts["n_predict"]),
-            "decode_s": float(decode_s), "decode_tokens_per_s": float(decode_rate),
-            "n_draft": int(counts["n_draft"]), "n_drafted": drafted, "n_accept": accepted,
-            "acceptance": accepted / drafted if drafted else None}
+    return {
+        "prompt_tokens": int(prompt_tokens),
+        "prefill_s": float(prefill_s),
+        "prefill_tokens_per_s": float(prefill_rate),
+        "new_tokens": int(counts["n_predict"]),
+        "decode_s": float(decode_s),
+        "decode_tokens_per_s": float(decode_rate),
+        "n_draft": int(counts["n_draft"]),
+        "n_drafted": drafted,
+        "n_accept": accepted,
+        "acceptance": accepted / drafted if drafted else None,
+    }

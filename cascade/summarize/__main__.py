@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from cascade.errors import CascadeError
+from cascade.errors import entry_point
 from cascade.summarize.job import Job
 from cascade.summarize.prompts import read_template
 from configs import load_config, preset_names
@@ -25,8 +25,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--preset", help=f"one of: {', '.join(preset_names())}")
     source.add_argument("--config", type=Path, help="a pipeline config YAML file")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config setting, e.g. long_documents.strategy=map_reduce")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config setting, e.g. long_documents.strategy=map_reduce",
+    )
     parser.add_argument("--max-new-tokens", type=int, help="summary length limit (default: the config's)")
     parser.add_argument("--template", type=Path, help="prompt template file with one {document} placeholder")
     parser.add_argument("--backend", choices=["local", "ray"], default="local")
@@ -55,6 +60,7 @@ def lines_in(path: Path) -> int:
         return 0
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -69,15 +75,18 @@ def main(argv: list[str] | None = None) -> int:
             from cascade.summarize.local import run_local
 
             outcome = run_local(job)
-    except CascadeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
-        print(f"\ncascade.summarize: interrupted; {lines_in(args.output)} documents are in {args.output}, "
-              "rerun the same command to resume", file=sys.stderr)
+        print(
+            f"\ncascade.summarize: interrupted; {lines_in(args.output)} documents are in {args.output}, "
+            "rerun the same command to resume",
+            file=sys.stderr,
+        )
         return 130
-    print(f"cascade.summarize: {outcome.summarized} summarized, {outcome.failed} failed, "
-          f"{outcome.skipped} already done -> {args.output}", file=sys.stderr)
+    print(
+        f"cascade.summarize: {outcome.summarized} summarized, {outcome.failed} failed, "
+        f"{outcome.skipped} already done -> {args.output}",
+        file=sys.stderr,
+    )
     return 1 if outcome.failed else 0
 
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 
+from cascade import atomic
 from cascade.errors import CascadeError
 from cascade.summarize.documents import Document
 from cascade.summarize.job import Job, Outcome, Progress, error_record, pending_documents, record_for
@@ -42,9 +42,7 @@ class SummaryWorker:
 def write_shard(shard_dir: Path, record: dict) -> Path:
     shard_dir.mkdir(parents=True, exist_ok=True)
     path = shard_dir / f"{hashlib.sha1(record['id'].encode()).hexdigest()}.json"
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    partial.write_text(json.dumps(record, ensure_ascii=False))
-    os.replace(partial, path)
+    atomic.write_text(path, json.dumps(record, ensure_ascii=False))
     return path
 
 
@@ -71,14 +69,16 @@ def import_ray():
     return ray
 
 
-def run_ray(job: Job, workers: int, address: str | None = None,
-            make_summarizer: Callable[[Job], Summarizer] = summarizer_for) -> Outcome:
+def run_ray(
+    job: Job, workers: int, address: str | None = None, make_summarizer: Callable[[Job], Summarizer] = summarizer_for
+) -> Outcome:
     ray = import_ray()
     log = ResultLog(job.output)  # a bad output is refused before Ray starts
     started_here = not ray.is_initialized()
     if started_here:
-        ray.init(address=address, num_cpus=None if address else workers, include_dashboard=False,
-                 log_to_driver=not job.quiet)
+        ray.init(
+            address=address, num_cpus=None if address else workers, include_dashboard=False, log_to_driver=not job.quiet
+        )
     try:
         return drive(ray, job, log, workers, make_summarizer)
     finally:
@@ -109,8 +109,12 @@ def drive(ray, job: Job, log: ResultLog, workers: int, make_summarizer: Callable
             try:
                 record, shard = ray.get(ready)
             except ray.exceptions.RayError as exc:
-                record, shard = error_record(document.id, f"worker failed {TASK_RETRIES + 1} times: "
-                                             f"{type(exc).__name__}", job.config_hash), None
+                record, shard = (
+                    error_record(
+                        document.id, f"worker failed {TASK_RETRIES + 1} times: {type(exc).__name__}", job.config_hash
+                    ),
+                    None,
+                )
             log.append(record)
             if shard is not None:
                 Path(shard).unlink(missing_ok=True)

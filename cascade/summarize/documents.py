@@ -68,5 +68,8 @@ def jsonl_documents(path: Path, data: bytes) -> Iterator[Document]:
             yield Document(where, error='a JSONL line must be an object with "id" and a string "text"')
             continue
         text = record["text"]
-        yield Document(str(record["id"]), text=text) if text.strip() else Document(
-            str(record["id"]), error="the document is empty")
+        yield (
+            Document(str(record["id"]), text=text)
+            if text.strip()
+            else Document(str(record["id"]), error="the document is empty")
+        )

@@ -30,8 +30,7 @@ class Job:
     @property
     def config_hash(self) -> str:
         """Identifies what a summary was made with: every config setting and the template."""
-        payload = json.dumps({"config": self.config.model_dump(mode="json"), "template": self.template},
-                             sort_keys=True)
+        payload = json.dumps({"config": self.config.model_dump(mode="json"), "template": self.template}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
@@ -67,8 +66,12 @@ def summary_record(document: Document, summarizer: Summarizer, config_hash: str)
     started = time.perf_counter()
     summary = summarizer.summarize(document.text)
     stats = {**summary.stats.to_dict(), "wall_s": round(time.perf_counter() - started, 3), "config_hash": config_hash}
-    return {"id": document.id, "summary": summary.text, **({"note": summary.note} if summary.note else {}),
-            "stats": stats}
+    return {
+        "id": document.id,
+        "summary": summary.text,
+        **({"note": summary.note} if summary.note else {}),
+        "stats": stats,
+    }
 
 
 def error_record(document_id: str, error: str, config_hash: str) -> dict:
@@ -109,8 +112,10 @@ class Progress:
         elif "error" in record:
             self.log(f"failed {record['id']}: {record['error']}")
         else:
-            self.log(f"done {record['id']}: {stats['prompt_tokens']} prompt tokens, {stats['new_tokens']} new, "
-                     f"{stats['tokens_per_s']} tok/s")
+            self.log(
+                f"done {record['id']}: {stats['prompt_tokens']} prompt tokens, {stats['new_tokens']} new, "
+                f"{stats['tokens_per_s']} tok/s"
+            )
 
     def close(self) -> None:
         if self.bar is not None:

@@ -10,11 +10,14 @@ from pathlib import Path
 from cascade.errors import CascadeError
 
 PLACEHOLDER = "{document}"
-DEFAULT_TEMPLATE = ("Read the document, then give its title and author if it states them, and summarize it."
-                    "\n\nDocument:\n{document}")
+DEFAULT_TEMPLATE = (
+    "Read the document, then give its title and author if it states them, and summarize it.\n\nDocument:\n{document}"
+)
 PART_TEMPLATE = "Summarize this part of a longer document.\n\nPart:\n{document}"
-COMBINE_TEMPLATE = ("These are summaries of consecutive parts of one document. Give the document's title and "
-                    "author if they are stated, and summarize the whole document.\n\nSummaries:\n{document}")
+COMBINE_TEMPLATE = (
+    "These are summaries of consecutive parts of one document. Give the document's title and "
+    "author if they are stated, and summarize the whole document.\n\nSummaries:\n{document}"
+)
 
 
 def read_template(path: Path | None) -> str:
@@ -25,8 +28,9 @@ def read_template(path: Path | None) -> str:
     except (OSError, UnicodeDecodeError) as exc:
         raise CascadeError(f"cannot read the template {path}: {exc}") from None
     if template.count(PLACEHOLDER) != 1:
-        raise CascadeError(f"the template {path} must contain {PLACEHOLDER} exactly once "
-                           f"(found {template.count(PLACEHOLDER)})")
+        raise CascadeError(
+            f"the template {path} must contain {PLACEHOLDER} exactly once (found {template.count(PLACEHOLDER)})"
+        )
     return template
 
 
@@ -39,8 +43,9 @@ class PromptBuilder:
     def ids(self, template: str, document_ids: list[int]) -> list[int]:
         before, after = template.split(PLACEHOLDER)
         marker = "\x00DOCUMENT\x00"
-        framed = self.tokenizer.apply_chat_template([{"role": "user", "content": before + marker + after}],
-                                                    add_generation_prompt=True, tokenize=False)
+        framed = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": before + marker + after}], add_generation_prompt=True, tokenize=False
+        )
         head, tail = framed.split(marker)
         encode = self.encode
         return encode(head) + document_ids + encode(tail)

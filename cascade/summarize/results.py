@@ -32,16 +32,21 @@ class ResultLog:
         """The error for a file with a bad line ``number``: not a result log, or a damaged one."""
         if number == 1:
             return CascadeError(f"{self.path} is not a result log: line 1 {problem}; give another --output")
-        return CascadeError(f"{self.path}:{number} {problem}, so the result log is damaged; fix or delete that "
-                            "line, or give another --output")
+        return CascadeError(
+            f"{self.path}:{number} {problem}, so the result log is damaged; fix or delete that "
+            "line, or give another --output"
+        )
 
     def records(self) -> list[dict]:
         return [json.loads(line) for line in self.path.read_bytes().split(b"\n") if line.strip()]
 
     def done(self, config_hash: str) -> set[str]:
         """Ids summarized under ``config_hash`` (failed documents are not done: a rerun retries them)."""
-        return {record["id"] for record in self.records()
-                if "summary" in record and record.get("stats", {}).get("config_hash") == config_hash}
+        return {
+            record["id"]
+            for record in self.records()
+            if "summary" in record and record.get("stats", {}).get("config_hash") == config_hash
+        }
 
     def append(self, record: dict) -> None:
         line = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
@@ -49,7 +54,7 @@ class ResultLog:
         try:
             view = memoryview(line)
             while view:  # a regular file takes it in one write; loop in case it does not
-                view = view[os.write(descriptor, view):]
+                view = view[os.write(descriptor, view) :]
             os.fsync(descriptor)
         finally:
             os.close(descriptor)

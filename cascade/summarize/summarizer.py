@@ -37,12 +37,16 @@ class SummaryStats:
     def to_dict(self) -> dict:
         decoded = self.new_tokens - self.generations  # each generation's first token comes with its prefill
         return {
-            "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.new_tokens,
             "tokens_per_s": round(decoded / self.decode_s, 3) if self.decode_s > 0 else 0.0,
-            "prefill_s": round(self.prefill_s, 3), "decode_s": round(self.decode_s, 3),
-            "generations": self.generations, "dropped_tokens": self.dropped_tokens,
-            "acceptance": {name: round(self.accepted[name] / count, 4) if count else None
-                           for name, count in self.proposed.items()},
+            "prefill_s": round(self.prefill_s, 3),
+            "decode_s": round(self.decode_s, 3),
+            "generations": self.generations,
+            "dropped_tokens": self.dropped_tokens,
+            "acceptance": {
+                name: round(self.accepted[name] / count, 4) if count else None for name, count in self.proposed.items()
+            },
         }
 
 
@@ -67,9 +71,11 @@ class Summarizer:
         limit = self.runtime.context_limit()
         room = limit - self.max_new_tokens - self.prompts.overhead(template)
         if room < 1:
-            raise CascadeError(f"max-new-tokens ({self.max_new_tokens}) and the template "
-                               f"({self.prompts.overhead(template)} tokens) leave no room for a document in "
-                               f"the {limit}-token context; lower --max-new-tokens")
+            raise CascadeError(
+                f"max-new-tokens ({self.max_new_tokens}) and the template "
+                f"({self.prompts.overhead(template)} tokens) leave no room for a document in "
+                f"the {limit}-token context; lower --max-new-tokens"
+            )
         return room
 
     def summarize(self, text: str) -> Summary:
@@ -89,16 +95,17 @@ class Summarizer:
 
     def truncated(self, ids: list[int], room: int, stats: SummaryStats) -> Summary:
         head = max(1, round(room * self.long_documents.head_share))
-        kept = ids[:head] + ids[len(ids) - (room - head):]  # [room] head, then tail
+        kept = ids[:head] + ids[len(ids) - (room - head) :]  # [room] head, then tail
         stats.dropped_tokens = len(ids) - room
-        note = (f"truncated: kept the first {head} and last {room - head} of {len(ids)} tokens, "
-                f"dropped {stats.dropped_tokens} ({stats.dropped_tokens / len(ids):.0%})")
+        note = (
+            f"truncated: kept the first {head} and last {room - head} of {len(ids)} tokens, "
+            f"dropped {stats.dropped_tokens} ({stats.dropped_tokens / len(ids):.0%})"
+        )
         return Summary(self.generate(self.template, kept, stats), stats, note)
 
     def map_reduced(self, ids: list[int], stats: SummaryStats, depth: int = 0) -> Summary:
         chunk = min(self.long_documents.chunk_tokens or self.room(PART_TEMPLATE), self.room(PART_TEMPLATE))
-        parts = [self.generate(PART_TEMPLATE, ids[start:start + chunk], stats)
-                 for start in range(0, len(ids), chunk)]
+        parts = [self.generate(PART_TEMPLATE, ids[start : start + chunk], stats) for start in range(0, len(ids), chunk)]
         combined = self.prompts.encode("\n\n".join(f"Part {i + 1}: {part}" for i, part in enumerate(parts)))
         note = f"map-reduce: {len(parts)} parts of up to {chunk} tokens" + (f" (level {depth + 1})" if depth else "")
         if len(combined) > self.room(COMBINE_TEMPLATE):

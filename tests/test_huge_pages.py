@@ -1,0 +1,26 @@
+"""Weights moved into huge-page memory: the same model, tied weights still tied."""
+
+from __future__ import annotations
+
+import mmap
+
+import pytest
+import torch
+
+from cascade.checkpoint import load_model
+from cascade.huge_pages import SMALLEST, move_to_huge_pages
+from tests.test_model import CPU, our_logits
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE on this platform")
+def test_moved_weights_give_the_same_logits_and_tied_weights_stay_tied(tiny_dir):
+    model = load_model(tiny_dir, torch.float32, CPU)
+    assert model.lm_head.weight is model.embed_tokens.weight
+    token_ids = torch.arange(40)
+    before = our_logits(model, token_ids)
+    large = {t.data_ptr() for t in model.parameters() if t.nbytes >= SMALLEST}
+    moved = move_to_huge_pages(model)
+    assert moved >= sum(t.nbytes for t in model.parameters() if t.nbytes >= SMALLEST) and large
+    assert not large & {t.data_ptr() for t in model.parameters()}  # every large tensor moved
+    assert model.lm_head.weight is model.embed_tokens.weight
+    assert torch.equal(our_logits(model, token_ids), before)
