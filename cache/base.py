@@ -138,9 +138,7 @@ class CachePolicy(ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot run token-tree passes")
 
     @abstractmethod
-    def update(
-        self, layer: int, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor
-    ) -> AttentionView:
+    def update(self, layer: int, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor) -> AttentionView:
         """Write one layer's new keys/values ([B, H_kv, T, D], rotated) and return what to read.
 
         ``query`` [B, H, T, D] (rotated) is the layer's query for the same tokens."""
@@ -197,8 +195,7 @@ class CachePolicy(ABC):
             raise ValueError(f"allocate needs at least one token, got {num_new}")
         if self.length + num_new > self.layout.capacity:
             raise CacheFullError(
-                f"cache holds {self.length} of {self.layout.capacity} tokens; "
-                f"cannot add {num_new} more"
+                f"cache holds {self.length} of {self.layout.capacity} tokens; cannot add {num_new} more"
             )
         start = self.length
         self.length += num_new

@@ -41,8 +41,9 @@ def summarize_chunks(keys: torch.Tensor, size: int, scoring: Scoring) -> tuple[t
     return (keys,)
 
 
-def score_chunks(query: torch.Tensor, summary: tuple[torch.Tensor, ...], size: int, scoring: Scoring,
-                 query_dims: int) -> torch.Tensor:
+def score_chunks(
+    query: torch.Tensor, summary: tuple[torch.Tensor, ...], size: int, scoring: Scoring, query_dims: int
+) -> torch.Tensor:
     """Scores [H_kv, C] float32 of the chunks ``summary`` (from ``summarize_chunks``) describes,
     for the selecting query [H, 1, D] (``sparq`` reads ``query_dims`` of its dimensions)."""
     if scoring == "attention":

@@ -12,8 +12,10 @@ class CachePolicyConfig(BaseModel):
     def at_budget(cls, budget: int) -> CachePolicyConfig:
         """This policy holding ``budget`` tokens of KV: ablations compare policies at equal cost."""
         if "budget" not in cls.model_fields:
-            raise ValueError(f"{cls.model_fields['kind'].default} caches have no token budget; these kinds have "
-                             f"one: {', '.join(budgeted_kinds())}")
+            raise ValueError(
+                f"{cls.model_fields['kind'].default} caches have no token budget; these kinds have "
+                f"one: {', '.join(budgeted_kinds())}"
+            )
         return cls(budget=budget)
 
     def as_settings(self) -> dict:
@@ -39,8 +41,11 @@ def budgeted_kinds() -> list[str]:
     """The registered kinds that can hold a given number of tokens (``at_budget``)."""
     from cache.registry import POLICIES  # the registry imports this module
 
-    return sorted(kind for kind, entry in POLICIES.items()
-                  if "budget" in entry.config.model_fields or "at_budget" in vars(entry.config))
+    return sorted(
+        kind
+        for kind, entry in POLICIES.items()
+        if "budget" in entry.config.model_fields or "at_budget" in vars(entry.config)
+    )
 
 
 def budget_for(share: float, prompt_tokens: int, granule: int = 16) -> int:

@@ -74,8 +74,11 @@ class H2OCache(SlotCache):
 
     def rollback(self, length: int) -> None:
         super().rollback(length)
-        self.pending = [(first, [query[:, :, : length - first] for query in queries])
-                        for first, queries in self.pending if first < length]
+        self.pending = [
+            (first, [query[:, :, : length - first] for query in queries])
+            for first, queries in self.pending
+            if first < length
+        ]
 
     def commit(self, length: int) -> None:
         super().commit(length)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def received_attention(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None = None,
-                       products_in_kv_dtype: bool = False) -> torch.Tensor:
+def received_attention(
+    query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None = None, products_in_kv_dtype: bool = False
+) -> torch.Tensor:
     """Attention probability each key receives, summed over the queries and the query heads sharing
     its KV head: query [H, T, D], keys [H_kv, S, D], additive mask [T, S] -> [H_kv, S] float32.
 

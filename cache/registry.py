@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, TypeVar, get_args, get_origin
+from typing import Any, Literal, TypeVar, get_args, get_origin
 
 from pydantic import BaseModel
 
@@ -36,9 +37,7 @@ def register_policy(config: type[CachePolicyConfig]) -> Callable[[PolicyT], Poli
     return decorate
 
 
-def build_policy(
-    config: CachePolicyConfig, layout: CacheLayout, source: CachePolicy | None = None
-) -> CachePolicy:
+def build_policy(config: CachePolicyConfig, layout: CacheLayout, source: CachePolicy | None = None) -> CachePolicy:
     """Instantiate the policy a validated cache config selects (``source``: see ``CachePolicy``)."""
     return POLICIES[config.kind].policy(layout, config, source)
 

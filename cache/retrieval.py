@@ -94,11 +94,15 @@ class RetrievalCacheConfig(CachePolicyConfig):
         if self.budget % self.chunk_size:
             raise ValueError(f"budget ({self.budget}) must be a multiple of chunk_size ({self.chunk_size})")
         if self.budget // self.chunk_size < 2:
-            raise ValueError(f"budget ({self.budget}) must hold at least 2 chunks of chunk_size ({self.chunk_size}): "
-                             "the sink chunk and one more")
+            raise ValueError(
+                f"budget ({self.budget}) must hold at least 2 chunks of chunk_size ({self.chunk_size}): "
+                "the sink chunk and one more"
+            )
         if self.recent > self.budget - 2 * self.chunk_size:
-            raise ValueError(f"recent ({self.recent}) must leave room in the budget ({self.budget}) for the sink "
-                             f"chunk and one chosen chunk of {self.chunk_size}")
+            raise ValueError(
+                f"recent ({self.recent}) must leave room in the budget ({self.budget}) for the sink "
+                f"chunk and one chosen chunk of {self.chunk_size}"
+            )
         return self
 
 
@@ -106,15 +110,15 @@ class RetrievalCacheConfig(CachePolicyConfig):
 class RetrievalCache(SlotCache):
     reads_source = True
 
-    def __init__(
-        self, layout: CacheLayout, config: RetrievalCacheConfig, source: CachePolicy | None = None
-    ) -> None:
+    def __init__(self, layout: CacheLayout, config: RetrievalCacheConfig, source: CachePolicy | None = None) -> None:
         if not isinstance(source, FullCache):
             raise ValueError("the retrieval cache reads the prompt from a full cache of the same model")
         if config.scoring == "sparq" and config.query_dims > layout.head_dim:
-            raise CascadeError(f"retrieval cache: query_dims ({config.query_dims}) must be at most the model's "
-                               f"head_dim ({layout.head_dim}) for sparq scoring; set query_dims to "
-                               f"{layout.head_dim} or less")
+            raise CascadeError(
+                f"retrieval cache: query_dims ({config.query_dims}) must be at most the model's "
+                f"head_dim ({layout.head_dim}) for sparq scoring; set query_dims to "
+                f"{layout.head_dim} or less"
+            )
         super().__init__(layout, config.budget + layout.capacity - source.committed, source)
         self.config = config
         self._prompts_taken = 0

@@ -126,8 +126,11 @@ class SlotCache(CachePolicy):
         slots, buffer = self._pass_slots, self.keys.shape[3]  # [T]
         if layer == 0:
             tree = self._tree
-            self._mask = causal_mask(slots, buffer, self.layout.dtype) if tree is None else tree_mask(
-                slots, buffer, tree, self.layout.dtype)
+            self._mask = (
+                causal_mask(slots, buffer, self.layout.dtype)
+                if tree is None
+                else tree_mask(slots, buffer, tree, self.layout.dtype)
+            )
         self.keys[layer].index_copy_(2, slots, keys)
         self.values[layer].index_copy_(2, slots, values)
         valid = self._valid_slots if self._tree is None else None  # a tree's mask is not causal

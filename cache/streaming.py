@@ -42,9 +42,7 @@ class StreamingCacheConfig(CachePolicyConfig):
 
 @register_policy(StreamingCacheConfig)
 class StreamingCache(SlotCache):
-    def __init__(
-        self, layout: CacheLayout, config: StreamingCacheConfig, source: CachePolicy | None = None
-    ) -> None:
+    def __init__(self, layout: CacheLayout, config: StreamingCacheConfig, source: CachePolicy | None = None) -> None:
         kept = config.sinks + config.window
         super().__init__(layout, min(layout.capacity, kept + pending_room(layout)))
         self.sinks, self.window = config.sinks, config.window

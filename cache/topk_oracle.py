@@ -42,9 +42,7 @@ class TopKOracleCache(FullCache):
     static_passes = False  # picks its keys per pass, by value
     tree_passes = False  # its views are causal by construction
 
-    def __init__(
-        self, layout: CacheLayout, config: TopKOracleCacheConfig, source: CachePolicy | None = None
-    ) -> None:
+    def __init__(self, layout: CacheLayout, config: TopKOracleCacheConfig, source: CachePolicy | None = None) -> None:
         if not isinstance(source, FullCache):
             raise ValueError("the topk_oracle cache copies the prompt from a full cache of the same model")
         super().__init__(layout)
