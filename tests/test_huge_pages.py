@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cascade.checkpoint import load_model
-from cascade.huge_pages import SMALLEST, move_to_huge_pages
+from cascade.huge_pages import move_to_huge_pages
 from tests.test_model import CPU, our_logits
 
 
@@ -18,9 +18,9 @@ def test_moved_weights_give_the_same_logits_and_tied_weights_stay_tied(tiny_dir)
     assert model.lm_head.weight is model.embed_tokens.weight
     token_ids = torch.arange(40)
     before = our_logits(model, token_ids)
-    large = {t.data_ptr() for t in model.parameters() if t.nbytes >= SMALLEST}
+    before_moving = {t.data_ptr() for t in (*model.parameters(), *model.buffers())}
     moved = move_to_huge_pages(model)
-    assert moved >= sum(t.nbytes for t in model.parameters() if t.nbytes >= SMALLEST) and large
-    assert not large & {t.data_ptr() for t in model.parameters()}  # every large tensor moved
+    assert moved >= sum(t.nbytes for t in model.parameters())
+    assert not before_moving & {t.data_ptr() for t in (*model.parameters(), *model.buffers())}  # every tensor moved
     assert model.lm_head.weight is model.embed_tokens.weight
     assert torch.equal(our_logits(model, token_ids), before)
