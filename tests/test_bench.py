@@ -17,6 +17,9 @@ from cascade.home import cascade_home
 from cascade.peers.llamacpp import installed_build
 from tests.scripts import run_script
 
+QUICK_RUN = ["--contexts", "96", "--new-tokens", "8", "--repeats", "1", "--warmups", "0"]
+"""One round of 8 new tokens after 96, no warm-ups: the shortest run the bench tests make."""
+
 
 def test_bench_compares_overridden_presets_and_continues_transformers_from_stored_prompts(
     tmp_path, tiny_dir, tiny_draft_dir
@@ -31,14 +34,7 @@ def test_bench_compares_overridden_presets_and_continues_transformers_from_store
         "autoregressive",
         "speculative+stages.0.gamma=2",
         "transformers",
-        "--contexts",
-        "96",
-        "--new-tokens",
-        "8",
-        "--repeats",
-        "1",
-        "--warmups",
-        "0",
+        *QUICK_RUN,
         "--dtype",
         "float32",
         "--target",
@@ -90,14 +86,7 @@ def test_bench_measures_llama_cpp_beside_cascade_and_reports_the_ratios_to_it(tm
         "autoregressive",
         "llama.cpp",
         "llama.cpp-speculative",
-        "--contexts",
-        "96",
-        "--new-tokens",
-        "8",
-        "--repeats",
-        "1",
-        "--warmups",
-        "0",
+        *QUICK_RUN,
         "--dtype",
         "bfloat16",
         "--target",
