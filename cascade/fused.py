@@ -67,15 +67,6 @@ def use_cpu_kernels() -> bool:
     return cpu_layers
 
 
-MAX_KERNEL_ATTENTION_WORK = 65536
-"""Query rows per KV head (its query heads times the pass's tokens) times keys up to which cascade's
-attention kernel runs a pass; beyond it, the per-KV-head products of ``cascade.attention``, whose
-oneDNN products read a long cache faster. Measured on SmolLM2 (3 rows per KV head and token), bf16,
-2 threads, whole passes: one token 29.6 vs 32.3 ms at 2K keys, 79.6 vs 88.1 at 16K, 131 vs 127 at
-32K; seven tokens 40.5 vs 43.9 at 2K, 58.9 vs 57.2 at 4K, 140 vs 104 at 16K. The kernel computes
-more per key than it reads (its scores, softmax and weighted sum reach 8 GB/s over 32K keys)."""
-
-
 Weight = tuple[torch.Tensor, "torch.Tensor | None"]
 """A projection's weight [O, I] and, for an int8 one (``cascade.quantise``), its scale per row [O]."""
 
@@ -215,9 +206,7 @@ def attend(query: torch.Tensor, view: AttentionView, scale: float, family: Atten
     cache through the compiled kernel; everything else through the model's attention ``family``."""
     on_cpu = query.device.type == "cpu"
     ours = query.dtype == torch.bfloat16 and query.shape[-1] in kernels.ATTENTION_HEAD_SIZES
-    query_rows = query.shape[1] // view.keys.shape[1] * query.shape[2]  # per KV head: its query heads' tokens
-    cheap = query_rows * view.keys.shape[2] <= MAX_KERNEL_ATTENTION_WORK
-    if attention_kernel and on_cpu and ours and cheap and view.mask is None and query.shape[0] == 1:
+    if attention_kernel and on_cpu and ours and view.mask is None and query.shape[0] == 1:
         return torch.ops.cascade_kernels.decode_attention(query[0], view.keys[0], view.values[0], scale, view.causal)[
             None
         ]

@@ -133,3 +133,27 @@ def test_decode_attention_equals_float64_reference(path, heads, kv_heads, tokens
     expected = reference_attention(query, keys, values, dim**-0.5, causal)
     assert got.dtype == torch.bfloat16 and got.shape == query.shape
     torch.testing.assert_close(got.double(), expected, atol=1e-2, rtol=1e-2)  # bf16 output rounding: 2^-8
+
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, tokens, num_keys, dim",
+    [(9, 3, 8, 1000, 64), (12, 2, 9, 611, 128), (14, 2, 16, 300, 64), (4, 2, 5, 33, 16), (4, 4, 3, 520, 32)],
+)
+def test_each_token_of_a_causal_pass_equals_its_one_token_step_bit_for_bit(
+    path, heads, kv_heads, tokens, num_keys, dim
+):
+    """A verification pass must attend as the decode steps it replaces do: token t of the pass
+    against a cache that ends at its own key, whatever the number of query rows (up to 7 x 16 here,
+    several chunks of scores and of weighted sums) or where the blocks of keys end."""
+    generator = torch.Generator().manual_seed(heads * num_keys + tokens + dim)
+    query = torch.randn(heads, tokens, dim, generator=generator).bfloat16()
+    buffer = torch.randn(2, kv_heads, num_keys + 40, dim, generator=generator).bfloat16()
+    keys, values = buffer[0, :, :num_keys], buffer[1, :, :num_keys]
+    scale = dim**-0.5
+    together = torch.ops.cascade_kernels.decode_attention(query, keys, values, scale, True)
+    for token in range(tokens):
+        visible = num_keys - tokens + token + 1
+        step = torch.ops.cascade_kernels.decode_attention(
+            query[:, token : token + 1], keys[:, :visible], values[:, :visible], scale, True
+        )
+        assert torch.equal(step[:, 0], together[:, token]), f"token {token} of {tokens}"

@@ -5,11 +5,19 @@
 // of a longer slot buffer) -> out [H, T, D] bf16. The H / H_kv query heads of a KV head and the T
 // tokens of the pass are the R = G * T rows (g, t) that meet each key block once: each key and
 // value is read from memory once per pass. With `causal`, token t sees keys up to S - T + t (the
-// pass's own tokens are the last T keys). Scores come from AMX tiles where the CPU has them (a block
-// of 16 keys against 16 query rows, float32 accumulation), else from AVX512-BF16 dot products (16 keys
-// at a time, their float32 lanes summed together); the softmax and the weighted sum of the values run
-// in float32 (AVX-512). Either way a key's score is computed the same way whatever the pass's width
-// and however many keys follow it, so a verification pass equals the decode steps it replaces.
+// pass's own tokens are the last T keys).
+//
+// Per block of 256 keys, in bf16 products with float32 accumulation (AVX512-BF16):
+// - values: each two keys' rows interleaved into (key, key + 1) pairs, once per block;
+// - scores: 16 keys at a time transposed into pairs of head dimensions (pair p of key j in lane j),
+//   shared by every row; a row's 16 scores are one chain of products over the even pairs and one
+//   over the odd pairs against its own query pair, broadcast (with AMX: tiles of 16 keys x 16 rows);
+// - softmax in float32, the weights rounded to bf16 (as flash attention's P) and summed as rounded;
+// - each row's output: its weight pairs times the value pairs, 16 dimensions per accumulator.
+// A key's score and a row's weighted sum take the same operations in the same order whatever the
+// pass's width and however many keys follow, so a verification pass equals the decode steps it
+// replaces bit for bit. While a block is read, the next block's rows are asked for (into L2) and
+// the rows a little ahead (into L1): a thread's blocks follow each other in memory.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -17,8 +25,8 @@
 
 #include <immintrin.h>
 
-#include <cmath>
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <vector>
@@ -30,78 +38,132 @@ namespace {
 
 #if defined(__AVX512BF16__)
 
-using cascade_vector::bf16_to_float;
 using cascade_vector::exp16;
-using cascade_vector::sum_each;
 
-constexpr int64_t kChunkRows = 16;  // query rows scored together (an AMX tile's columns)
-constexpr int64_t kPairInputs = 32;  // bf16 inputs of one AMX tile row or one AVX512-BF16 product
+constexpr int64_t kChunkRows = 16;  // query rows of an AMX tile's columns
+constexpr int64_t kPairInputs = 32;  // bf16 inputs of one AMX tile row or one 512-bit register
+constexpr int64_t kGroupKeys = 16;  // keys scored together, one per float32 lane
 constexpr int64_t kBlockKeys = 256;  // keys per task
+constexpr int64_t kNearKeys = 32;  // how far ahead of its reads a pass over a block asks for rows (into L1)
+constexpr int kScoreRows = 4;  // query rows scored together: 8 chains of products in flight
 constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
 
 struct Operands {
   const at::BFloat16* keys;
   const at::BFloat16* values;
   int64_t key_stride, value_stride;  // elements between consecutive keys (values)
-  int64_t dim;
   float scale;
 };
 
-constexpr int64_t kPrefetchKeys = 16;  // how far ahead of its reads a block asks for keys and values
-
-// Ask for a bf16 row of `dim` values (whole cache lines) ahead of its use; past the cache's end the
+// Ask for a bf16 row of D values (whole cache lines) ahead of its use; past the cache's end the
 // hint is dropped (prefetches never fault).
-inline void prefetch_row(const at::BFloat16* row, int64_t dim) {
-  for (int64_t d = 0; d < dim; d += 32) _mm_prefetch(reinterpret_cast<const char*>(row + d), _MM_HINT_T0);
-}
-
-inline __mmask16 first_lanes(int64_t count) {
-  return count >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1);
-}
-
-// A chunk of up to 16 query rows of one KV head, in the layouts the score paths read.
-struct QueryChunk {
-  const at::BFloat16* pairs;  // AMX's pair-interleaved operand [D / 2, rows, 2] (null without AMX)
-  const at::BFloat16* rows;  // [rows, D]
-  const float* floats;  // [rows, D]
-  int64_t count;
-};
-
-// Scores of 16 keys at a time from AVX512-BF16 dot products (head size a multiple of 32): per query
-// row, each key's 32-input pairs accumulate in its own float32 vector, and the 16 keys' vectors are
-// summed together (sum_each). A key past k1 contributes an unused zero lane.
-void vector_scores(const Operands& op, const QueryChunk& chunk, int64_t k0, int64_t k1, float* scores) {
-  for (int64_t k = k0; k < k1; k += 16) {
-    const int64_t count = std::min<int64_t>(16, k1 - k);
-    for (int64_t j = 0; j < 16; ++j) prefetch_row(op.keys + (k + kPrefetchKeys + j) * op.key_stride, op.dim);
-    for (int64_t r = 0; r < chunk.count; ++r) {
-      const at::BFloat16* query = chunk.rows + r * op.dim;
-      __m512 partial[16];
-      for (int64_t j = 0; j < 16; ++j) {
-        partial[j] = _mm512_setzero_ps();
-        if (j >= count) continue;
-        const at::BFloat16* key = op.keys + (k + j) * op.key_stride;
-        for (int64_t d = 0; d < op.dim; d += kPairInputs) {
-          partial[j] = _mm512_dpbf16_ps(partial[j], (__m512bh)_mm512_loadu_si512(query + d),
-                                        (__m512bh)_mm512_loadu_si512(key + d));
-        }
-      }
-      _mm512_mask_storeu_ps(scores + r * kBlockKeys + (k - k0), first_lanes(count), sum_each(partial));
-    }
+template <int D, int Hint>
+inline void prefetch_row(const at::BFloat16* row) {
+  for (int line = 0; line < (2 * D + 63) / 64; ++line) {
+    _mm_prefetch(reinterpret_cast<const char*>(row) + 64 * line, (_mm_hint)Hint);
   }
 }
 
-// Scores of head sizes that are not multiples of 32 (16): float32 dot products, one key at a time.
-void float_scores(const Operands& op, const QueryChunk& chunk, int64_t k0, int64_t k1, float* scores) {
-  for (int64_t k = k0; k < k1; ++k) {
-    for (int64_t r = 0; r < chunk.count; ++r) {
-      __m512 sum = _mm512_setzero_ps();
-      for (int64_t d = 0; d < op.dim; d += 16) {
-        const __m512 key = bf16_to_float(_mm256_loadu_si256((const __m256i*)(op.keys + k * op.key_stride + d)));
-        sum = _mm512_fmadd_ps(_mm512_loadu_ps(chunk.floats + r * op.dim + d), key, sum);
-      }
-      scores[r * kBlockKeys + (k - k0)] = _mm512_reduce_add_ps(sum);
+// acc + pairs . (*pair in every lane): an AVX512-BF16 product whose second operand is a bf16 pair
+// broadcast from memory (GCC does not fold the broadcast into the instruction by itself).
+inline __m512 dot_broadcast(__m512 acc, __m512bh pairs, const int32_t* pair) {
+  asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(pairs), "m"(*pair));
+  return acc;
+}
+
+inline __mmask16 first_lanes(int64_t count) {
+  return count >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << std::max<int64_t>(count, 0)) - 1);
+}
+
+// 16 rows of 16 32-bit values -> 16 columns in place: afterwards v[p] holds value p of row j in lane j.
+inline void transpose16(__m512i (&v)[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: rows 2i, 2i + 1 interleaved
+    t[2 * i] = _mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
+  }
+  for (int a = 0; a < 4; ++a) {  // v[4a + e], per 128-bit lane L: value 4L + e of rows 4a .. 4a + 3
+    v[4 * a] = _mm512_unpacklo_epi64(t[4 * a], t[4 * a + 2]);
+    v[4 * a + 1] = _mm512_unpackhi_epi64(t[4 * a], t[4 * a + 2]);
+    v[4 * a + 2] = _mm512_unpacklo_epi64(t[4 * a + 1], t[4 * a + 3]);
+    v[4 * a + 3] = _mm512_unpackhi_epi64(t[4 * a + 1], t[4 * a + 3]);
+  }
+  for (int e = 0; e < 4; ++e) {  // 128-bit lanes 0, 2 and 1, 3 of rows 0-7 and of rows 8-15
+    t[e] = _mm512_shuffle_i32x4(v[e], v[4 + e], 0x88);
+    t[4 + e] = _mm512_shuffle_i32x4(v[e], v[4 + e], 0xDD);
+    t[8 + e] = _mm512_shuffle_i32x4(v[8 + e], v[12 + e], 0x88);
+    t[12 + e] = _mm512_shuffle_i32x4(v[8 + e], v[12 + e], 0xDD);
+  }
+  for (int e = 0; e < 4; ++e) {  // value 4L + e: 128-bit lane L of the four row groups
+    v[e] = _mm512_shuffle_i32x4(t[e], t[8 + e], 0x88);
+    v[8 + e] = _mm512_shuffle_i32x4(t[e], t[8 + e], 0xDD);
+    v[4 + e] = _mm512_shuffle_i32x4(t[4 + e], t[12 + e], 0x88);
+    v[12 + e] = _mm512_shuffle_i32x4(t[4 + e], t[12 + e], 0xDD);
+  }
+}
+
+// Keys [k, k + 16) as pairs of head dimensions: pairs[p] holds dimensions 2p, 2p + 1 of key k + j in
+// lane j (zeros for keys at or past k1).
+template <int D>
+inline void transposed_keys(const Operands& op, int64_t k, int64_t k1, __m512i* pairs) {
+  constexpr int kPairs = D / 2;
+  const int64_t count = std::min(kGroupKeys, k1 - k);
+  for (int p0 = 0; p0 < kPairs; p0 += 16) {
+    const __mmask16 lanes = first_lanes(kPairs - p0);  // 8 pairs for head size 16
+    __m512i rows[16];
+    for (int j = 0; j < 16; ++j) {
+      rows[j] = j < count ? _mm512_maskz_loadu_epi32(lanes, op.keys + (k + j) * op.key_stride + 2 * p0)
+                          : _mm512_setzero_si512();
     }
+    transpose16(rows);
+    for (int p = 0; p < std::min(16, kPairs - p0); ++p) pairs[p0 + p] = rows[p];
+  }
+}
+
+// Scores of Rows query rows (pairs [Rows, D / 2]) against 16 transposed keys -> scores[r * kBlockKeys
+// + j]: per row, the products over the even pairs and over the odd pairs in two chains, added last.
+template <int D, int Rows>
+inline void group_scores(const int32_t* query_pairs, const __m512i* pairs, float* scores) {
+  constexpr int kPairs = D / 2;
+  __m512 even[Rows], odd[Rows];
+  for (int r = 0; r < Rows; ++r) even[r] = odd[r] = _mm512_setzero_ps();
+  for (int p = 0; p < kPairs; p += 2) {
+    for (int r = 0; r < Rows; ++r) {
+      even[r] = dot_broadcast(even[r], (__m512bh)pairs[p], query_pairs + r * kPairs + p);
+      odd[r] = dot_broadcast(odd[r], (__m512bh)pairs[p + 1], query_pairs + r * kPairs + p + 1);
+    }
+  }
+  for (int r = 0; r < Rows; ++r) _mm512_storeu_ps(scores + r * kBlockKeys, _mm512_add_ps(even[r], odd[r]));
+}
+
+// The last `rows` (<= Rows) query rows of a group of 16 keys, together.
+template <int D, int Rows>
+inline void remaining_scores(const int32_t* query_pairs, int64_t rows, const __m512i* pairs, float* scores) {
+  if constexpr (Rows > 0) {
+    if (rows == Rows) return group_scores<D, Rows>(query_pairs, pairs, scores);
+    remaining_scores<D, Rows - 1>(query_pairs, rows, pairs, scores);
+  }
+}
+
+// Scores [rows, kBlockKeys] of keys [k0, k1) against `rows` query rows (pairs [rows, D / 2]),
+// unscaled; the next block's keys are asked for on the way.
+template <int D>
+void vector_scores(const Operands& op, const int32_t* query_pairs, int64_t rows, int64_t k0, int64_t k1,
+                   float* scores) {
+  constexpr int kPairs = D / 2;
+  alignas(64) __m512i pairs[kPairs];
+  for (int64_t k = k0; k < k1; k += kGroupKeys) {
+    for (int j = 0; j < kGroupKeys; ++j) {
+      prefetch_row<D, _MM_HINT_T0>(op.keys + (k + kNearKeys + j) * op.key_stride);
+      prefetch_row<D, _MM_HINT_T1>(op.keys + (k + kBlockKeys + j) * op.key_stride);
+    }
+    transposed_keys<D>(op, k, k1, pairs);
+    float* out = scores + (k - k0);
+    int64_t r = 0;
+    for (; r + kScoreRows <= rows; r += kScoreRows) {
+      group_scores<D, kScoreRows>(query_pairs + r * kPairs, pairs, out + r * kBlockKeys);
+    }
+    remaining_scores<D, kScoreRows - 1>(query_pairs + r * kPairs, rows - r, pairs, out + r * kBlockKeys);
   }
 }
 
@@ -112,23 +174,24 @@ using cascade_tiles::kTileRows;
 // Scores from AMX tiles of 16 keys (a tile [16 keys, rows], transposed into the rows); the last few
 // keys of the cache are copied into a zero-padded tile first, so a key's score never depends on how
 // many keys follow it.
-void tile_scores(const Operands& op, const QueryChunk& chunk, int64_t k0, int64_t k1, float* scores) {
-  const int64_t rows = chunk.count;
-  alignas(64) at::BFloat16 padded[kTileRows * 128] = {};  // the last keys, head size <= 128
+template <int D>
+void tile_scores(const Operands& op, const at::BFloat16* query_pairs, int64_t rows, int64_t k0, int64_t k1,
+                 float* scores) {
+  alignas(64) at::BFloat16 padded[kTileRows * D] = {};  // the last keys
   alignas(64) float tile[kTileRows * kTileRows];  // [keys, rows]
   for (int64_t k = k0; k < k1; k += kTileRows) {
     const int64_t count = std::min(kTileRows, k1 - k);
     const at::BFloat16* source = op.keys + k * op.key_stride;
     int64_t stride = op.key_stride;
     if (count < kTileRows) {
-      for (int64_t j = 0; j < count; ++j) std::copy_n(op.keys + (k + j) * op.key_stride, op.dim, padded + j * op.dim);
+      for (int64_t j = 0; j < count; ++j) std::copy_n(op.keys + (k + j) * op.key_stride, D, padded + j * D);
       source = padded;
-      stride = op.dim;
+      stride = D;
     }
     _tile_zero(0);
-    for (int64_t d = 0; d < op.dim; d += kPairInputs) {
+    for (int64_t d = 0; d < D; d += kPairInputs) {
       _tile_loadd(2, source + d, stride * 2);
-      _tile_loadd(4, chunk.pairs + d * rows, rows * 4);
+      _tile_loadd(4, query_pairs + d * rows, rows * 4);
       _tile_dpbf16ps(0, 2, 4);
     }
     _tile_stored(0, tile, rows * 4);
@@ -155,119 +218,139 @@ std::vector<at::Tensor> tile_operands(const at::Tensor& grouped, int64_t dim) {
   return pairs;
 }
 
-// Set the tiles up for `rows` query rows -> rows (only called with AMX operands).
-int64_t configure_tiles(int64_t rows) {
+// Scores [rows, kBlockKeys] of keys [k0, k1) of KV head `head` into `scores`, unscaled: from AMX tiles
+// per chunk of 16 rows where `tiles` holds their operands, else from AVX512-BF16 products.
+template <int D>
+void block_scores(const Operands& op, const int32_t* query_pairs, const std::vector<at::Tensor>& tiles, int64_t head,
+                  int64_t rows, int64_t k0, int64_t k1, float* scores) {
 #if defined(__AMX_BF16__)
-  cascade_tiles::configure_tiles(rows);
+  if (!tiles.empty()) {
+    for (int64_t c0 = 0; c0 < rows; c0 += kChunkRows) {
+      const int64_t count = std::min(kChunkRows, rows - c0);
+      cascade_tiles::configure_tiles(count);
+      tile_scores<D>(op, tiles[c0 / kChunkRows].data_ptr<at::BFloat16>() + head * D * count, count, k0, k1,
+                     scores + c0 * kBlockKeys);
+    }
+    _tile_release();
+    return;
+  }
 #endif
-  return rows;
+  vector_scores<D>(op, query_pairs, rows, k0, k1, scores);
 }
 
-void release_tiles() {
-#if defined(__AMX_BF16__)
-  _tile_release();
-#endif
-}
-
-// Scores [rows, kBlockKeys] of keys [k0, k1) against a chunk of query rows into `scores`, unscaled.
-void block_scores(const Operands& op, const QueryChunk& chunk, int64_t k0, int64_t k1, float* scores) {
-  if (op.dim % kPairInputs != 0) return float_scores(op, chunk, k0, k1, scores);
-#if defined(__AMX_BF16__)
-  if (chunk.pairs != nullptr) return tile_scores(op, chunk, k0, k1, scores);
-#endif
-  vector_scores(op, chunk, k0, k1, scores);
-}
-
-// Softmax weights of a block in place, row by row (keys in the vector lanes): a row's keys past its
-// last visible one get weight 0 -> the rows' block maxima (scaled scores; -inf for a row that sees
-// no key here) and sums of weights. Keys a row cannot see add exact zeros, so a row's figures are
-// those of a pass that ends at its last visible key.
+// Softmax weights of a block, row by row (keys in the vector lanes), rounded to bf16 into `weights`
+// [rows, kBlockKeys]: a row's keys past its last visible one get weight 0 -> the rows' block maxima
+// (scaled scores; -inf for a row that sees no key here) and the sums of the rounded weights. Keys a
+// row cannot see add exact zeros, so a row's figures are those of a pass that ends at its last
+// visible key.
 void block_weights(const Operands& op, const int32_t* last_visible, int64_t rows, int64_t k0, int64_t k1,
-                   float* scores, float* maximum, float* total) {
+                   const float* scores, at::BFloat16* weights, float* maximum, float* total) {
   const __m512 scale = _mm512_set1_ps(op.scale);
   for (int64_t r = 0; r < rows; ++r) {
-    float* row = scores + r * kBlockKeys;
+    const float* row = scores + r * kBlockKeys;
     const int64_t keys = k1 - k0, visible = std::clamp<int64_t>(last_visible[r] + 1 - k0, 0, keys);
     __m512 best = _mm512_set1_ps(kNegativeInfinity);
     for (int64_t k = 0; k < visible; k += 16) {
       const __mmask16 lanes = first_lanes(visible - k);
-      const __m512 scaled = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, row + k), scale);
-      _mm512_mask_storeu_ps(row + k, lanes, scaled);
-      best = _mm512_mask_max_ps(best, lanes, best, scaled);
+      best = _mm512_mask_max_ps(best, lanes, best, _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, row + k), scale));
     }
     const float largest = _mm512_reduce_max_ps(best);
+    const auto rounded_weights = [&](int64_t k) {  // keys [k, k + 16) -> float32 weights, rounded to bf16
+      const __mmask16 seen = first_lanes(visible - k);
+      const __m512 scaled = _mm512_mul_ps(_mm512_maskz_loadu_ps(seen, row + k), scale);
+      const __m512 weight = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(scaled, _mm512_set1_ps(largest))));
+      return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(weight));
+    };
     __m512 sum = _mm512_setzero_ps();
-    for (int64_t k = 0; k < keys; k += 16) {
-      const __mmask16 seen = first_lanes(std::max<int64_t>(visible - k, 0));
-      const __m512 weight = _mm512_maskz_mov_ps(
-          seen, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(seen, row + k), _mm512_set1_ps(largest))));
-      _mm512_mask_storeu_ps(row + k, first_lanes(keys - k), weight);
-      sum = _mm512_add_ps(sum, weight);
+    for (int64_t k = 0; k < keys; k += 32) {
+      const __m512 low = rounded_weights(k), high = rounded_weights(k + 16);
+      _mm512_storeu_si512(weights + r * kBlockKeys + k, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+      sum = _mm512_add_ps(_mm512_add_ps(sum, low), high);
     }
     maximum[r] = largest;
     total[r] = _mm512_reduce_add_ps(sum);
   }
 }
 
-// The block's values [k0, k1) as float32 rows [keys, D], read once for every query row.
-void block_values_float(const Operands& op, int64_t k0, int64_t k1, float* out) {
-  for (int64_t k = k0; k < k1; ++k) {
-    prefetch_row(op.values + (k + kPrefetchKeys) * op.value_stride, op.dim);
-    for (int64_t d = 0; d < op.dim; d += 16) {
-      const auto* source = (const __m256i*)(op.values + k * op.value_stride + d);
-      _mm512_storeu_ps(out + (k - k0) * op.dim + d, bf16_to_float(_mm256_loadu_si256(source)));
+// Values [k0, k1) as key pairs: for pair m (keys k0 + 2m, k0 + 2m + 1) and each 32 dimensions c, the
+// two rows interleaved (unpacklo, unpackhi: dimensions 8L + i and 8L + 4 + i of 128-bit lane L, each
+// with both keys) into out[(m * blocks + c) * 2 + half]; zeros stand for a key at or past k1. The
+// next block's values are asked for on the way.
+template <int D>
+void paired_values(const Operands& op, int64_t k0, int64_t k1, __m512i* out) {
+  constexpr int kBlocks = (D + 31) / 32;
+  const __mmask32 lanes = D >= 32 ? (__mmask32)0xFFFFFFFF : (__mmask32)((1u << D) - 1);
+  for (int64_t k = k0; k < k1; k += 2) {
+    for (int j = 0; j < 2; ++j) {
+      prefetch_row<D, _MM_HINT_T0>(op.values + (k + kNearKeys + j) * op.value_stride);
+      prefetch_row<D, _MM_HINT_T1>(op.values + (k + kBlockKeys + j) * op.value_stride);
+    }
+    const at::BFloat16* first = op.values + k * op.value_stride;
+    const at::BFloat16* second = first + op.value_stride;
+    const bool both = k + 1 < k1;
+    for (int c = 0; c < kBlocks; ++c) {
+      const __m512i a = _mm512_maskz_loadu_epi16(lanes, first + 32 * c);
+      const __m512i b = both ? _mm512_maskz_loadu_epi16(lanes, second + 32 * c) : _mm512_setzero_si512();
+      __m512i* pair = out + ((k - k0) / 2 * kBlocks + c) * 2;
+      pair[0] = _mm512_unpacklo_epi16(a, b);
+      pair[1] = _mm512_unpackhi_epi16(a, b);
     }
   }
 }
 
-// out [Rows, D] = weights [Rows, kBlockKeys] x values [keys, D] for D = 16 Chunks: each key's value row
-// is loaded once for the Rows rows, whose sums are held in registers (one chain per row and chunk).
-template <int Chunks, int Rows>
-void weighted_values(const float* weights, const float* values, int64_t keys, float* out) {
-  __m512 acc[Rows][Chunks];
+// out [Rows, D] = weights x values for Rows rows (weight pairs [rows, kBlockKeys / 2]): each pair of
+// value rows is loaded once for the Rows rows, whose sums stay in registers.
+template <int D, int Rows>
+void weighted_values(const int32_t* weight_pairs, const __m512i* values, int64_t num_pairs, float* out) {
+  constexpr int kBlocks = (D + 31) / 32;
+  __m512 acc[Rows][2 * kBlocks];
   for (int r = 0; r < Rows; ++r) {
-    for (int c = 0; c < Chunks; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int v = 0; v < 2 * kBlocks; ++v) acc[r][v] = _mm512_setzero_ps();
   }
-  for (int64_t k = 0; k < keys; ++k) {
-    __m512 value[Chunks];
-    for (int c = 0; c < Chunks; ++c) value[c] = _mm512_loadu_ps(values + k * Chunks * 16 + c * 16);
+  for (int64_t m = 0; m < num_pairs; ++m) {
+    __m512bh value[2 * kBlocks];
+    for (int v = 0; v < 2 * kBlocks; ++v) value[v] = (__m512bh)_mm512_load_si512(values + m * 2 * kBlocks + v);
     for (int r = 0; r < Rows; ++r) {
-      const __m512 w = _mm512_set1_ps(weights[r * kBlockKeys + k]);
-      for (int c = 0; c < Chunks; ++c) acc[r][c] = _mm512_fmadd_ps(w, value[c], acc[r][c]);
+      const __m512bh weight = (__m512bh)_mm512_set1_epi32(weight_pairs[r * (kBlockKeys / 2) + m]);
+      for (int v = 0; v < 2 * kBlocks; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], value[v], weight);
     }
   }
+  // the (low, high) accumulators of 32 dimensions -> the dimensions in order
+  const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second_half = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int r = 0; r < Rows; ++r) {
-    for (int c = 0; c < Chunks; ++c) _mm512_storeu_ps(out + r * Chunks * 16 + c * 16, acc[r][c]);
+    for (int c = 0; c < kBlocks; ++c) {
+      float* target = out + r * D + 32 * c;
+      _mm512_mask_storeu_ps(target, first_lanes(D - 32 * c),
+                            _mm512_permutex2var_ps(acc[r][2 * c], first_half, acc[r][2 * c + 1]));
+      _mm512_mask_storeu_ps(target + 16, first_lanes(D - 32 * c - 16),
+                            _mm512_permutex2var_ps(acc[r][2 * c], second_half, acc[r][2 * c + 1]));
+    }
   }
 }
 
-// out [rows, D] = weights [rows, kBlockKeys] x values (float [keys, D]), rows in groups that keep
+// The last `rows` (<= Rows) rows of block_values, together.
+template <int D, int Rows>
+void remaining_values(const int32_t* weight_pairs, int64_t rows, const __m512i* values, int64_t num_pairs,
+                      float* out) {
+  if constexpr (Rows > 0) {
+    if (rows == Rows) return weighted_values<D, Rows>(weight_pairs, values, num_pairs, out);
+    remaining_values<D, Rows - 1>(weight_pairs, rows, values, num_pairs, out);
+  }
+}
+
+// out [rows, D] = weights [rows, kBlockKeys] x paired values of `keys` keys, rows in groups that keep
 // 16 accumulators in registers.
-template <int Chunks>
-void grouped_values(const float* weights, int64_t rows, const float* values, int64_t keys, float* out) {
-  constexpr int kGroup = Chunks >= 8 ? 2 : 4;
-  const int64_t dim = Chunks * 16;
+template <int D>
+void block_values(const at::BFloat16* weights, int64_t rows, const __m512i* values, int64_t keys, float* out) {
+  constexpr int kGroup = 8 / ((D + 31) / 32);
+  const auto* weight_pairs = reinterpret_cast<const int32_t*>(weights);
+  const int64_t num_pairs = (keys + 1) / 2, pair_stride = kBlockKeys / 2;
   int64_t r = 0;
   for (; r + kGroup <= rows; r += kGroup) {
-    weighted_values<Chunks, kGroup>(weights + r * kBlockKeys, values, keys, out + r * dim);
+    weighted_values<D, kGroup>(weight_pairs + r * pair_stride, values, num_pairs, out + r * D);
   }
-  switch (rows - r) {
-    case 3: weighted_values<Chunks, 3>(weights + r * kBlockKeys, values, keys, out + r * dim); break;
-    case 2: weighted_values<Chunks, 2>(weights + r * kBlockKeys, values, keys, out + r * dim); break;
-    case 1: weighted_values<Chunks, 1>(weights + r * kBlockKeys, values, keys, out + r * dim); break;
-    default: break;
-  }
-}
-
-void block_values(const Operands& op, const float* weights, int64_t rows, const float* values, int64_t keys,
-                  float* out) {
-  switch (op.dim / 16) {
-    case 1: grouped_values<1>(weights, rows, values, keys, out); break;
-    case 2: grouped_values<2>(weights, rows, values, keys, out); break;
-    case 4: grouped_values<4>(weights, rows, values, keys, out); break;
-    case 8: grouped_values<8>(weights, rows, values, keys, out); break;
-    default: break;  // refused by decode_attention
-  }
+  remaining_values<D, kGroup - 1>(weight_pairs + r * pair_stride, rows - r, values, num_pairs, out + r * D);
 }
 
 // Combine a KV head's blocks: partial sums [blocks, R, D], maxima and totals [blocks, R] -> out rows.
@@ -289,6 +372,46 @@ void merge_blocks(const float* partial, const float* maxima, const float* totals
   }
 }
 
+// The pass's attention for head size D: every (KV head, key block) task on the threads, then the
+// blocks merged -> [H_kv, R, D] float32.
+template <int D>
+at::Tensor attend(const at::Tensor& grouped, const at::Tensor& keys, const at::Tensor& values, float scale,
+                  const std::vector<int32_t>& last_visible) {
+  const int64_t kv_heads = grouped.size(0), rows = grouped.size(1), num_keys = keys.size(1);
+  const auto* query_pairs = reinterpret_cast<const int32_t*>(grouped.data_ptr<at::BFloat16>());
+  const std::vector<at::Tensor> tiles = tile_operands(grouped, D);
+  const int64_t blocks = (num_keys + kBlockKeys - 1) / kBlockKeys;
+  const auto floats = grouped.options().dtype(at::kFloat);
+  at::Tensor partial = at::empty({kv_heads, blocks, rows, D}, floats);
+  at::Tensor maxima = at::empty({kv_heads, blocks, rows}, floats);
+  at::Tensor totals = at::empty({kv_heads, blocks, rows}, floats);
+  at::parallel_for(0, kv_heads * blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(rows * kBlockKeys);
+    std::vector<at::BFloat16> weights(rows * kBlockKeys);
+    const at::Tensor pair_buffer = at::empty({kBlockKeys * ((D + 31) / 32) * 64}, grouped.options().dtype(at::kByte));
+    auto* value_pairs = reinterpret_cast<__m512i*>(pair_buffer.data_ptr());  // 64-byte aligned (c10's allocator)
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t head = task / blocks, block = task % blocks;
+      const int64_t k0 = block * kBlockKeys, k1 = std::min(num_keys, k0 + kBlockKeys);
+      const Operands op{keys.data_ptr<at::BFloat16>() + head * keys.stride(0),
+                        values.data_ptr<at::BFloat16>() + head * values.stride(0), keys.stride(1), values.stride(1),
+                        scale};
+      paired_values<D>(op, k0, k1, value_pairs);
+      block_scores<D>(op, query_pairs + head * rows * D / 2, tiles, head, rows, k0, k1, scores.data());
+      block_weights(op, last_visible.data(), rows, k0, k1, scores.data(), weights.data(),
+                    maxima.data_ptr<float>() + task * rows, totals.data_ptr<float>() + task * rows);
+      block_values<D>(weights.data(), rows, value_pairs, k1 - k0, partial.data_ptr<float>() + task * rows * D);
+    }
+  });
+  at::Tensor merged = at::empty({kv_heads, rows, D}, floats);
+  for (int64_t head = 0; head < kv_heads; ++head) {
+    merge_blocks(partial.data_ptr<float>() + head * blocks * rows * D, maxima.data_ptr<float>() + head * blocks * rows,
+                 totals.data_ptr<float>() + head * blocks * rows, blocks, rows, D,
+                 merged.data_ptr<float>() + head * rows * D);
+  }
+  return merged;
+}
+
 #endif  // __AVX512BF16__
 
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, double scale,
@@ -305,50 +428,18 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, con
                   values.scalar_type() == at::kBFloat16, "decode_attention: bfloat16 query, keys and values");
   TORCH_CHECK(keys.stride(2) == 1 && values.stride(2) == 1 && (dim == 16 || dim == 32 || dim == 64 || dim == 128),
               "decode_attention: rows of keys and values contiguous, head size 16, 32, 64 or 128; got ", dim);
-  const int64_t group = heads / kv_heads, rows = group * tokens;
+  const int64_t rows = heads / kv_heads * tokens;
   TORCH_CHECK(num_keys >= tokens, "decode_attention: fewer keys (", num_keys, ") than tokens (", tokens, ")");
   at::Tensor out = at::empty_like(query, query.options().memory_format(at::MemoryFormat::Contiguous));
 #if defined(__AVX512BF16__)
   const at::Tensor grouped = query.contiguous().view({kv_heads, rows, dim});  // row g * T + t of KV head k
-  const at::Tensor float_rows = grouped.to(at::kFloat);
-  const std::vector<at::Tensor> pairs = tile_operands(grouped, dim);
   std::vector<int32_t> last_visible(rows);
   for (int64_t r = 0; r < rows; ++r) last_visible[r] = causal ? num_keys - tokens + r % tokens : num_keys - 1;
-  const int64_t blocks = (num_keys + kBlockKeys - 1) / kBlockKeys;
-  at::Tensor partial = at::empty({kv_heads, blocks, rows, dim}, float_rows.options());
-  at::Tensor maxima = at::empty({kv_heads, blocks, rows}, float_rows.options());
-  at::Tensor totals = at::empty({kv_heads, blocks, rows}, float_rows.options());
-  at::parallel_for(0, kv_heads * blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(kBlockKeys * kChunkRows), block_floats(kBlockKeys * dim);
-    int64_t configured = 0;  // rows the tiles are set up for
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t head = task / blocks, block = task % blocks;
-      const int64_t k0 = block * kBlockKeys, k1 = std::min(num_keys, k0 + kBlockKeys);
-      const Operands op{keys.data_ptr<at::BFloat16>() + head * keys.stride(0),
-                        values.data_ptr<at::BFloat16>() + head * values.stride(0), keys.stride(1), values.stride(1),
-                        dim, (float)scale};
-      block_values_float(op, k0, k1, block_floats.data());
-      for (int64_t c0 = 0; c0 < rows; c0 += kChunkRows) {  // K/V of the block stay in cache across chunks
-        const int64_t count = std::min(kChunkRows, rows - c0);
-        const QueryChunk chunk{pairs.empty() ? nullptr : pairs[c0 / kChunkRows].data_ptr<at::BFloat16>() + head * dim * count,
-                               grouped.data_ptr<at::BFloat16>() + (head * rows + c0) * dim,
-                               float_rows.data_ptr<float>() + (head * rows + c0) * dim, count};
-        if (chunk.pairs != nullptr && count != configured) configured = configure_tiles(count);
-        block_scores(op, chunk, k0, k1, scores.data());
-        block_weights(op, last_visible.data() + c0, count, k0, k1, scores.data(),
-                      maxima.data_ptr<float>() + task * rows + c0, totals.data_ptr<float>() + task * rows + c0);
-        block_values(op, scores.data(), count, block_floats.data(), k1 - k0,
-                     partial.data_ptr<float>() + (task * rows + c0) * dim);
-      }
-    }
-    if (configured != 0) release_tiles();
-  });
-  at::Tensor merged = at::empty({kv_heads, rows, dim}, float_rows.options());
-  for (int64_t head = 0; head < kv_heads; ++head) {
-    merge_blocks(partial.data_ptr<float>() + head * blocks * rows * dim, maxima.data_ptr<float>() + head * blocks * rows,
-                 totals.data_ptr<float>() + head * blocks * rows, blocks, rows, dim,
-                 merged.data_ptr<float>() + head * rows * dim);
-  }
+  const auto run = [&](auto attend_d) { return attend_d(grouped, keys, values, (float)scale, last_visible); };
+  const at::Tensor merged = dim == 16   ? run(attend<16>)
+                            : dim == 32 ? run(attend<32>)
+                            : dim == 64 ? run(attend<64>)
+                                        : run(attend<128>);
   out.copy_(merged.view({heads, tokens, dim}));
 #else
   TORCH_CHECK(false, "decode_attention: this build has no AVX512-BF16 (see features())");
