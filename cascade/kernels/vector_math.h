@@ -24,10 +24,6 @@ inline __m512 exp16(__m512 x) {
   return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-1e30f), _CMP_LT_OQ), out, _mm512_setzero_ps());
 }
 
-inline __m512 bf16_to_float(__m256i values) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(values), 16));
-}
-
 // Lane j of the result = the sum of v[j]'s 16 lanes: four rounds of folding pairs of vectors together,
 // then a fixed permutation. Each lane's sum is added in the same order whatever the other vectors hold.
 inline __m512 sum_each(const __m512 (&v)[16]) {
