@@ -28,7 +28,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "tiles.h"
@@ -44,6 +46,7 @@ constexpr int64_t kChunkRows = 16;  // query rows of an AMX tile's columns
 constexpr int64_t kPairInputs = 32;  // bf16 inputs of one AMX tile row or one 512-bit register
 constexpr int64_t kGroupKeys = 16;  // keys scored together, one per float32 lane
 constexpr int64_t kBlockKeys = 256;  // keys per task
+constexpr int64_t kMaxDim = 128;  // the largest head size taken
 constexpr int64_t kNearKeys = 32;  // how far ahead of its reads a pass over a block asks for rows (into L1)
 constexpr int kScoreRows = 4;  // query rows scored together: 8 chains of products in flight
 constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
@@ -353,63 +356,83 @@ void block_values(const at::BFloat16* weights, int64_t rows, const __m512i* valu
   remaining_values<D, kGroup - 1>(weight_pairs + r * pair_stride, rows - r, values, num_pairs, out + r * D);
 }
 
-// Combine a KV head's blocks: partial sums [blocks, R, D], maxima and totals [blocks, R] -> out rows.
+// Combine a KV head's blocks: partial sums [blocks, R, D], maxima and totals [blocks, R] -> out rows
+// [R, D], rounded to bf16.
 void merge_blocks(const float* partial, const float* maxima, const float* totals, int64_t blocks, int64_t rows,
-                  int64_t dim, float* out) {
+                  int64_t dim, at::BFloat16* out) {
+  float sum[kMaxDim];
   for (int64_t r = 0; r < rows; ++r) {
     float best = kNegativeInfinity;
     for (int64_t b = 0; b < blocks; ++b) best = std::max(best, maxima[b * rows + r]);
     float total = 0.f;
-    std::fill(out + r * dim, out + (r + 1) * dim, 0.f);
+    std::fill(sum, sum + dim, 0.f);
     for (int64_t b = 0; b < blocks; ++b) {
       const float m = maxima[b * rows + r];
       if (m == kNegativeInfinity) continue;  // the row sees no key of this block
       const float factor = std::exp(m - best);
       total += factor * totals[b * rows + r];
-      for (int64_t d = 0; d < dim; ++d) out[r * dim + d] += factor * partial[(b * rows + r) * dim + d];
+      for (int64_t d = 0; d < dim; ++d) sum[d] += factor * partial[(b * rows + r) * dim + d];
     }
-    for (int64_t d = 0; d < dim; ++d) out[r * dim + d] /= total;
+    for (int64_t d = 0; d < dim; ++d) out[r * dim + d] = at::BFloat16(sum[d] / total);
   }
 }
 
-// The pass's attention for head size D: every (KV head, key block) task on the threads, then the
-// blocks merged -> [H_kv, R, D] float32.
+// A thread's working memory for its blocks, kept from call to call and grown when a pass needs more.
+struct Scratch {
+  float* scores;  // [rows, kBlockKeys]
+  at::BFloat16* weights;  // [rows, kBlockKeys]
+  __m512i* value_pairs;  // [kBlockKeys / 2, pairs of 32 dimensions, 2]
+};
+
 template <int D>
-at::Tensor attend(const at::Tensor& grouped, const at::Tensor& keys, const at::Tensor& values, float scale,
-                  const std::vector<int32_t>& last_visible) {
+Scratch thread_scratch(int64_t rows) {
+  thread_local std::unique_ptr<char, decltype(&std::free)> memory{nullptr, &std::free};
+  thread_local int64_t held = 0;
+  const int64_t score_bytes = rows * kBlockKeys * 4, weight_bytes = rows * kBlockKeys * 2;
+  const int64_t bytes = score_bytes + weight_bytes + kBlockKeys * ((D + 31) / 32) * 64;  // multiples of 64
+  if (bytes > held) {
+    memory.reset(static_cast<char*>(std::aligned_alloc(64, bytes)));
+    TORCH_CHECK(memory != nullptr, "decode_attention: no memory for ", bytes, " bytes of working space");
+    held = bytes;
+  }
+  char* base = memory.get();
+  return {reinterpret_cast<float*>(base), reinterpret_cast<at::BFloat16*>(base + score_bytes),
+          reinterpret_cast<__m512i*>(base + score_bytes + weight_bytes)};
+}
+
+// The pass's attention for head size D into `out` [H_kv, R, D]: every (KV head, key block) task on
+// the threads, then each KV head's blocks merged.
+template <int D>
+void attend(const at::Tensor& grouped, const at::Tensor& keys, const at::Tensor& values, float scale,
+            const std::vector<int32_t>& last_visible, at::BFloat16* out) {
   const int64_t kv_heads = grouped.size(0), rows = grouped.size(1), num_keys = keys.size(1);
   const auto* query_pairs = reinterpret_cast<const int32_t*>(grouped.data_ptr<at::BFloat16>());
   const std::vector<at::Tensor> tiles = tile_operands(grouped, D);
-  const int64_t blocks = (num_keys + kBlockKeys - 1) / kBlockKeys;
-  const auto floats = grouped.options().dtype(at::kFloat);
-  at::Tensor partial = at::empty({kv_heads, blocks, rows, D}, floats);
-  at::Tensor maxima = at::empty({kv_heads, blocks, rows}, floats);
-  at::Tensor totals = at::empty({kv_heads, blocks, rows}, floats);
-  at::parallel_for(0, kv_heads * blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(rows * kBlockKeys);
-    std::vector<at::BFloat16> weights(rows * kBlockKeys);
-    const at::Tensor pair_buffer = at::empty({kBlockKeys * ((D + 31) / 32) * 64}, grouped.options().dtype(at::kByte));
-    auto* value_pairs = reinterpret_cast<__m512i*>(pair_buffer.data_ptr());  // 64-byte aligned (c10's allocator)
+  const int64_t blocks = (num_keys + kBlockKeys - 1) / kBlockKeys, tasks = kv_heads * blocks;
+  // per task: partial sums [R, D], then maxima [R] and totals [R]
+  const at::Tensor results = at::empty({tasks * rows * (D + 2)}, grouped.options().dtype(at::kFloat));
+  float* partial = results.data_ptr<float>();
+  float* maxima = partial + tasks * rows * D;
+  float* totals = maxima + tasks * rows;
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    const Scratch scratch = thread_scratch<D>(rows);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t head = task / blocks, block = task % blocks;
       const int64_t k0 = block * kBlockKeys, k1 = std::min(num_keys, k0 + kBlockKeys);
       const Operands op{keys.data_ptr<at::BFloat16>() + head * keys.stride(0),
                         values.data_ptr<at::BFloat16>() + head * values.stride(0), keys.stride(1), values.stride(1),
                         scale};
-      paired_values<D>(op, k0, k1, value_pairs);
-      block_scores<D>(op, query_pairs + head * rows * D / 2, tiles, head, rows, k0, k1, scores.data());
-      block_weights(op, last_visible.data(), rows, k0, k1, scores.data(), weights.data(),
-                    maxima.data_ptr<float>() + task * rows, totals.data_ptr<float>() + task * rows);
-      block_values<D>(weights.data(), rows, value_pairs, k1 - k0, partial.data_ptr<float>() + task * rows * D);
+      paired_values<D>(op, k0, k1, scratch.value_pairs);
+      block_scores<D>(op, query_pairs + head * rows * D / 2, tiles, head, rows, k0, k1, scratch.scores);
+      block_weights(op, last_visible.data(), rows, k0, k1, scratch.scores, scratch.weights, maxima + task * rows,
+                    totals + task * rows);
+      block_values<D>(scratch.weights, rows, scratch.value_pairs, k1 - k0, partial + task * rows * D);
     }
   });
-  at::Tensor merged = at::empty({kv_heads, rows, D}, floats);
   for (int64_t head = 0; head < kv_heads; ++head) {
-    merge_blocks(partial.data_ptr<float>() + head * blocks * rows * D, maxima.data_ptr<float>() + head * blocks * rows,
-                 totals.data_ptr<float>() + head * blocks * rows, blocks, rows, D,
-                 merged.data_ptr<float>() + head * rows * D);
+    merge_blocks(partial + head * blocks * rows * D, maxima + head * blocks * rows, totals + head * blocks * rows,
+                 blocks, rows, D, out + head * rows * D);
   }
-  return merged;
 }
 
 #endif  // __AVX512BF16__
@@ -435,12 +458,15 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, con
   const at::Tensor grouped = query.contiguous().view({kv_heads, rows, dim});  // row g * T + t of KV head k
   std::vector<int32_t> last_visible(rows);
   for (int64_t r = 0; r < rows; ++r) last_visible[r] = causal ? num_keys - tokens + r % tokens : num_keys - 1;
-  const auto run = [&](auto attend_d) { return attend_d(grouped, keys, values, (float)scale, last_visible); };
-  const at::Tensor merged = dim == 16   ? run(attend<16>)
-                            : dim == 32 ? run(attend<32>)
-                            : dim == 64 ? run(attend<64>)
-                                        : run(attend<128>);
-  out.copy_(merged.view({heads, tokens, dim}));
+  // out [H, T, D] holds the rows [H_kv, R, D] in the same order: head k * G + g, token t is row g * T + t
+  auto* rows_out = out.data_ptr<at::BFloat16>();
+  const auto run = [&](auto attend_d) { attend_d(grouped, keys, values, (float)scale, last_visible, rows_out); };
+  switch (dim) {
+    case 16: run(attend<16>); break;
+    case 32: run(attend<32>); break;
+    case 64: run(attend<64>); break;
+    default: run(attend<128>); break;
+  }
 #else
   TORCH_CHECK(false, "decode_attention: this build has no AVX512-BF16 (see features())");
 #endif
