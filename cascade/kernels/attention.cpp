@@ -31,6 +31,7 @@
 #include <cstdlib>
 #include <limits>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "tiles.h"
@@ -76,6 +77,24 @@ inline __m512 dot_broadcast(__m512 acc, __m512bh pairs, const int32_t* pair) {
 
 inline __mmask16 first_lanes(int64_t count) {
   return count >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << std::max<int64_t>(count, 0)) - 1);
+}
+
+// run(std::integral_constant<int, count>) for a count in [1, Max] known only at run time (0: nothing).
+template <int Max, typename Run>
+inline void with_count(int64_t count, Run run) {
+  if constexpr (Max > 0) {
+    if (count == Max) return run(std::integral_constant<int, Max>{});
+    with_count<Max - 1>(count, run);
+  }
+}
+
+// run(first row, rows as a compile-time constant) over rows [0, rows): groups of Group, then the last
+// rows % Group together, so each group's sums can stay in registers.
+template <int Group, typename Run>
+inline void in_row_groups(int64_t rows, Run run) {
+  int64_t r = 0;
+  for (; r + Group <= rows; r += Group) run(r, std::integral_constant<int, Group>{});
+  with_count<Group - 1>(rows - r, [&](auto count) { run(r, count); });
 }
 
 // 16 rows of 16 32-bit values -> 16 columns in place: afterwards v[p] holds value p of row j in lane j.
@@ -139,15 +158,6 @@ inline void group_scores(const int32_t* query_pairs, const __m512i* pairs, float
   for (int r = 0; r < Rows; ++r) _mm512_storeu_ps(scores + r * kBlockKeys, _mm512_add_ps(even[r], odd[r]));
 }
 
-// The last `rows` (<= Rows) query rows of a group of 16 keys, together.
-template <int D, int Rows>
-inline void remaining_scores(const int32_t* query_pairs, int64_t rows, const __m512i* pairs, float* scores) {
-  if constexpr (Rows > 0) {
-    if (rows == Rows) return group_scores<D, Rows>(query_pairs, pairs, scores);
-    remaining_scores<D, Rows - 1>(query_pairs, rows, pairs, scores);
-  }
-}
-
 // Scores [rows, kBlockKeys] of keys [k0, k1) against `rows` query rows (pairs [rows, D / 2]),
 // unscaled; the next block's keys are asked for on the way.
 template <int D>
@@ -162,11 +172,9 @@ void vector_scores(const Operands& op, const int32_t* query_pairs, int64_t rows,
     }
     transposed_keys<D>(op, k, k1, pairs);
     float* out = scores + (k - k0);
-    int64_t r = 0;
-    for (; r + kScoreRows <= rows; r += kScoreRows) {
-      group_scores<D, kScoreRows>(query_pairs + r * kPairs, pairs, out + r * kBlockKeys);
-    }
-    remaining_scores<D, kScoreRows - 1>(query_pairs + r * kPairs, rows - r, pairs, out + r * kBlockKeys);
+    in_row_groups<kScoreRows>(rows, [&](int64_t r, auto count) {
+      group_scores<D, decltype(count)::value>(query_pairs + r * kPairs, pairs, out + r * kBlockKeys);
+    });
   }
 }
 
@@ -332,16 +340,6 @@ void weighted_values(const int32_t* weight_pairs, const __m512i* values, int64_t
   }
 }
 
-// The last `rows` (<= Rows) rows of block_values, together.
-template <int D, int Rows>
-void remaining_values(const int32_t* weight_pairs, int64_t rows, const __m512i* values, int64_t num_pairs,
-                      float* out) {
-  if constexpr (Rows > 0) {
-    if (rows == Rows) return weighted_values<D, Rows>(weight_pairs, values, num_pairs, out);
-    remaining_values<D, Rows - 1>(weight_pairs, rows, values, num_pairs, out);
-  }
-}
-
 // out [rows, D] = weights [rows, kBlockKeys] x paired values of `keys` keys, rows in groups that keep
 // 16 accumulators in registers.
 template <int D>
@@ -349,11 +347,9 @@ void block_values(const at::BFloat16* weights, int64_t rows, const __m512i* valu
   constexpr int kGroup = 8 / ((D + 31) / 32);
   const auto* weight_pairs = reinterpret_cast<const int32_t*>(weights);
   const int64_t num_pairs = (keys + 1) / 2, pair_stride = kBlockKeys / 2;
-  int64_t r = 0;
-  for (; r + kGroup <= rows; r += kGroup) {
-    weighted_values<D, kGroup>(weight_pairs + r * pair_stride, values, num_pairs, out + r * D);
-  }
-  remaining_values<D, kGroup - 1>(weight_pairs + r * pair_stride, rows - r, values, num_pairs, out + r * D);
+  in_row_groups<kGroup>(rows, [&](int64_t r, auto count) {
+    weighted_values<D, decltype(count)::value>(weight_pairs + r * pair_stride, values, num_pairs, out + r * D);
+  });
 }
 
 // Combine a KV head's blocks: partial sums [blocks, R, D], maxima and totals [blocks, R] -> out rows
