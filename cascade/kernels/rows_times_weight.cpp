@@ -42,45 +42,51 @@ constexpr int64_t kTileSums = 16;  // accumulators per tile, one float32 lane ea
 
 #if defined(__AVX512BF16__)
 
-inline __m512bh load_bf16(const at::BFloat16* source, int64_t count) {
-  if (count >= kLanes) {
-    return (__m512bh)_mm512_loadu_si512(source);
-  }
-  const __mmask32 mask = (__mmask32)((1ull << count) - 1);
-  return (__m512bh)_mm512_maskz_loadu_epi16(mask, source);  // zeros past the end add nothing
+constexpr __mmask32 kAllLanes = ~__mmask32{0};
+
+// Lanes [0, count) of a register (count < 32): the inputs a block's last step has left.
+inline __mmask32 first_lanes(int64_t count) { return (__mmask32)((1u << count) - 1); }
+
+inline __m512bh load_bf16(const at::BFloat16* source, __mmask32 lanes) {
+  return (__m512bh)_mm512_maskz_loadu_epi16(lanes, source);  // zeros past the end add nothing
+}
+
+// The lanes of inputs [i, i + 32) that lie before `inner`. A mask chosen without a branch: with a
+// branch between a plain and a masked load, GCC stored every accumulator to the stack each step.
+inline __mmask32 lanes_from(int64_t i, int64_t inner) {
+  return inner - i >= kLanes ? kAllLanes : first_lanes(inner - i);
 }
 
 // out[row + t, o + r] for t < Tiles activation rows and r < Rows weight rows (Tiles x Rows <= 16
 // accumulators). Each sum runs over the inputs in order, then all of them go through one
 // horizontal sum (sum_each), which adds every lane's values in the same order: a product's value
 // does not depend on the block shape that computed it, so passes of any width agree bit for bit.
+// Always inlined: compiled on its own (as GCC 12 chose for the threads' copy of the caller), it
+// stored all 16 accumulators to the stack every step, and two threads multiplied at the speed of one.
 template <int64_t Tiles, int64_t Rows>
-inline void block_tile(const at::BFloat16* rows, const at::BFloat16* weight, float* out,
-                       int64_t row, int64_t o, int64_t inner, int64_t outputs) {
+__attribute__((always_inline)) inline void block_tile(const at::BFloat16* rows, const at::BFloat16* weight,
+                                                      float* out, int64_t row, int64_t o, int64_t inner,
+                                                      int64_t outputs) {
   static_assert(Tiles * Rows <= kTileSums);
-  __m512 acc[Tiles][Rows];
-  for (int64_t t = 0; t < Tiles; ++t) {
-    for (int64_t r = 0; r < Rows; ++r) acc[t][r] = _mm512_setzero_ps();
-  }
+  __m512 acc[kTileSums];  // lane t * Rows + r of their horizontal sum is out[row + t, o + r]; the rest stay 0
+  for (int64_t j = 0; j < kTileSums; ++j) acc[j] = _mm512_setzero_ps();
   // the next block of weight rows, as many 64-byte lines asked for per step as the step reads (it
   // follows this one in memory): each block's reads find its lines on their way
   const char* next_block = reinterpret_cast<const char*>(weight + (o + Rows) * inner);
   for (int64_t i = 0; i < inner; i += kLanes) {
-    const int64_t count = inner - i;
+    const __mmask32 lanes = lanes_from(i, inner);
     __m512bh w[Rows];
     for (int64_t r = 0; r < Rows; ++r) {
       _mm_prefetch(next_block + (i / kLanes * Rows + r) * 64, _MM_HINT_T1);
-      w[r] = load_bf16(weight + (o + r) * inner + i, count);
+      w[r] = load_bf16(weight + (o + r) * inner + i, lanes);
     }
     for (int64_t t = 0; t < Tiles; ++t) {
-      const __m512bh x = load_bf16(rows + (row + t) * inner + i, count);
-      for (int64_t r = 0; r < Rows; ++r) acc[t][r] = _mm512_dpbf16_ps(acc[t][r], x, w[r]);
+      const __m512bh x = load_bf16(rows + (row + t) * inner + i, lanes);
+      for (int64_t r = 0; r < Rows; ++r) acc[t * Rows + r] = _mm512_dpbf16_ps(acc[t * Rows + r], x, w[r]);
     }
   }
-  __m512 each[kTileSums];  // lane t * Rows + r of the sum is out[row + t, o + r]
-  for (int64_t j = 0; j < kTileSums; ++j) each[j] = j < Tiles * Rows ? acc[j / Rows][j % Rows] : _mm512_setzero_ps();
   alignas(64) float sums[kTileSums];
-  _mm512_store_ps(sums, cascade_vector::sum_each(each));
+  _mm512_store_ps(sums, cascade_vector::sum_each(acc));
   for (int64_t t = 0; t < Tiles; ++t) std::memcpy(out + (row + t) * outputs + o, sums + t * Rows, sizeof(float) * Rows);
 }
 
@@ -105,8 +111,8 @@ inline void single_row(const at::BFloat16* rows, const at::BFloat16* weight, flo
   for (int64_t t = 0; t < num_rows; ++t) {
     __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < inner; i += kLanes) {
-      const int64_t count = inner - i;
-      acc = _mm512_dpbf16_ps(acc, load_bf16(rows + t * inner + i, count), load_bf16(weight + o * inner + i, count));
+      const __mmask32 lanes = lanes_from(i, inner);
+      acc = _mm512_dpbf16_ps(acc, load_bf16(rows + t * inner + i, lanes), load_bf16(weight + o * inner + i, lanes));
     }
     out[t * outputs + o] = _mm512_reduce_add_ps(acc);
   }
