@@ -25,8 +25,21 @@ def token_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
     return logits.softmax(-1)
 
 
+NUCLEUS_CANDIDATES = 1024
+"""On CPU, top-p looks for the kept tokens among this many most likely ones first: a partial top-k
+of a 151,936-token vocabulary costs ~0.3 ms where sorting it costs ~9 ms."""
+
+
 def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Drop the least likely tokens whose total probability stays within 1 - top_p (keep >= 1)."""
+    """Drop the least likely tokens whose total probability stays within 1 - top_p (keep >= 1):
+    a token is kept while the tokens more likely than it hold less than top_p."""
+    candidates = min(NUCLEUS_CANDIDATES, logits.shape[-1])
+    if logits.device.type == "cpu" and candidates < logits.shape[-1]:  # on CUDA the check would stall the queue
+        best, order = logits.softmax(-1).topk(candidates, dim=-1)  # [..., K] descending
+        more_likely = best.cumsum(-1) - best  # [..., K] the mass before each candidate
+        if (more_likely[..., -1] + best[..., -1] >= top_p).all():  # every row's kept tokens are candidates
+            kept = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, order, more_likely < top_p)
+            return logits.masked_fill(~kept, float("-inf"))
     sorted_logits, order = logits.sort(dim=-1, descending=False)
     cumulative = sorted_logits.softmax(-1).cumsum(-1)
     drop_sorted = cumulative <= 1 - top_p
@@ -36,9 +49,16 @@ def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """Draw one token per row of probs [..., V] -> [...] int64."""
-    flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+    """Draw one token per row of probs [..., V] -> [...] int64. On CPU each row draws among its
+    nonzero entries: a top-p or top-k distribution has few, and a draw over all 151,936 costs ~3 ms."""
+    flat = probs.reshape(-1, probs.shape[-1])  # [N, V]
+    if flat.device.type != "cpu":  # finding the support would wait for the device
+        return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+    drawn = []
+    for row in flat:
+        support = row.nonzero()[:, 0]  # [S]
+        drawn.append(support[torch.multinomial(row[support], 1, generator=generator)])
+    return torch.cat(drawn).reshape(probs.shape[:-1])
 
 
 def draw(

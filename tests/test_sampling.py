@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from cascade.sampling import draw, token_probs
+from cascade.sampling import NUCLEUS_CANDIDATES, draw, sample, token_probs
 from configs import SamplingConfig
 from tests.goodness_of_fit import P_FLOOR, fit_p_value
 
@@ -47,3 +47,26 @@ def test_sampling_is_reproducible_and_follows_the_distribution():
     assert draws == again
     counts = torch.bincount(torch.tensor(draws), minlength=3).double()
     assert fit_p_value(counts[None], len(draws) * torch.tensor([[0.7, 0.2, 0.1]])) > P_FLOOR
+
+
+@pytest.mark.parametrize("spread", [0.5, 8.0], ids=["nucleus-past-the-candidates", "nucleus-among-them"])
+def test_top_p_over_a_large_vocabulary_matches_transformers(spread):
+    """Past NUCLEUS_CANDIDATES tokens top-p looks among the most likely first, and sorts them all
+    when the kept tokens do not fit: both must keep what transformers keeps."""
+    vocabulary = 4 * NUCLEUS_CANDIDATES
+    logits = torch.randn(3, vocabulary, generator=torch.Generator().manual_seed(1)) * spread
+    expected = TopPLogitsWarper(0.9)(None, TemperatureLogitsWarper(0.7)(None, logits.clone())).softmax(-1)
+    probs = token_probs(logits, SamplingConfig(temperature=0.7, top_p=0.9))
+    torch.testing.assert_close(probs, expected, atol=1e-6, rtol=0)
+    kept = (probs > 0).sum(-1)
+    assert ((kept > NUCLEUS_CANDIDATES) if spread < 1 else (kept < NUCLEUS_CANDIDATES)).all(), kept
+
+
+def test_a_draw_never_picks_a_token_of_probability_zero():
+    probs = torch.zeros(2, 5000)
+    probs[0, [7, 4000]] = torch.tensor([0.25, 0.75])
+    probs[1, 4999] = 1.0
+    draws = torch.stack([sample(probs, torch.Generator().manual_seed(seed)) for seed in range(400)])  # [400, 2]
+    assert set(draws[:, 0].tolist()) == {7, 4000} and set(draws[:, 1].tolist()) == {4999}
+    counts = torch.bincount(draws[:, 0], minlength=5000)[[7, 4000]].double()
+    assert fit_p_value(counts[None], 400 * torch.tensor([[0.25, 0.75]])) > P_FLOOR
