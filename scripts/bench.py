@@ -2,7 +2,7 @@
 generation with the same draft) and llama.cpp, side by side.
 
 All run the same checkpoint in the same dtype on the first N tokens of a long document, greedy or
-sampled (temperature 0.6, top-p 0.9); beyond the target's native context its rope is stretched with
+sampled (temperature 0.7, top-p 0.9); beyond the target's native context its rope is stretched with
 YaRN. The machine's speed drifts, so the cases are interleaved: each of ``--repeats`` rounds runs
 every (implementation, context) case once, each in its own subprocess (load, ``--warmups``
 short generations on a shorter prompt, one measured generation), odd rounds in reverse order; where
@@ -59,7 +59,7 @@ IMPLS = (*PRESETS, "transformers", "transformers-assisted", *PEERS)
 NEEDS_DRAFT = {"speculative", "triforce", "transformers-assisted", "llama.cpp-speculative"}
 WARMUP_TOKENS = 5000  # warm-up prompts are at most this long: first-touch costs without long prefills
 WARMUP_NEW_TOKENS = 16  # and generate this many: a few rounds of every pass shape, without a long decode
-SAMPLING = {"greedy": {"temperature": 0.0, "top_p": 1.0}, "sample": {"temperature": 0.6, "top_p": 0.9}}
+SAMPLING = {"greedy": {"temperature": 0.0, "top_p": 1.0}, "sample": {"temperature": 0.7, "top_p": 0.9}}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -91,7 +91,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         nargs="+",
         choices=sorted(SAMPLING),
         default=["greedy"],
-        help="greedy and/or sample at temperature 0.6 / top-p 0.9 (seeded)",
+        help="greedy and/or sample at temperature 0.7 / top-p 0.9 (seeded)",
     )
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--document", choices=DOCUMENT_NAMES, default="plrabn12", help="prompt source")
