@@ -157,6 +157,19 @@ class CachePolicy(ABC):
             raise ValueError(f"commit({length}) outside [{self.committed}, {self.length}]")
         self.committed = length
 
+    def plain_pass(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """For the pass just allocated: (keys, values [L, B, H_kv, slots, D], its first slot) when each
+        layer's ``update`` would only write the pass's K/V at consecutive slots from there and return
+        a view of every slot up to its last, causal among the pass: a kernel may then do that itself,
+        for every layer in one call. None (the default) when ``update`` does more."""
+        return None
+
+    def adopt(self, length: int) -> int:
+        """Hold, of the first ``length`` sequence tokens, those after what it holds that it can take
+        from its source without a pass (a policy that would replace its own K/V of them with the
+        source's anyway); returns the tokens it now holds. Most policies take none."""
+        return self.length
+
     def rollback(self, length: int) -> None:
         """Forget every token after the first ``length``, as if they were never written."""
         if not self.committed <= length <= self.length:

@@ -203,6 +203,18 @@ class RetrievalCache(SlotCache):
             self.selections += 1
         return self._allocate_slots(num_new)  # [T] absolute positions
 
+    def adopt(self, length: int) -> int:
+        """With ``exact_generated``, tokens the source has committed are taken from it whole, without
+        a pass: their K/V would replace this cache's own at commit anyway. A stage the cost model
+        bypassed for a while so resumes with one pass of one token, not a pass over all it skipped."""
+        end = min(length, self.source.committed)
+        if not self.config.exact_generated or self.length != self.committed or end <= self.length:
+            return self.length
+        self._check_room(end - self.length)
+        self.length = end
+        self.commit(end)
+        return self.length
+
     def _take_verified(self, length: int) -> None:
         """Copy the source's K/V of the committed tokens it holds that this cache computed itself."""
         end = min(length, self.source.length)
@@ -212,6 +224,9 @@ class RetrievalCache(SlotCache):
         for mine, source in ((self.keys, self.source.keys), (self.values, self.source.values)):
             mine[:, :, :, own] = source[:, :, :, self.exact_until : end]  # [L, B, H_kv, new, D]
         self.exact_until = end
+
+    def plain_pass(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        return None if self._selecting else self._plain_slots()
 
     def update(self, layer: int, keys, values, query) -> AttentionView:
         if self._selecting:
@@ -229,12 +244,11 @@ class RetrievalCache(SlotCache):
         scores[:, 0] = float("inf")  # the sink chunk is always kept
         scores[:, whole_chunks - math.ceil(self.config.recent / size) :] = float("inf")  # and the recent ones
         best = scores.topk(chosen, dim=1).indices.sort(dim=1).values  # [H_kv, chosen]
-        chunk_tokens = (best[:, :, None] * size + torch.arange(size, device=best.device)).flatten(1)
-        tail_tokens = torch.arange(prompt - tail, prompt, device=best.device).expand(len(best), -1)
-        tokens = torch.cat([chunk_tokens, tail_tokens], dim=1)  # [H_kv, kept]
-        heads = torch.arange(len(tokens), device=tokens.device)[:, None]  # [H_kv, 1]
         for own, source in ((self.keys, self.source.keys), (self.values, self.source.values)):
-            own[layer, 0, :, : self.kept] = source[layer, 0][heads, tokens]  # [H_kv, kept, D]
+            for head, chunks in enumerate(best):  # whole chunks as rows: a row copy each, not a gather per value
+                rows = source[layer, 0, head, : whole_chunks * size].view(whole_chunks, -1)  # [C, size D]
+                torch.index_select(rows, 0, chunks, out=own[layer, 0, head, : chosen * size].view(chosen, -1))
+            own[layer, 0, :, chosen * size : self.kept] = source[layer, 0, :, prompt - tail : prompt]  # the tail
 
     def memory_bytes(self) -> int:
         return super().memory_bytes() + self._summary_bytes()

@@ -63,11 +63,7 @@ class SlotCache(CachePolicy):
 
     def _allocate_slots(self, num_new: int) -> torch.Tensor:
         """Reserve ``num_new`` slots after the used ones; returns the sequence indices [T]."""
-        if self.used_slots + num_new > self.slots:
-            raise CacheFullError(
-                f"{type(self).__name__} has {self.slots - self.used_slots} free slots; cannot add "
-                f"{num_new} more (more tokens were written between commits than max_pending allows)"
-            )
+        self._check_room(num_new)
         first = self._reserve(num_new)
         self._start = self.used_slots - num_new
         self._tree = None
@@ -78,6 +74,13 @@ class SlotCache(CachePolicy):
             self._pass_slots.copy_(self._as_tensor(range(self._start, self.used_slots)))
             self._valid_slots.fill_(self.used_slots)
         return self._as_tensor(range(first, self.length))
+
+    def _check_room(self, num_new: int) -> None:
+        if self.used_slots + num_new > self.slots:
+            raise CacheFullError(
+                f"{type(self).__name__} has {self.slots - self.used_slots} free slots; cannot add "
+                f"{num_new} more (more tokens were written between commits than max_pending allows)"
+            )
 
     def _as_tensor(self, indices: range) -> torch.Tensor:
         return torch.arange(indices.start, indices.stop, device=self.layout.device)
@@ -105,6 +108,13 @@ class SlotCache(CachePolicy):
             for buffer in (self.keys, self.values):
                 buffer[:, :, :, first : first + len(kept)] = buffer[:, :, :, sources]
         self.rollback(start + len(kept))
+
+    def plain_pass(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        return self._plain_slots() if type(self).update is SlotCache.update else None
+
+    def _plain_slots(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """``plain_pass`` as far as this class's ``update`` goes: an eager pass that is no token tree."""
+        return None if self._static or self._tree is not None else (self.keys, self.values, self._start)
 
     def update(self, layer: int, keys, values, query) -> AttentionView:
         if self._static:

@@ -8,6 +8,9 @@ product, residual, RMSNorm, gate/up product, SiLU, down product, residual) as on
 the logits as a third (``cascade.kernels``, ``layer.cpp``): the products are cascade's kernels (AMX or AVX-512),
 for bf16 weights or the int8 ones of ``cascade.quantise``, and no graph guard or wrapper runs per
 layer (a SmolLM2 step at 1K: 20 ms, against 25 ms as compiled graphs around the same kernels).
+Over a plain cache (``CachePolicy.plain_pass``: the full cache, a streaming one, a retrieval one
+between selections) every layer of such a pass, its attention and K/V writes included, is a single
+call (``decoder_layers``): no Python runs per layer.
 
 Elsewhere (float32, or a CPU without those kernels) the same functions are compiled by
 torch.compile (Inductor): one-row projections as a fused multiply-and-sum, one vectorised C++ loop
@@ -190,6 +193,40 @@ def logits(x: torch.Tensor, norm_weight: torch.Tensor, head: Weight, eps: float)
     if _on_cpu_layers(x, head):
         return torch.ops.cascade_kernels.logits(x, norm_weight, *head, eps)
     return _compiled_logits(x, norm_weight, head, eps)
+
+
+LayerOperands = tuple[list[torch.Tensor], list[torch.Tensor], list["torch.Tensor | None"], list["torch.Tensor | None"]]
+"""Every layer's (norms, projection weights, their int8 scales, qkv bias) in ``decoder_layers``' order:
+per layer the input and post-attention norms; the qkv, o, gate/up and down weights and scales; the bias."""
+
+
+def decoder_layers_apply(x: torch.Tensor, head_dim: int, operands: LayerOperands) -> bool:
+    """Whether ``decoder_layers`` can run a pass with residual stream x [T, C] over these layers."""
+    scales = operands[2]
+    ours = head_dim in kernels.ATTENTION_HEAD_SIZES and (int8_kernel or all(scale is None for scale in scales))
+    return attention_kernel and ours and _on_cpu_layers(x)
+
+
+def decoder_layers(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    operands: LayerOperands,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    start: int,
+    eps: float,
+    num_heads: int,
+    num_kv_heads: int,
+    scale: float,
+) -> torch.Tensor:
+    """Every layer of a pass over a plain KV cache (``CachePolicy.plain_pass``) in one C++ call:
+    residual stream x [T, C] -> the last layer's output [T, C], the pass's K/V written into
+    keys / values [L, 1, H_kv, slots, D] from slot ``start``. What each layer's ``pre_attention``,
+    cache update, ``attend`` and ``post_attention`` compute, without Python between them."""
+    return torch.ops.cascade_kernels.decoder_layers(
+        x, *operands, keys, values, start, cos, sin, eps, num_heads, num_kv_heads, scale
+    )
 
 
 def attention_rows(attended: torch.Tensor) -> torch.Tensor:

@@ -126,6 +126,15 @@ class Block(nn.Module):
             self.post_attention_layernorm.eps,
         )
 
+    def kernel_operands(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list, list]:
+        """This block's operands of ``fused.decoder_layers``: its norms, projection weights, their
+        int8 scales and the qkv bias (see ``fused.LayerOperands``)."""
+        attn, mlp = self.self_attn, self.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        weights, scales = zip(*(projection(linear) for linear in linears), strict=True)
+        norms = [self.input_layernorm.weight, self.post_attention_layernorm.weight]
+        return norms, list(weights), list(scales), [attn.qkv_proj.bias]
+
 
 class CausalLM(nn.Module):
     """Token ids in, logits out; all state lives in the cache policy passed to ``forward``.
@@ -166,6 +175,12 @@ class CausalLM(nn.Module):
         if self.lm_head.weight is not embedding:
             total -= embedding.nbytes - embedding[0].nbytes
         return total
+
+    def _kernel_operands(self) -> fused.LayerOperands:
+        """Every layer's ``Block.kernel_operands``, gathered afresh each pass: quantising replaces
+        the projections, so a list kept from an earlier pass could hold weights no longer used."""
+        operands = [block.kernel_operands() for block in self.layers]
+        return tuple([tensor for layer in operands for tensor in layer[part]] for part in range(4))
 
     def cache_layout(self, capacity: int, max_pending: int | None = None) -> CacheLayout:
         spec = self.spec
@@ -211,9 +226,17 @@ class CausalLM(nn.Module):
         self, x, cos, sin, cache: CachePolicy, attend: AttentionKernel, num_logits: int | None
     ) -> torch.Tensor:
         """``forward_at``'s blocks and head for one sequence's residual stream x [T, C] through the
-        compiled kernels -> logits [1, N, V]."""
-        for block in self.layers:
-            x = block.forward_fused(x, cos, sin, cache, attend)
+        compiled kernels -> logits [1, N, V]: over a plain cache (``CachePolicy.plain_pass``) every
+        layer in one call where cascade's CPU kernels take the pass, else layer by layer."""
+        operands = self._kernel_operands()
+        plain = cache.plain_pass() if fused.decoder_layers_apply(x, self.spec.head_dim, operands) else None
+        if plain is not None:
+            spec = self.spec
+            eps, scale = spec.rms_norm_eps, self.layers[0].self_attn.scale
+            x = fused.decoder_layers(x, cos, sin, operands, *plain, eps, spec.num_heads, spec.num_kv_heads, scale)
+        else:
+            for block in self.layers:
+                x = block.forward_fused(x, cos, sin, cache, attend)
         if num_logits is not None:
             x = x[-num_logits:]
         return fused.logits(x, self.norm.weight, projection(self.lm_head), self.norm.eps)[None]

@@ -117,7 +117,9 @@ class Stage:
         self, context: list[int], num_logits: int, proposed: torch.Tensor | None = None, tree: TreePass | None = None
     ) -> torch.Tensor:
         """Feed the tokens of ``context`` this stage has not seen, then the ``proposed`` ids [G]
-        (on the model's device; the nodes of ``tree`` if given) -> logits [N, V] of the last N."""
+        (on the model's device; the nodes of ``tree`` if given) -> logits [N, V] of the last N.
+        What the cache can take from its source instead (``CachePolicy.adopt``) is not fed."""
+        self.cache.adopt(len(context) - 1)  # the last token is fed: its logits are asked for
         unseen = device_ids(context[self.cache.length :], self.model.device)  # [T]
         return self.feed(unseen if proposed is None else torch.cat([unseen, proposed]), num_logits, tree)
 
@@ -139,6 +141,7 @@ class Stage:
     def catch_up(self, context: list[int], chunk: int) -> None:
         """Feed the final tokens of ``context`` this stage skipped, all but the last, ``chunk`` per
         pass, committing each: a stage the cost model bypassed for long then fits its pending room."""
+        self.cache.adopt(len(context) - 1)
         while self.cache.length < len(context) - 1:
             end = min(len(context) - 1, self.cache.length + chunk)
             self.extend(context[:end], 1)

@@ -129,7 +129,7 @@ def kernel_choice(request, monkeypatch):
     return request.param
 
 
-LAYER_OPS = ("pre_attention", "decode_attention", "post_attention", "logits")
+LAYER_OPS = ("pre_attention", "decode_attention", "post_attention", "decoder_layers", "logits")
 
 
 def layer_op_calls(profile) -> dict[str, int]:
@@ -139,13 +139,16 @@ def layer_op_calls(profile) -> dict[str, int]:
 
 
 def layer_op_calls_expected(model, widths) -> dict[str, int]:
-    """Every layer of every pass on cascade's ops (attention where its kernel runs), and the logits."""
-    layers = len(widths) * model.spec.num_layers
+    """A pass over the full cache: every layer in one call where cascade's attention kernel runs,
+    else every layer on cascade's ops around PyTorch's attention; and the logits."""
+    passes, layers = len(widths), len(widths) * model.spec.num_layers
+    whole = fused.attention_kernel
     return {
-        "pre_attention": layers,
-        "decode_attention": layers if fused.attention_kernel else 0,
-        "post_attention": layers,
-        "logits": len(widths),
+        "pre_attention": 0 if whole else layers,
+        "decode_attention": 0,
+        "post_attention": 0 if whole else layers,
+        "decoder_layers": passes if whole else 0,
+        "logits": passes,
     }
 
 
@@ -240,3 +243,20 @@ def test_bfloat16_passes_of_any_width_equal_one_token_steps_bit_for_bit(tmp_path
     steps = decode(model, "full", MAX_GRAPH_TOKENS, ONE_TOKEN)
     assert torch.equal(decode(model, "full", MAX_GRAPH_TOKENS, SHORT_PASSES), steps)
     assert torch.equal(decode(model, "full", MAX_GRAPH_TOKENS, (GENERATED,)), steps)
+
+
+@pytest.mark.skipif(
+    not kernels.attention_kernel_available(), reason="cascade's CPU layer and attention ops do not run here"
+)
+@pytest.mark.parametrize("kind", sorted(POLICIES))
+def test_a_pass_of_every_layer_in_one_call_equals_layer_by_layer_bit_for_bit(tmp_path, kind, monkeypatch):
+    """Over a plain cache (full, streaming, retrieval once it has selected) ``decoder_layers`` runs
+    the layers in C++: it must compute what the layer-by-layer ops and the policy's own update do."""
+    model = load_model(make_checkpoint(tmp_path / "m", "qwen2-bias"), torch.bfloat16, CPU)
+    fused.use_cpu_kernels()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        whole = decode(model, kind, MAX_GRAPH_TOKENS, SHORT_PASSES)
+    plain = {"full": len(SHORT_PASSES), "streaming": len(SHORT_PASSES), "retrieval": len(SHORT_PASSES) - 1}
+    assert layer_op_calls(profile)["decoder_layers"] == plain.get(kind, 0)
+    monkeypatch.setattr(fused, "decoder_layers_apply", lambda *args: False)
+    assert torch.equal(decode(model, kind, MAX_GRAPH_TOKENS, SHORT_PASSES), whole)

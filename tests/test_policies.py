@@ -345,6 +345,29 @@ def test_retrieval_takes_the_full_caches_kv_of_committed_generated_tokens(tiny_m
     assert exact.exact_until == 67
 
 
+def test_retrieval_adopts_tokens_the_full_cache_committed_and_decodes_on_as_if_it_had_fed_them(tiny_model):
+    """A bypassed stage resumes without a pass over what it skipped: with exact_generated the K/V
+    of committed tokens are the source's either way, so adopting them leaves the same cache."""
+    source, layout = prefilled_source(tiny_model)  # a 64-token prompt
+    config = RetrievalCacheConfig(budget=16, chunk_size=4)
+    fed, adopted = RetrievalCache(layout, config, source), RetrievalCache(layout, config, source)
+    exact_off = RetrievalCache(layout, RetrievalCacheConfig(budget=16, chunk_size=4, exact_generated=False), source)
+    generated = tokens(tiny_model, 6, 1)
+    for cache in (fed, adopted, exact_off):  # each selects its chunks at the first generated token
+        tiny_model(generated[:, :1], cache)
+        cache.commit(65)
+    tiny_model(generated, source)
+    source.commit(69)  # 5 of the 6 generated tokens are final
+    tiny_model(generated[:, 1:5], fed)
+    fed.commit(69)
+    assert adopted.adopt(70) == 69  # only what the source has committed
+    assert adopted.committed == adopted.exact_until == 69
+    for buffer in ("keys", "values"):
+        assert torch.equal(getattr(adopted, buffer)[..., :21, :], getattr(fed, buffer)[..., :21, :])
+    torch.testing.assert_close(tiny_model(generated[:, 5:], adopted), tiny_model(generated[:, 5:], fed), atol=0, rtol=0)
+    assert exact_off.adopt(69) == 65  # its own K/V differ from the source's: it must compute them
+
+
 def test_retrieval_budget_checks():
     with pytest.raises(ValueError, match=r"budget \(30\) must be a multiple of chunk_size \(8\)"):
         RetrievalCacheConfig(budget=30, chunk_size=8)

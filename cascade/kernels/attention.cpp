@@ -433,6 +433,10 @@ void attend(const at::Tensor& grouped, const at::Tensor& keys, const at::Tensor&
 
 #endif  // __AVX512BF16__
 
+}  // namespace
+
+namespace cascade_kernels {
+
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, double scale,
                             bool causal) {
   TORCH_CHECK(query.dim() == 3 && keys.dim() == 3 && values.dim() == 3,
@@ -469,10 +473,10 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, con
   return out;
 }
 
-}  // namespace
+}  // namespace cascade_kernels
 
 TORCH_LIBRARY_FRAGMENT(cascade_kernels, m) {
   m.def("decode_attention(Tensor query, Tensor keys, Tensor values, float scale, bool causal) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(cascade_kernels, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(cascade_kernels, CPU, m) { m.impl("decode_attention", &cascade_kernels::decode_attention); }

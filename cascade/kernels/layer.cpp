@@ -10,6 +10,9 @@
 //                   -> SiLU(gate) * up -> down product -> + residual
 //   logits:         x [N, C] -> RMSNorm -> head product -> [N, V]
 //
+// and decoder_layers runs every layer of a pass over a plain KV cache (its K/V written at
+// consecutive slots, attention over every slot up to them) in one call: no Python per layer.
+//
 // The products are cascade's kernels (products.h): bf16 weights, or int8 ones packed by
 // cascade.quantise where a scales tensor comes with them. Elementwise work runs in float32 and
 // rounds to bf16 where the model's other passes round: after each norm, each projection, the
@@ -172,6 +175,38 @@ at::Tensor logits(const at::Tensor& x, const at::Tensor& norm_weight, const at::
   return product(rms_norm(x, norm_weight, eps), head_weight, head_scales).to(at::kBFloat16);
 }
 
+// Every decoder layer of a pass: for layer l, pre_attention; the pass's keys and values written
+// into slots [start, start + T) of keys / values [L, 1, H_kv, slots, D]; attention over slots
+// [0, start + T), the pass causal among itself; post_attention. Operands per layer: norms (input,
+// post-attention), weights and their int8 scales (qkv, o, gate/up, down), the qkv bias.
+at::Tensor decoder_layers(const at::Tensor& x, at::TensorList norms, at::TensorList weights,
+                          const c10::List<std::optional<at::Tensor>>& scales,
+                          const c10::List<std::optional<at::Tensor>>& biases, const at::Tensor& keys,
+                          const at::Tensor& values, int64_t start, const at::Tensor& cos, const at::Tensor& sin,
+                          double eps, int64_t heads, int64_t kv_heads, double scale) {
+  const int64_t layers = keys.size(0), tokens = x.size(0), end = start + tokens;
+  TORCH_CHECK(keys.dim() == 5 && keys.size(1) == 1 && keys.sizes() == values.sizes() && end <= keys.size(3),
+              "decoder_layers: K/V buffers [L, 1, H_kv, slots, D] with room for slots [", start, ", ", end,
+              "); got ", keys.sizes(), " and ", values.sizes());
+  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * layers && static_cast<int64_t>(weights.size()) == 4 * layers &&
+                  static_cast<int64_t>(scales.size()) == 4 * layers && static_cast<int64_t>(biases.size()) == layers,
+              "decoder_layers: per layer 2 norms, 4 weights, 4 scales and 1 bias for ", layers, " layers; got ",
+              norms.size(), ", ", weights.size(), ", ", scales.size(), " and ", biases.size());
+  at::Tensor stream = x;
+  for (int64_t l = 0; l < layers; ++l) {
+    const auto [query, key, value] = pre_attention(stream, norms[2 * l], weights[4 * l], scales.get(4 * l),
+                                                   biases.get(l), cos, sin, eps, heads, kv_heads);
+    const at::Tensor layer_keys = keys[l][0], layer_values = values[l][0];  // [H_kv, slots, D]
+    layer_keys.narrow(1, start, tokens).copy_(key[0]);
+    layer_values.narrow(1, start, tokens).copy_(value[0]);
+    const at::Tensor attended = cascade_kernels::decode_attention(
+        query[0], layer_keys.narrow(1, 0, end), layer_values.narrow(1, 0, end), scale, tokens > 1);  // [H, T, D]
+    stream = post_attention(stream, attended.unsqueeze(0), weights[4 * l + 1], scales.get(4 * l + 1), norms[2 * l + 1],
+                            weights[4 * l + 2], scales.get(4 * l + 2), weights[4 * l + 3], scales.get(4 * l + 3), eps);
+  }
+  return stream;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(cascade_kernels, m) {
@@ -180,10 +215,14 @@ TORCH_LIBRARY_FRAGMENT(cascade_kernels, m) {
   m.def("post_attention(Tensor x, Tensor attended, Tensor o_weight, Tensor? o_scales, Tensor norm_weight, "
         "Tensor gate_up_weight, Tensor? gate_up_scales, Tensor down_weight, Tensor? down_scales, float eps) -> Tensor");
   m.def("logits(Tensor x, Tensor norm_weight, Tensor head_weight, Tensor? head_scales, float eps) -> Tensor");
+  m.def("decoder_layers(Tensor x, Tensor[] norms, Tensor[] weights, Tensor?[] scales, Tensor?[] biases, "
+        "Tensor(a!) keys, Tensor(b!) values, int start, Tensor cos, Tensor sin, float eps, int heads, int kv_heads, "
+        "float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(cascade_kernels, CPU, m) {
   m.impl("pre_attention", &pre_attention);
   m.impl("post_attention", &post_attention);
   m.impl("logits", &logits);
+  m.impl("decoder_layers", &decoder_layers);
 }

@@ -1,4 +1,4 @@
-// The weight products of cascade's CPU kernels, for the other kernels that call them directly.
+// The products and attention of cascade's CPU kernels, for the other kernels that call them directly.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -11,5 +11,10 @@ at::Tensor rows_times_weight(const at::Tensor& rows, const at::Tensor& weight);
 // rows [T, I] bf16 (T <= 16) x an int8 weight packed by cascade.quantise, scales [O] -> [T, O]
 // float32 (rows_times_int8.cpp).
 at::Tensor rows_times_int8(const at::Tensor& rows, const at::Tensor& packed, const at::Tensor& scales);
+
+// query [H, T, D] over keys and values [H_kv, S, D] (rows contiguous) -> [H, T, D] bf16; causal: the
+// pass's T tokens are the last T keys and read one another causally (attention.cpp).
+at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, double scale,
+                            bool causal);
 
 }  // namespace cascade_kernels
