@@ -291,8 +291,7 @@ class Pipeline:
         stats.rejections += verdict.accepted < gamma
         if timed:
             stats.timed_rounds += 1
-            stats.timed_proposed += gamma
-            stats.propose_s += propose_s
+            stats.record_proposals(gamma, propose_s)
             stats.verify_s += verify_s
         if clean and timed:
             stats.clean_verifications[gamma] = stats.clean_verifications.get(gamma, 0) + 1

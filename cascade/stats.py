@@ -8,7 +8,8 @@ from dataclasses import asdict, dataclass, field
 from cascade.costs import along_curve, expected_speedup, rising_curve
 
 PLAIN_SAMPLES_KEPT = 32
-"""Plain-step times a stage keeps for their median (``StageStats.step_s``)."""
+"""Plain-step times, and per-token proposal times of rounds, a stage keeps for their medians
+(``StageStats.step_s``, ``StageStats.proposal_s``)."""
 
 
 @dataclass
@@ -39,6 +40,10 @@ class StageStats:
     """Proposals of those rounds."""
     propose_s: float = 0.0
     """Time drawing the timed rounds' proposals, the stages below it included."""
+    proposal_samples: list[float] = field(default_factory=list)
+    """Per timed round, its proposal time over its proposals (the latest ``PLAIN_SAMPLES_KEPT``):
+    their median is a proposal's cost, which a one-off dear pass (a retrieval cache's first
+    selection) does not set."""
     verify_s: float = 0.0
     """Time the stage above spent verifying them."""
     clean_verifications: dict[int, int] = field(default_factory=dict)
@@ -68,7 +73,18 @@ class StageStats:
     def record_plain_step(self, seconds: float) -> None:
         self.plain_steps += 1
         self.plain_s += seconds
-        self.plain_samples = [*self.plain_samples[1 - PLAIN_SAMPLES_KEPT :], seconds]
+        self.plain_samples = latest_samples(self.plain_samples, seconds)
+
+    def record_proposals(self, proposed: int, seconds: float) -> None:
+        """A timed round drew ``proposed`` tokens in ``seconds``."""
+        self.timed_proposed += proposed
+        self.propose_s += seconds
+        self.proposal_samples = latest_samples(self.proposal_samples, seconds / proposed)
+
+    @property
+    def proposal_s(self) -> float:
+        """A proposed token's time: the median over the latest timed rounds (0 before the first)."""
+        return statistics.median(self.proposal_samples) if self.proposal_samples else 0.0
 
     @property
     def step_s(self) -> float:
@@ -101,7 +117,7 @@ class StageStats:
         """Time of one proposed token over one verification pass."""
         if not self.timed_proposed or not self.verify_s:
             return 0.0
-        return (self.propose_s / self.timed_proposed) / (self.verify_s / self.timed_rounds)
+        return self.proposal_s / (self.verify_s / self.timed_rounds)
 
     @property
     def verify_over_step(self) -> float:
@@ -134,9 +150,7 @@ class StageStats:
             return 1.0
         step_s = self.step_s if self.plain_steps else self.verify_s / self.timed_rounds
         acceptance = self.acceptance_mle if acceptance is None else acceptance
-        return expected_speedup(
-            acceptance, self.propose_s / self.timed_proposed, self.verification_s(gamma), step_s, gamma
-        )
+        return expected_speedup(acceptance, self.proposal_s, self.verification_s(gamma), step_s, gamma)
 
     @property
     def mean_gamma(self) -> float:
@@ -155,6 +169,11 @@ class StageStats:
         ):
             data[name] = getattr(self, name)
         return data
+
+
+def latest_samples(samples: list[float], new: float) -> list[float]:
+    """``samples`` with ``new`` appended, the oldest dropped past ``PLAIN_SAMPLES_KEPT``."""
+    return [*samples[1 - PLAIN_SAMPLES_KEPT :], new]
 
 
 @dataclass

@@ -12,6 +12,7 @@ from cascade.schedule import (
     CostModelSchedule,
     HeuristicSchedule,
     Schedule,
+    best_gamma,
     warmup_gammas,
 )
 from cascade.stats import PLAIN_SAMPLES_KEPT, StageStats
@@ -30,10 +31,9 @@ def measured(
         stats.rounds += 1
         stats.timed_rounds += 1
         stats.proposed += proposed
-        stats.timed_proposed += proposed
         stats.accepted += accepted
         stats.rejections += accepted < proposed
-        stats.propose_s += propose_s * proposed
+        stats.record_proposals(proposed, propose_s * proposed)
         stats.verify_s += seconds
         stats.clean_verifications[proposed] = stats.clean_verifications.get(proposed, 0) + 1
         stats.clean_verification_s[proposed] = stats.clean_verification_s.get(proposed, 0.0) + seconds
@@ -182,3 +182,12 @@ def test_cost_model_picks_the_widest_pass_still_bound_by_the_weights():
     schedule = CostModelSchedule(8)
     schedule.observe(stats, 8, 3)
     assert schedule.current == 4
+
+
+def test_one_dear_first_round_does_not_set_a_proposals_cost():
+    """A retrieval stage's first round also selects its chunks (a pass costing three proposals):
+    the median over rounds prices proposals at what the later rounds paid."""
+    stats = measured([(6, 6)] * WARMUP_ROUNDS, propose_s=0.0155, verify_s={6: 0.0325, 1: 0.021}, step_s=0.0195)
+    stats.proposal_samples[0] = (5 * 0.0155 + 0.046) / 6  # the first round's selecting pass
+    assert stats.proposal_s == pytest.approx(0.0155)
+    assert best_gamma(stats, 6) > 0
