@@ -49,16 +49,15 @@ def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """Draw one token per row of probs [..., V] -> [...] int64. On CPU each row draws among its
-    nonzero entries: a top-p or top-k distribution has few, and a draw over all 151,936 costs ~3 ms."""
+    """Draw one token per row of probs [..., V] -> [...] int64, by the inverse of the cumulative
+    distribution: a uniform draw scaled to the row's total, located among the float64 running sums
+    (~1 ms for 151,936 tokens on CPU, where ``torch.multinomial`` takes ~3). A token of probability 0
+    adds nothing to the sum before it, so it is never drawn; nothing waits for the device."""
     flat = probs.reshape(-1, probs.shape[-1])  # [N, V]
-    if flat.device.type != "cpu":  # finding the support would wait for the device
-        return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
-    drawn = []
-    for row in flat:
-        support = row.nonzero()[:, 0]  # [S]
-        drawn.append(support[torch.multinomial(row[support], 1, generator=generator)])
-    return torch.cat(drawn).reshape(probs.shape[:-1])
+    cumulative = flat.cumsum(-1, dtype=torch.float64)  # [N, V]
+    uniform = torch.rand(flat.shape[0], 1, dtype=torch.float64, generator=generator, device=flat.device)
+    drawn = torch.searchsorted(cumulative, uniform * cumulative[:, -1:], right=True)  # [N, 1]
+    return drawn.clamp_max(flat.shape[-1] - 1).reshape(probs.shape[:-1])
 
 
 def draw(
