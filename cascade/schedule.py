@@ -13,7 +13,7 @@
   textbook speed-up (1 - a^(g+1)) / ((1 - a)(c g + 1)),
   c = p / s. On a CPU a pass costs about a step while it is bound by reading the weights and more
   the more tokens it holds once its products are compute-bound (Qwen2.5 1.5B at 1K on a 2-core
-  EPYC: 1.05 steps for 4 tokens, 2.0 for 9), so ``v(g)`` is the rising piecewise-linear curve through
+  EPYC: 1.06 steps for 4 tokens, 1.10 for 8, 1.7 for 16), so ``v(g)`` is the rising piecewise-linear curve through
   the measured passes and the plain step (``StageStats.verification_s``), and the warm-up rounds
   measure it at the configured gamma, then at half of it, a quarter, ... (``warmup_gammas``): a
   short gamma can pay where the configured one does not. Gamma 0 bypasses the stage (the verifier
