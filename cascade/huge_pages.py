@@ -11,6 +11,7 @@ moves, small ones included: one left behind would keep the whole checkpoint file
 from __future__ import annotations
 
 import mmap
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -39,3 +40,16 @@ def move_to_huge_pages(model: nn.Module) -> int:
         tensor.data = moved
         offset += size
     return offset
+
+
+def huge_page_bytes() -> int | None:
+    """This process's anonymous memory in transparent huge pages (``AnonHugePages`` of
+    /proc/self/smaps_rollup), None where Linux does not report it: how much of a model's weights
+    a move actually got, which sets the speed of its passes (the same 1.5B step took 68 ms in one
+    process and 102 ms in others)."""
+    try:
+        lines = Path("/proc/self/smaps_rollup").read_text().splitlines()
+    except OSError:
+        return None
+    sizes = [int(line.split()[1]) * 1024 for line in lines if line.startswith("AnonHugePages:")]
+    return sizes[0] if sizes else None

@@ -188,6 +188,7 @@ def cascade_config(args, impl: str, target: Path, draft: Path | None, prompt: to
 def run_cascade(
     args, impl: str, target: Path, draft: Path | None, prompt: torch.Tensor, mode: str
 ) -> tuple[dict, list[int]]:
+    from cascade.huge_pages import huge_page_bytes
     from cascade.runtime import build_runtime
 
     config = cascade_config(args, impl, target, draft, prompt, mode)
@@ -214,6 +215,7 @@ def run_cascade(
         "decode_tokens_per_s": stats["tokens_per_s"],
         "stats": stats,
         "graphs_captured_while_measured": captured_graphs(runtime) - graphs_before,
+        "huge_page_mb": None if (held := huge_page_bytes()) is None else held / 2**20,
         "prompt_file": str(stored) if stored else None,
     }, result.token_ids
 
@@ -430,12 +432,17 @@ def run_round(args: argparse.Namespace, cases: list[Case], index: int, bar: tqdm
         bar.write(
             f"[round {index + 1}/{args.repeats} {impl:21} ctx {context:>6} {mode:6}] decode "
             f"{run['decode_tokens_per_s']:7.1f} tok/s, prefill {prefill:>7} tok/s, "
-            f"peak RSS {run['peak_rss_mb']:6.0f} MB ({time.perf_counter() - started:.0f} s)",
+            f"peak RSS {run['peak_rss_mb']:6.0f} MB{huge_page_text(run)} ({time.perf_counter() - started:.0f} s)",
             file=sys.stderr,
         )
         bar.update(1)
         measured[(impl, context, mode)] = case
     return measured
+
+
+def huge_page_text(run: dict) -> str:
+    """ ", in huge pages N MB" for a cascade case where Linux reports it, else nothing."""
+    return "" if run.get("huge_page_mb") is None else f", in huge pages {run['huge_page_mb']:6.0f} MB"
 
 
 def summarize(args: argparse.Namespace, case: Case, cases: list[dict]) -> dict:
