@@ -200,10 +200,10 @@ LayerOperands = tuple[list[torch.Tensor], list[torch.Tensor], list["torch.Tensor
 per layer the input and post-attention norms; the qkv, o, gate/up and down weights and scales; the bias."""
 
 
-def decoder_layers_apply(x: torch.Tensor, head_dim: int, operands: LayerOperands) -> bool:
-    """Whether ``decoder_layers`` can run a pass with residual stream x [T, C] over these layers."""
-    scales = operands[2]
-    ours = head_dim in kernels.ATTENTION_HEAD_SIZES and (int8_kernel or all(scale is None for scale in scales))
+def decoder_layers_apply(x: torch.Tensor, head_dim: int, quantised: bool) -> bool:
+    """Whether ``decoder_layers`` can run a pass with residual stream x [T, C] over layers of this
+    head size, their projections int8 (``cascade.quantise``) or not."""
+    ours = head_dim in kernels.ATTENTION_HEAD_SIZES and (int8_kernel or not quantised)
     return attention_kernel and ours and _on_cpu_layers(x)
 
 

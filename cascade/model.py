@@ -17,7 +17,7 @@ from torch import nn
 from cache.base import CacheLayout, CachePolicy, TreePass
 from cascade import fused
 from cascade.attention import KERNELS, AttentionKernel, resolve_kernels
-from cascade.quantise import projection
+from cascade.quantise import is_quantised, projection
 from cascade.rope import Rotary, apply_rotary
 
 
@@ -228,11 +228,10 @@ class CausalLM(nn.Module):
         """``forward_at``'s blocks and head for one sequence's residual stream x [T, C] through the
         compiled kernels -> logits [1, N, V]: over a plain cache (``CachePolicy.plain_pass``) every
         layer in one call where cascade's CPU kernels take the pass, else layer by layer."""
-        operands = self._kernel_operands()
-        plain = cache.plain_pass() if fused.decoder_layers_apply(x, self.spec.head_dim, operands) else None
+        spec = self.spec
+        plain = cache.plain_pass() if fused.decoder_layers_apply(x, spec.head_dim, is_quantised(self)) else None
         if plain is not None:
-            spec = self.spec
-            eps, scale = spec.rms_norm_eps, self.layers[0].self_attn.scale
+            eps, scale, operands = spec.rms_norm_eps, self.layers[0].self_attn.scale, self._kernel_operands()
             x = fused.decoder_layers(x, cos, sin, operands, *plain, eps, spec.num_heads, spec.num_kv_heads, scale)
         else:
             for block in self.layers:
