@@ -8,7 +8,8 @@
 // pass's own tokens are the last T keys).
 //
 // Per block of 256 keys, in bf16 products with float32 accumulation (AVX512-BF16):
-// - values: each two keys' rows interleaved into (key, key + 1) pairs, once per block;
+// - values: each two keys' rows interleaved into (key, key + 1) pairs, in registers as the sums use
+//   them where the rows fit in one group of accumulators (a decode step), else once per block;
 // - scores: 16 keys at a time transposed into pairs of head dimensions (pair p of key j in lane j),
 //   shared by every row; a row's 16 scores are one chain of products over the even pairs and one
 //   over the odd pairs against its own query pair, broadcast (with AMX: tiles of 16 keys x 16 rows);
@@ -16,8 +17,8 @@
 // - each row's output: its weight pairs times the value pairs, 16 dimensions per accumulator.
 // A key's score and a row's weighted sum take the same operations in the same order whatever the
 // pass's width and however many keys follow, so a verification pass equals the decode steps it
-// replaces bit for bit. While a block is read, the next block's rows are asked for (into L2) and
-// the rows a little ahead (into L1): a thread's blocks follow each other in memory.
+// replaces bit for bit. While a block is read, the next block's rows are asked for (into L2): a
+// thread's blocks follow each other in memory.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -48,7 +49,6 @@ constexpr int64_t kPairInputs = 32;  // bf16 inputs of one AMX tile row or one 5
 constexpr int64_t kGroupKeys = 16;  // keys scored together, one per float32 lane
 constexpr int64_t kBlockKeys = 256;  // keys per task
 constexpr int64_t kMaxDim = 128;  // the largest head size taken
-constexpr int64_t kNearKeys = 32;  // how far ahead of its reads a pass over a block asks for rows (into L1)
 constexpr int kScoreRows = 4;  // query rows scored together: 8 chains of products in flight
 constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
 
@@ -125,20 +125,21 @@ inline void transpose16(__m512i (&v)[16]) {
 }
 
 // Keys [k, k + 16) as pairs of head dimensions: pairs[p] holds dimensions 2p, 2p + 1 of key k + j in
-// lane j (zeros for keys at or past k1).
+// lane j (zeros for keys at or past k1); `pairs` has room for max(D / 2, 16) registers.
 template <int D>
 inline void transposed_keys(const Operands& op, int64_t k, int64_t k1, __m512i* pairs) {
   constexpr int kPairs = D / 2;
   const int64_t count = std::min(kGroupKeys, k1 - k);
   for (int p0 = 0; p0 < kPairs; p0 += 16) {
     const __mmask16 lanes = first_lanes(kPairs - p0);  // 8 pairs for head size 16
-    __m512i rows[16];
+    // transposed where it lands: copied from a local array, the 16 rows went through memcpy (a
+    // quarter of a one-token pass's time)
+    __m512i(&rows)[16] = *reinterpret_cast<__m512i(*)[16]>(pairs + p0);
     for (int j = 0; j < 16; ++j) {
       rows[j] = j < count ? _mm512_maskz_loadu_epi32(lanes, op.keys + (k + j) * op.key_stride + 2 * p0)
                           : _mm512_setzero_si512();
     }
     transpose16(rows);
-    for (int p = 0; p < std::min(16, kPairs - p0); ++p) pairs[p0 + p] = rows[p];
   }
 }
 
@@ -164,10 +165,9 @@ template <int D>
 void vector_scores(const Operands& op, const int32_t* query_pairs, int64_t rows, int64_t k0, int64_t k1,
                    float* scores) {
   constexpr int kPairs = D / 2;
-  alignas(64) __m512i pairs[kPairs];
+  alignas(64) __m512i pairs[std::max(kPairs, 16)];  // 16: the rows a transposition of 8 pairs takes
   for (int64_t k = k0; k < k1; k += kGroupKeys) {
     for (int j = 0; j < kGroupKeys; ++j) {
-      prefetch_row<D, _MM_HINT_T0>(op.keys + (k + kNearKeys + j) * op.key_stride);
       prefetch_row<D, _MM_HINT_T1>(op.keys + (k + kBlockKeys + j) * op.key_stride);
     }
     transposed_keys<D>(op, k, k1, pairs);
@@ -283,47 +283,50 @@ void block_weights(const Operands& op, const int32_t* last_visible, int64_t rows
   }
 }
 
-// Values [k0, k1) as key pairs: for pair m (keys k0 + 2m, k0 + 2m + 1) and each 32 dimensions c, the
-// two rows interleaved (unpacklo, unpackhi: dimensions 8L + i and 8L + 4 + i of 128-bit lane L, each
-// with both keys) into out[(m * blocks + c) * 2 + half]; zeros stand for a key at or past k1. The
-// next block's values are asked for on the way.
+// Keys k, k + 1 of the values as key pairs in registers: for each 32 dimensions c, the two rows
+// interleaved (unpacklo, unpackhi: dimensions 8L + i and 8L + 4 + i of 128-bit lane L, each with
+// both keys) into pair[2c], pair[2c + 1]; zeros stand for a key at or past k1. The rows of the next
+// block are asked for (into L2) on the way.
 template <int D>
-void paired_values(const Operands& op, int64_t k0, int64_t k1, __m512i* out) {
+__attribute__((always_inline)) inline void value_pair(const Operands& op, int64_t k, int64_t k1, __m512i* pair) {
   constexpr int kBlocks = (D + 31) / 32;
   const __mmask32 lanes = D >= 32 ? (__mmask32)0xFFFFFFFF : (__mmask32)((1u << D) - 1);
-  for (int64_t k = k0; k < k1; k += 2) {
-    for (int j = 0; j < 2; ++j) {
-      prefetch_row<D, _MM_HINT_T0>(op.values + (k + kNearKeys + j) * op.value_stride);
-      prefetch_row<D, _MM_HINT_T1>(op.values + (k + kBlockKeys + j) * op.value_stride);
-    }
-    const at::BFloat16* first = op.values + k * op.value_stride;
-    const at::BFloat16* second = first + op.value_stride;
-    const bool both = k + 1 < k1;
-    for (int c = 0; c < kBlocks; ++c) {
-      const __m512i a = _mm512_maskz_loadu_epi16(lanes, first + 32 * c);
-      const __m512i b = both ? _mm512_maskz_loadu_epi16(lanes, second + 32 * c) : _mm512_setzero_si512();
-      __m512i* pair = out + ((k - k0) / 2 * kBlocks + c) * 2;
-      pair[0] = _mm512_unpacklo_epi16(a, b);
-      pair[1] = _mm512_unpackhi_epi16(a, b);
-    }
+  for (int j = 0; j < 2; ++j) prefetch_row<D, _MM_HINT_T1>(op.values + (k + kBlockKeys + j) * op.value_stride);
+  const at::BFloat16* first = op.values + k * op.value_stride;
+  const at::BFloat16* second = first + op.value_stride;
+  const bool both = k + 1 < k1;
+  for (int c = 0; c < kBlocks; ++c) {
+    const __m512i a = _mm512_maskz_loadu_epi16(lanes, first + 32 * c);
+    const __m512i b = both ? _mm512_maskz_loadu_epi16(lanes, second + 32 * c) : _mm512_setzero_si512();
+    pair[2 * c] = _mm512_unpacklo_epi16(a, b);
+    pair[2 * c + 1] = _mm512_unpackhi_epi16(a, b);
   }
 }
 
-// out [Rows, D] = weights x values for Rows rows (weight pairs [rows, kBlockKeys / 2]): each pair of
-// value rows is loaded once for the Rows rows, whose sums stay in registers.
-template <int D, int Rows>
-void weighted_values(const int32_t* weight_pairs, const __m512i* values, int64_t num_pairs, float* out) {
+// Values [k0, k1) as key pairs into out[(m * blocks + c) * 2 + half] (pair m: keys k0 + 2m, k0 + 2m + 1),
+// for passes whose rows take them in several groups.
+template <int D>
+void paired_values(const Operands& op, int64_t k0, int64_t k1, __m512i* out) {
+  constexpr int kBlocks = (D + 31) / 32;
+  for (int64_t k = k0; k < k1; k += 2) value_pair<D>(op, k, k1, out + (k - k0) / 2 * 2 * kBlocks);
+}
+
+// out [Rows, D] = weights x values for Rows rows (weight pairs [rows, kBlockKeys / 2]): `pair(m, value)`
+// puts key pair m into value[2 * blocks]; each pair meets the Rows rows at once, whose sums stay in
+// registers.
+template <int D, int Rows, typename Pair>
+void weighted_values(const int32_t* weight_pairs, int64_t num_pairs, float* out, Pair pair) {
   constexpr int kBlocks = (D + 31) / 32;
   __m512 acc[Rows][2 * kBlocks];
   for (int r = 0; r < Rows; ++r) {
     for (int v = 0; v < 2 * kBlocks; ++v) acc[r][v] = _mm512_setzero_ps();
   }
   for (int64_t m = 0; m < num_pairs; ++m) {
-    __m512bh value[2 * kBlocks];
-    for (int v = 0; v < 2 * kBlocks; ++v) value[v] = (__m512bh)_mm512_load_si512(values + m * 2 * kBlocks + v);
+    __m512i value[2 * kBlocks];
+    pair(m, value);
     for (int r = 0; r < Rows; ++r) {
       const __m512bh weight = (__m512bh)_mm512_set1_epi32(weight_pairs[r * (kBlockKeys / 2) + m]);
-      for (int v = 0; v < 2 * kBlocks; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], value[v], weight);
+      for (int v = 0; v < 2 * kBlocks; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], (__m512bh)value[v], weight);
     }
   }
   // the (low, high) accumulators of 32 dimensions -> the dimensions in order
@@ -340,15 +343,32 @@ void weighted_values(const int32_t* weight_pairs, const __m512i* values, int64_t
   }
 }
 
-// out [rows, D] = weights [rows, kBlockKeys] x paired values of `keys` keys, rows in groups that keep
-// 16 accumulators in registers.
+// Rows of a pass that keep their sums in registers together: 16 accumulators.
 template <int D>
-void block_values(const at::BFloat16* weights, int64_t rows, const __m512i* values, int64_t keys, float* out) {
-  constexpr int kGroup = 8 / ((D + 31) / 32);
+constexpr int kValueRows = 8 / ((D + 31) / 32);
+
+// out [rows, D] = weights [rows, kBlockKeys] x the values of keys [k0, k1). Rows that fit in one group
+// pair the values in registers as they go; more rows pair them once into `paired` (the thread's
+// scratch) and read them from there, group by group.
+template <int D>
+void block_values(const Operands& op, const at::BFloat16* weights, int64_t rows, int64_t k0, int64_t k1,
+                  __m512i* paired, float* out) {
+  constexpr int kBlocks = (D + 31) / 32;
   const auto* weight_pairs = reinterpret_cast<const int32_t*>(weights);
-  const int64_t num_pairs = (keys + 1) / 2, pair_stride = kBlockKeys / 2;
-  in_row_groups<kGroup>(rows, [&](int64_t r, auto count) {
-    weighted_values<D, decltype(count)::value>(weight_pairs + r * pair_stride, values, num_pairs, out + r * D);
+  const int64_t num_pairs = (k1 - k0 + 1) / 2, pair_stride = kBlockKeys / 2;
+  if (rows <= kValueRows<D>) {
+    const auto direct = [&](int64_t m, __m512i* value) __attribute__((always_inline)) { value_pair<D>(op, k0 + 2 * m, k1, value); };
+    with_count<kValueRows<D>>(rows, [&](auto count) {
+      weighted_values<D, decltype(count)::value>(weight_pairs, num_pairs, out, direct);
+    });
+    return;
+  }
+  paired_values<D>(op, k0, k1, paired);
+  const auto stored = [&](int64_t m, __m512i* value) __attribute__((always_inline)) {
+    for (int v = 0; v < 2 * kBlocks; ++v) value[v] = _mm512_load_si512(paired + m * 2 * kBlocks + v);
+  };
+  in_row_groups<kValueRows<D>>(rows, [&](int64_t r, auto count) {
+    weighted_values<D, decltype(count)::value>(weight_pairs + r * pair_stride, num_pairs, out + r * D, stored);
   });
 }
 
@@ -418,11 +438,10 @@ void attend(const at::Tensor& grouped, const at::Tensor& keys, const at::Tensor&
       const Operands op{keys.data_ptr<at::BFloat16>() + head * keys.stride(0),
                         values.data_ptr<at::BFloat16>() + head * values.stride(0), keys.stride(1), values.stride(1),
                         scale};
-      paired_values<D>(op, k0, k1, scratch.value_pairs);
       block_scores<D>(op, query_pairs + head * rows * D / 2, tiles, head, rows, k0, k1, scratch.scores);
       block_weights(op, last_visible.data(), rows, k0, k1, scratch.scores, scratch.weights, maxima + task * rows,
                     totals + task * rows);
-      block_values<D>(scratch.weights, rows, scratch.value_pairs, k1 - k0, partial + task * rows * D);
+      block_values<D>(op, scratch.weights, rows, k0, k1, scratch.value_pairs, partial + task * rows * D);
     }
   });
   for (int64_t head = 0; head < kv_heads; ++head) {
