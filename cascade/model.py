@@ -157,6 +157,7 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.rotary = rotary
+        self._operands: tuple[nn.Module, fused.LayerOperands] | None = None  # see _kernel_operands
 
     @property
     def dtype(self) -> torch.dtype:
@@ -177,10 +178,15 @@ class CausalLM(nn.Module):
         return total
 
     def _kernel_operands(self) -> fused.LayerOperands:
-        """Every layer's ``Block.kernel_operands``, gathered afresh each pass: quantising replaces
-        the projections, so a list kept from an earlier pass could hold weights no longer used."""
-        operands = [block.kernel_operands() for block in self.layers]
-        return tuple([tensor for layer in operands for tensor in layer[part]] for part in range(4))
+        """Every layer's ``Block.kernel_operands``, gathered once (~0.4 ms of module lookups, 4% of a
+        SmolLM2 step at 1K) and gathered again when the output projection is no longer the one they
+        were gathered with: ``quantise_int8`` replaces it together with every layer's projections.
+        Moving weights (``move_to_huge_pages``) keeps the tensors, so the lists stay valid."""
+        if self._operands is None or self._operands[0] is not self.lm_head:
+            operands = [block.kernel_operands() for block in self.layers]
+            gathered = tuple([tensor for layer in operands for tensor in layer[part]] for part in range(4))
+            self._operands = (self.lm_head, gathered)
+        return self._operands[1]
 
     def cache_layout(self, capacity: int, max_pending: int | None = None) -> CacheLayout:
         spec = self.spec

@@ -113,6 +113,21 @@ def test_fused_int8_passes_run_the_layer_ops_and_stay_as_close_to_bf16_as_eager_
     assert layer_op_calls(profile) == layer_op_calls_expected(model, SHORT_PASSES)
 
 
+@needs_int8_kernel
+def test_a_model_quantised_after_fused_passes_runs_its_int8_weights(tmp_path):
+    """The layer op's operands are gathered once per model: quantising afterwards must not leave the
+    passes on the bf16 weights gathered before."""
+    checkpoint = make_checkpoint(tmp_path / "m", "qwen2-bias")
+    fused.use_cpu_kernels()
+    quantised_first = quantise_int8(load_model(checkpoint, torch.bfloat16, CPU))
+    expected = decode(quantised_first, "full", MAX_GRAPH_TOKENS, SHORT_PASSES)
+    model = load_model(checkpoint, torch.bfloat16, CPU)
+    bf16 = decode(model, "full", MAX_GRAPH_TOKENS, SHORT_PASSES)
+    quantise_int8(model)
+    assert torch.equal(decode(model, "full", MAX_GRAPH_TOKENS, SHORT_PASSES), expected)
+    assert not torch.equal(expected, bf16)
+
+
 @pytest.mark.parametrize("self_draft", [False, True], ids=["int8-draft", "int8-self-draft"])
 def test_speculation_with_an_int8_draft_decodes_the_targets_greedy_output(self_draft, tiny_dir, tiny_draft_dir):
     expected = generate(runtime_for("autoregressive", tiny_dir, tiny_draft_dir), PROMPT).token_ids
