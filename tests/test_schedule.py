@@ -90,6 +90,25 @@ def test_cost_model_bypasses_a_stage_that_does_not_pay_and_probes_it_again():
     assert gammas == [0] * PROBE_EVERY + [1]
 
 
+def test_probes_that_keep_failing_come_twice_as_late_each_time_and_a_paying_one_resets_the_interval():
+    schedule = CostModelSchedule(6)
+    useless = measured([(6, 0)] * WARMUP_ROUNDS, propose_s=0.05, verify_s=0.15, step_s=0.1)
+    schedule.observe(useless, 6, 0)
+    bypassed_before_probes = []
+    for _ in range(3):
+        gammas = [schedule.next_gamma(useless, room=100) for _ in range(8 * PROBE_EVERY)]
+        bypassed_before_probes.append(gammas.index(1))
+        schedule.observe(useless, 1, 0)  # the probe's round: still no use
+        assert schedule.current == 0
+        schedule.bypassed = 0
+    assert bypassed_before_probes == [PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY]
+    paying = measured([(6, 6)] * WARMUP_ROUNDS, propose_s=0.001, verify_s=0.1, step_s=0.1)
+    gammas = [schedule.next_gamma(paying, room=100) for _ in range(8 * PROBE_EVERY + 1)]
+    assert gammas[-1] == 1
+    schedule.observe(paying, 1, 1)
+    assert schedule.current > 0 and schedule.probe_after == PROBE_EVERY
+
+
 def test_a_slow_first_plain_step_does_not_set_the_cost_speculation_is_measured_against():
     """A triforce run at 2K once predicted a 51.8x speed-up from one 3.1 s plain step (a warm-up)."""
     stats = measured([(6, 6)] * WARMUP_ROUNDS, propose_s=0.002, verify_s=0.03, step_s=0.025)
