@@ -18,9 +18,9 @@
   measure it at the configured gamma, then at half of it, a quarter, ... (``warmup_gammas``): a
   short gamma can pay where the configured one does not. Gamma 0 bypasses the stage (the verifier
   decodes by itself) when no gamma pays; the stage is probed again after ``PROBE_EVERY`` bypassed
-rounds, and after twice as many each time a probe finds it still does not pay: a probe costs more
-than its round (a retrieval stage re-selects its chunks when it resumes), and SmolLM2's `self-spec`
-at 8K ran at 0.90x autoregressive with a probe every 16 tokens.
+  rounds, and after twice as many each time a probe finds it still does not pay: a probe costs more
+  than its round (a retrieval stage re-selects its chunks when it resumes), and SmolLM2's `self-spec`
+  at 8K ran at 0.90x autoregressive with a probe every 16 tokens.
 """
 
 from __future__ import annotations

@@ -100,7 +100,6 @@ def test_probes_that_keep_failing_come_twice_as_late_each_time_and_a_paying_one_
         bypassed_before_probes.append(gammas.index(1))
         schedule.observe(useless, 1, 0)  # the probe's round: still no use
         assert schedule.current == 0
-        schedule.bypassed = 0
     assert bypassed_before_probes == [PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY]
     paying = measured([(6, 6)] * WARMUP_ROUNDS, propose_s=0.001, verify_s=0.1, step_s=0.1)
     gammas = [schedule.next_gamma(paying, room=100) for _ in range(8 * PROBE_EVERY + 1)]
