@@ -170,6 +170,18 @@ class CachePolicy(ABC):
         source's anyway); returns the tokens it now holds. Most policies take none."""
         return self.length
 
+    def unfed_prompt(self, length: int) -> range:
+        """Of a prompt of ``length`` tokens, those a prefill may leave out, passing ``skip`` their
+        count instead: tokens this policy would have evicted before the prompt ends. The tokens it
+        keeps are then computed from less context, so only a proposing stage's policy may offer
+        this. Most policies need every token fed."""
+        return range(0)
+
+    def skip(self, count: int) -> None:
+        """Count the next ``count`` tokens (of ``unfed_prompt``) as seen and evicted, unwritten."""
+        if count:
+            raise NotImplementedError(f"{type(self).__name__} holds every prompt token it is given")
+
     def rollback(self, length: int) -> None:
         """Forget every token after the first ``length``, as if they were never written."""
         if not self.committed <= length <= self.length:

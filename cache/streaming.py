@@ -28,6 +28,12 @@ class StreamingCacheConfig(CachePolicyConfig):
     """First tokens of the sequence that are always kept (attention sinks)."""
     window: int = Field(1024, ge=1)
     """Most recent committed tokens kept after the sinks."""
+    prefill_tail: int | None = Field(None, ge=1)
+    """Prefill feeds only the sinks and the prompt's last ``prefill_tail`` tokens, not the ones
+    between, which the window would have evicted: a long prompt's prefill costs about a
+    ``prefill_tail``-token one. The kept tokens' K/V are then computed from that tail alone (with
+    several times ``window`` the difference fades through the layers' windows), which can change
+    what a draft proposes, never what the pipeline outputs. None feeds every token."""
 
     @classmethod
     def at_budget(cls, budget: int) -> StreamingCacheConfig:
@@ -45,7 +51,7 @@ class StreamingCache(SlotCache):
     def __init__(self, layout: CacheLayout, config: StreamingCacheConfig, source: CachePolicy | None = None) -> None:
         kept = config.sinks + config.window
         super().__init__(layout, min(layout.capacity, kept + pending_room(layout)))
-        self.sinks, self.window = config.sinks, config.window
+        self.sinks, self.window, self.prefill_tail = config.sinks, config.window, config.prefill_tail
 
     def allocate(self, num_new: int) -> torch.Tensor:
         self._allocate_slots(num_new)
@@ -56,6 +62,18 @@ class StreamingCache(SlotCache):
         excess = (self.committed - self.dropped) - (self.sinks + self.window)
         if excess > 0:
             self._evict(excess)
+
+    def unfed_prompt(self, length: int) -> range:
+        if self.prefill_tail is None:
+            return range(0)
+        return range(self.sinks, max(self.sinks, length - self.prefill_tail))
+
+    def skip(self, count: int) -> None:
+        if count and (self.committed != self.length or self.used_slots > self.sinks):
+            raise ValueError(f"skip({count}) needs every token committed and only the sinks held")
+        self.length += count
+        self.committed += count
+        self.dropped += count
 
     def _evict(self, count: int) -> None:
         """Drop the ``count`` oldest tokens after the sinks; later tokens move down ``count`` slots."""

@@ -106,12 +106,22 @@ class Stage:
             self.graphs = PassGraphs(self.model, cache, self.capture)
 
     def _prefill(self, prompt_ids: torch.Tensor, chunk: int) -> torch.Tensor:
+        """Feed the prompt ``chunk`` tokens per pass, skipping what the policy lets a prefill leave
+        out (``CachePolicy.unfed_prompt``) -> the last position's logits [V]."""
+        unfed = self.cache.unfed_prompt(prompt_ids.numel())
+        self._feed_prompt(prompt_ids[: unfed.start], chunk)
+        self.cache.skip(len(unfed))
+        return self._feed_prompt(prompt_ids[unfed.stop :], chunk)
+
+    def _feed_prompt(self, prompt_ids: torch.Tensor, chunk: int) -> torch.Tensor | None:
         """Chunking bounds the attention working set at [chunk, T] instead of [T, T]; each chunk is
-        committed, so policies that evict on commit never hold more than one chunk uncommitted."""
+        committed, so policies that evict on commit never hold more than one chunk uncommitted.
+        Returns the last position's logits [V] (None for no tokens)."""
+        logits = None
         for start in range(0, prompt_ids.numel(), chunk):
             logits = self.model(prompt_ids[None, start : start + chunk], self.cache, num_logits=1)
             self.cache.commit(self.cache.length)
-        return logits[0, -1]  # [V]
+        return None if logits is None else logits[0, -1]
 
     def extend(
         self, context: list[int], num_logits: int, proposed: torch.Tensor | None = None, tree: TreePass | None = None

@@ -119,6 +119,22 @@ def test_a_stage_bypassed_for_long_catches_up_within_its_room(tiny_dir, tiny_dra
     assert result.token_ids == expected
 
 
+def test_a_draft_prefilling_only_its_streaming_tail_stays_exact(
+    monkeypatch, tiny_dir, tiny_draft_dir, autoregressive_tokens
+):
+    """The draft skips the prompt between its sinks and its last 240 tokens: what it proposes may
+    change, the output may not."""
+    overrides = ["stages.0.cache.kind=streaming", "stages.0.cache.window=200", "stages.0.cache.prefill_tail=240"]
+    runtime = runtime_for("speculative", tiny_dir, tiny_draft_dir, overrides)
+    pipeline = runtime.pipeline_for(len(PROMPT), 40)
+    draft_cache, skipped = pipeline.stages[0].cache, []
+    skip = draft_cache.skip
+    monkeypatch.setattr(draft_cache, "skip", lambda count: (skipped.append(count), skip(count)))
+    result = generate(runtime, PROMPT, pipeline=pipeline)
+    assert result.token_ids == autoregressive_tokens
+    assert skipped == [len(PROMPT) - 240 - 4] and result.stats.stages[0].proposed > 0
+
+
 def test_four_stages_from_a_yaml_file(tmp_path, tiny_dir, tiny_draft_dir, autoregressive_tokens):
     config = tmp_path / "four.yaml"
     config.write_text(

@@ -14,6 +14,7 @@ from cache.streaming import StreamingCache, StreamingCacheConfig
 from cascade.checkpoint import load_model
 from cascade.errors import CascadeError
 from cascade.rope import Rotary, apply_rotary
+from cascade.stage import Stage
 from tests.conftest import make_checkpoint
 
 CPU = torch.device("cpu")
@@ -67,6 +68,51 @@ def test_streaming_keeps_sinks_and_window_with_contiguous_rotated_positions():
     torch.testing.assert_close(cache.values[0, :, :, :8], kept)
     assert positions.tolist() == [8, 9, 10]  # written after sinks + window, evicted at its commit
     assert view.keys.shape[2] == 11
+
+
+def test_streaming_prefill_of_the_tail_equals_a_prefill_of_the_sinks_and_the_tail_alone(tiny_model):
+    """The tokens between the sinks and the tail are skipped, not fed: the cache holds what a
+    prefill of sinks + tail alone leaves (same slots, so same positions), counting the whole prompt."""
+    prompt, generated = tokens(tiny_model, 200, 0)[0], tokens(tiny_model, 6, 1)
+    layout = tiny_model.cache_layout(256, max_pending=64)
+    config = StreamingCacheConfig(sinks=4, window=40, prefill_tail=60)
+    tail, alone = Stage("tail", tiny_model, config, layout), Stage("alone", tiny_model, config, layout)
+    alone.cache.prefill_tail = None
+    tail_logits = tail.prefill(prompt, chunk=64)
+    alone_logits = alone.prefill(torch.cat([prompt[:4], prompt[-60:]]), chunk=64)
+    assert (tail.length, tail.cache.used_slots, tail.cache.dropped) == (200, 44, 156)
+    assert alone.cache.used_slots == 44
+    torch.testing.assert_close(tail_logits, alone_logits, atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        decode_logits(tiny_model, tail.cache, generated),
+        decode_logits(tiny_model, alone.cache, generated),
+        atol=1e-5,
+        rtol=0,
+    )
+
+
+def test_streaming_prefill_feeds_every_token_of_a_prompt_within_its_tail(tiny_model):
+    config = StreamingCacheConfig(sinks=4, window=40, prefill_tail=60)
+    stage = Stage("tail", tiny_model, config, tiny_model.cache_layout(128, max_pending=64))
+    assert stage.cache.unfed_prompt(64) == range(4, 4) and stage.cache.unfed_prompt(65) == range(4, 5)
+    stage.prefill(tokens(tiny_model, 50, 0)[0], chunk=64)
+    assert (stage.length, stage.cache.dropped) == (50, 6)
+
+
+def test_streaming_skips_only_with_nothing_but_the_sinks_held():
+    layout = CacheLayout(1, 2, 8, capacity=100, dtype=torch.float32, device=CPU, max_pending=4)
+    cache = StreamingCache(layout, StreamingCacheConfig(sinks=2, window=6, prefill_tail=6))
+    cache.allocate(3)
+    cache.commit(3)
+    with pytest.raises(ValueError, match=r"skip\(5\) needs every token committed and only the sinks held"):
+        cache.skip(5)
+
+
+def test_policies_that_hold_every_prompt_token_refuse_to_skip(tiny_model):
+    cache = FullCache(tiny_model.cache_layout(64))
+    assert cache.unfed_prompt(1000) == range(0)
+    with pytest.raises(NotImplementedError, match="FullCache holds every prompt token it is given"):
+        cache.skip(1)
 
 
 def test_streaming_rejects_sinks_not_below_window():
@@ -511,7 +557,12 @@ def test_h2o_forgets_the_rolled_back_part_of_a_pass():
 def test_at_budget_gives_each_budgeted_policy_that_many_tokens():
     from cache import POLICIES
 
-    assert POLICIES["streaming"].config.at_budget(64).model_dump() == {"kind": "streaming", "sinks": 4, "window": 60}
+    assert POLICIES["streaming"].config.at_budget(64).model_dump() == {
+        "kind": "streaming",
+        "sinks": 4,
+        "window": 60,
+        "prefill_tail": None,
+    }
     assert POLICIES["h2o"].config.at_budget(64).recent == 32
     assert POLICIES["retrieval"].config.at_budget(64).budget == 64
     with pytest.raises(
