@@ -172,12 +172,12 @@ class Runtime:
                 model,
                 stage.cache,
                 model.cache_layout(request.capacity, request.max_pending),
-                schedules[index],
-                None if source is None else stages[source],
-                self.prompt_caches.get(stage.model),
-                self.capture,
-                stage.tree and TokenTree.best_first(stage.tree.rank_acceptance, stage.tree.nodes, stage.gamma),
-                stage.tree is not None and stage.tree.dynamic,
+                schedule=schedules[index],
+                source=None if source is None else stages[source],
+                prompt_cache=self.prompt_caches.get(stage.model),
+                capture=self.capture,
+                tree=stage.tree and TokenTree.best_first(stage.tree.rank_acceptance, stage.tree.nodes, stage.gamma),
+                dynamic_tree=stage.tree is not None and stage.tree.dynamic,
             )
         return [stages[i] for i in range(last + 1)]
 

@@ -29,6 +29,7 @@ class Stage:
         model: CausalLM,
         cache_config: CachePolicyConfig,
         layout: CacheLayout,
+        *,
         schedule: Schedule | None = None,
         source: Stage | None = None,
         prompt_cache: PromptCache | None = None,
