@@ -49,6 +49,7 @@ from cascade.errors import CascadeError, entry_point
 from cascade.home import prompt_cache_option
 from cascade.limits import memory_bandwidth
 from cascade.peers.bench_case import flash_attn_summary
+from cascade.peers.llama_bench import FLASH_ATTN
 from cascade.runs import machine, run_files
 
 PRESETS = ("autoregressive", "speculative", "self-spec", "triforce")
@@ -122,6 +123,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=Path,
         help="report path (default: bench.json in a new run directory under "
         "$CASCADE_HOME/runs/bench/); a manifest is written beside it",
+    )
+    parser.add_argument(
+        "--llama-flash-attn",
+        choices=["both", *FLASH_ATTN],
+        default="both",
+        help="llama.cpp cases: flash attention off and on, the faster reported (both), or one setting "
+        "(each setting prefills the context twice: at 32K most of a case's time)",
     )
     parser.add_argument("--case", help=argparse.SUPPRESS)  # "impl:context": run one case, print JSON
     parser.add_argument("--store-only", action="store_true", help=argparse.SUPPRESS)  # 2 tokens: store the prompt
@@ -340,7 +348,9 @@ def run_llamacpp(
         draft_model = peer_gguf(llama, draft, PEERS[impl], tokens, log=log)
         run = run_llamacpp_speculative(args, llama, model, draft_model, draft, prompt)
     else:
-        run = context_case(llama.tool("llama-bench"), model, prompt.numel(), args.new_tokens, torch.get_num_threads())
+        flash_attn = FLASH_ATTN if args.llama_flash_attn == "both" else (args.llama_flash_attn,)
+        tool, threads = llama.tool("llama-bench"), torch.get_num_threads()
+        run = context_case(tool, model, prompt.numel(), args.new_tokens, threads, flash_attn)
     run["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     return run, []
 

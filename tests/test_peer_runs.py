@@ -103,19 +103,21 @@ def test_unexpected_llama_bench_output_is_an_error_naming_the_problem(text, mess
         parse_bench_json(text)
 
 
-def recorded_tests_at(context: int, new_tokens: int, prefill: dict[str, float], decode: dict[str, float]):
-    """A fake run_llama_bench: the recorded tests with this case's sizes and the given rates."""
+def recorded_tests_at(
+    context: int, new_tokens: int, prefill: dict[str, float], decode: dict[str, float], flash_attn=("off", "on")
+):
+    """A fake run_llama_bench: the recorded tests with this case's sizes, settings and the given rates."""
 
     def run(tool, model, settings):
         kind, rates = ("pp", prefill) if settings.prompt_tokens else ("tg", decode)
-        assert settings.repetitions == 1 and settings.flash_attn == ("off", "on")
+        assert settings.repetitions == 1 and settings.flash_attn == flash_attn
         expected = ((context,), ()) if kind == "pp" else ((), (new_tokens,))
         assert (settings.prompt_tokens, settings.gen_tokens) == expected
         assert settings.depths == ((0,) if kind == "pp" else (context,))
         return [
             {**test, "tokens_per_s": rates[test["flash_attn"]]}
             for test in parse_bench_json(BENCH_JSON)
-            if test["test"] == kind
+            if test["test"] == kind and test["flash_attn"] in flash_attn
         ]
 
     return run
@@ -130,6 +132,18 @@ def test_context_case_reports_the_faster_flash_attention_setting_for_each_rate(m
     assert run["flash_attn"]["off"] == {"prefill_tokens_per_s": 900.0, "decode_tokens_per_s": 50.0}
     assert run["build_commit"] == "0c1e57098" and len(run["tests"]) == 4
     json.dumps(run)  # bench.py prints it as JSON
+
+
+def test_a_context_case_asked_for_one_flash_attention_setting_runs_and_reports_only_that_one(monkeypatch):
+    fake = recorded_tests_at(1024, 16, prefill={"on": 1000.0}, decode={"on": 40.0}, flash_attn=("on",))
+    monkeypatch.setattr(bench_case, "run_llama_bench", fake)
+    run = context_case(Path("llama-bench"), Path("m.gguf"), 1024, 16, threads=2, flash_attn=("on",))
+    assert (run["prefill_tokens_per_s"], run["decode_tokens_per_s"]) == (1000.0, 40.0)
+    assert list(run["flash_attn"]) == ["on"] and len(run["tests"]) == 2
+    assert flash_attn_summary([run, run])["best_flash_attn"] == {
+        "prefill_tokens_per_s": "on",
+        "decode_tokens_per_s": "on",
+    }
 
 
 def test_flash_attn_summary_takes_medians_over_rounds_then_the_best_setting():

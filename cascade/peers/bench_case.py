@@ -5,7 +5,9 @@ A case at context N runs llama-bench twice, one repetition each (bench.py repeat
 interleaved rounds): prompt processing of N tokens on an empty cache (prefill), and generation of
 the new tokens after N tokens in the cache (decode). Within the case the faster flash-attention
 setting gives ``prefill_tokens_per_s`` and ``decode_tokens_per_s``, so cascade is compared with
-llama.cpp at its best.
+llama.cpp at its best. Each setting prefills the context for both tests (llama-bench fills the
+decode test's depth untimed): at 32K tokens that is most of a case's time, so a case may be asked
+for one setting only (the one earlier runs found faster).
 """
 
 from __future__ import annotations
@@ -18,18 +20,21 @@ from cascade.peers.llama_bench import FLASH_ATTN, BenchSettings, run_llama_bench
 RATES = {"pp": "prefill_tokens_per_s", "tg": "decode_tokens_per_s"}
 
 
-def context_case(tool: Path, model: Path, context: int, new_tokens: int, threads: int) -> dict:
-    """One measurement of llama-bench (``tool``) on ``model`` at ``context`` -> ``prefill_tokens_per_s``,
-    ``decode_tokens_per_s`` (the best setting's), ``flash_attn`` ({setting: both rates}),
-    ``best_flash_attn`` ({rate: setting}), ``build_commit`` and the parsed ``tests``."""
-    prefill = BenchSettings(prompt_tokens=(context,), threads=threads, repetitions=1)
-    decode = BenchSettings(gen_tokens=(new_tokens,), depths=(context,), threads=threads, repetitions=1)
+def context_case(
+    tool: Path, model: Path, context: int, new_tokens: int, threads: int, flash_attn: tuple[str, ...] = FLASH_ATTN
+) -> dict:
+    """One measurement of llama-bench (``tool``) on ``model`` at ``context`` with each ``flash_attn``
+    setting -> ``prefill_tokens_per_s``, ``decode_tokens_per_s`` (the best setting's), ``flash_attn``
+    ({setting: both rates}), ``best_flash_attn`` ({rate: setting}), ``build_commit`` and the parsed ``tests``."""
+    common = {"threads": threads, "repetitions": 1, "flash_attn": flash_attn}
+    prefill = BenchSettings(prompt_tokens=(context,), **common)
+    decode = BenchSettings(gen_tokens=(new_tokens,), depths=(context,), **common)
     tests = [*run_llama_bench(tool, model, prefill), *run_llama_bench(tool, model, decode)]
     by_setting = {
         setting: {RATES[test["test"]]: test["tokens_per_s"] for test in tests if test["flash_attn"] == setting}
-        for setting in FLASH_ATTN
+        for setting in flash_attn
     }
-    best = {rate: max(FLASH_ATTN, key=lambda setting: by_setting[setting][rate]) for rate in RATES.values()}
+    best = {rate: max(flash_attn, key=lambda setting: by_setting[setting][rate]) for rate in RATES.values()}
     return {
         **{rate: by_setting[best[rate]][rate] for rate in RATES.values()},
         "flash_attn": by_setting,
@@ -41,9 +46,10 @@ def context_case(tool: Path, model: Path, context: int, new_tokens: int, threads
 
 def flash_attn_summary(runs: list[dict]) -> dict:
     """A case's rounds -> {setting: {rate: median over rounds}}, and the best setting per rate."""
+    settings = list(runs[0]["flash_attn"])
     medians = {
         setting: {rate: statistics.median(run["flash_attn"][setting][rate] for run in runs) for rate in RATES.values()}
-        for setting in FLASH_ATTN
+        for setting in settings
     }
-    best = {rate: max(FLASH_ATTN, key=lambda setting: medians[setting][rate]) for rate in RATES.values()}
+    best = {rate: max(settings, key=lambda setting: medians[setting][rate]) for rate in RATES.values()}
     return {"flash_attn": medians, "best_flash_attn": best}
