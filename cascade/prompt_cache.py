@@ -15,9 +15,9 @@ A directory that cannot be written is reported and the prompt computed as withou
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +28,8 @@ from safetensors.torch import save_file
 from cache import full, slots
 from cache.full import FullCache
 from cascade import atomic, attention, checkpoint, fused, model, rope
+
+logger = logging.getLogger(__name__)
 
 MODEL_CODE = (model, attention, rope, fused, checkpoint, full, slots)
 """Modules whose source decides a prefill's numbers: editing them invalidates stored prompts."""
@@ -67,7 +69,6 @@ class PromptCache:
     directory: Path
     model: str
     max_bytes: int
-    log: Callable[[str], None]
 
     def path(self, prompt_ids: torch.Tensor, chunk: int) -> Path:
         digest = hashlib.sha256(f"{self.model}:{chunk}:".encode())
@@ -90,7 +91,7 @@ class PromptCache:
                     cache.keys[layer, :, :, :length], cache.values[layer, :, :, :length] = keys, values
                 logits = stored.get_tensor("logits")  # [V]
         except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-            self.log(f"prompt cache: {path.name} is unusable ({exc}); deleting it and prefilling")
+            logger.warning(f"prompt cache: {path.name} is unusable ({exc}); deleting it and prefilling")
             cache.rollback(0)
             path.unlink(missing_ok=True)
             return None
@@ -111,7 +112,7 @@ class PromptCache:
             with atomic.replacing(path) as partial:
                 save_file(tensors, partial)
         except OSError as exc:
-            self.log(f"prompt cache: could not store {path.name} in {self.directory}: {exc.strerror or exc}")
+            logger.warning(f"prompt cache: could not store {path.name} in {self.directory}: {exc.strerror or exc}")
             return
         self._evict(keep=path)
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import shutil
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +26,8 @@ from cascade.schedule import SCHEDULES, Schedule
 from cascade.stage import Stage
 from cascade.tree import TokenTree
 from configs.schema import ModelConfig, PipelineConfig, StageConfig
+
+logger = logging.getLogger(__name__)
 
 
 def pick_device() -> torch.device:
@@ -83,7 +85,6 @@ class Runtime:
     config: PipelineConfig
     target: LoadedModel
     draft: LoadedModel | None
-    log: Callable[[str], None]
     prompt_caches: dict[str, PromptCache] = field(default_factory=dict)
     """Per model role, where its full-cache stages store and load prefilled prompts."""
     capture: Capture | None = None
@@ -112,7 +113,7 @@ class Runtime:
             except ValueError as exc:
                 if not stage.optional:
                     raise CascadeError(f"stages.{index}.cache: {exc}") from None
-                self.log(f"cascade: stage {index} ({stage.model}/{stage.cache.kind}) skipped for this prompt: {exc}")
+                logger.info(f"cascade: stage {index} ({stage.model}/{stage.cache.kind}) skipped for this prompt: {exc}")
                 continue
             kept.append(stage)
         limit, total = self.context_limit(), prompt_tokens + max_new_tokens
@@ -201,34 +202,34 @@ class Runtime:
         return pipeline.generate(torch.tensor(prompt_ids, device=device), stop, generator, on_tokens=on_tokens)
 
 
-def build_runtime(config: PipelineConfig, log: Callable[[str], None]) -> Runtime:
+def build_runtime(config: PipelineConfig) -> Runtime:
     device = pick_device()
     dtype = resolve_dtype(config.dtype, device)
-    target = load_model(config.target, "target", dtype, device, log)
+    target = load_model(config.target, "target", dtype, device)
     uses_draft = any(stage.model == "draft" for stage in config.stages)
     draft = None
     if uses_draft or config.draft.path is not None:
-        draft = load_model(config.draft, "draft", dtype, device, log, target=target.path)
+        draft = load_model(config.draft, "draft", dtype, device, target=target.path)
         check_same_vocabulary(target, draft)
-    fused_tokens = fused_tokens_for(device, dtype, log) if config.kernels == "compiled" else 0
+    fused_tokens = fused_tokens_for(device, dtype) if config.kernels == "compiled" else 0
     attention = resolve_kernels(config.attention, device)
     for loaded in (target, draft):
         if loaded is not None:
             loaded.model.fused_tokens = fused_tokens
             loaded.model.attention = attention
             if fused_tokens:
-                warm_up(loaded.model, log)
+                warm_up(loaded.model)
     models = {"target": (target, config.target), "draft": (draft, config.draft)}
     prompt_caches = {
-        role: prompt_cache(config, loaded, model_config, log)
+        role: prompt_cache(config, loaded, model_config)
         for role, (loaded, model_config) in models.items()
         if loaded and config.prompt_cache.dir
     }
     capture = cuda_graph if device.type == "cuda" and config.cuda_graphs else None
-    return Runtime(config, target, draft, log, prompt_caches, capture)
+    return Runtime(config, target, draft, prompt_caches, capture)
 
 
-def warm_up(model: CausalLM, log: Callable[[str], None]) -> None:
+def warm_up(model: CausalLM) -> None:
     """Run a few fused passes on a throwaway cache, so that compiling the fused kernels (seconds,
     once per process) happens at load and is never timed as a step of a generation (the cost
     model would take it for the verifier's step cost): one-token passes and, where wider passes
@@ -245,15 +246,13 @@ def warm_up(model: CausalLM, log: Callable[[str], None]) -> None:
     except Exception as error:  # Inductor's and Triton's build failures come in many exception types
         model.fused_tokens = 0
         first_line = next(iter(str(error).splitlines()), "")
-        log(
+        logger.warning(
             f"compiling the fused kernels failed ({type(error).__name__}: {first_line}); "
             "short passes run eagerly (kernels: eager)"
         )
 
 
-def prompt_cache(
-    config: PipelineConfig, loaded: LoadedModel, model_config: ModelConfig, log: Callable[[str], None]
-) -> PromptCache:
+def prompt_cache(config: PipelineConfig, loaded: LoadedModel, model_config: ModelConfig) -> PromptCache:
     """The store of ``loaded``'s prefilled prompts, keyed by everything that decides them."""
     model = loaded.model
     settings = {
@@ -268,24 +267,23 @@ def prompt_cache(
         Path(config.prompt_cache.dir).expanduser(),
         model_key(loaded.path, settings),
         int(config.prompt_cache.max_gb * 2**30),
-        log,
     )
 
 
-def fused_tokens_for(device: torch.device, dtype: torch.dtype, log: Callable[[str], None]) -> int:
+def fused_tokens_for(device: torch.device, dtype: torch.dtype) -> int:
     """The longest pass the compiled kernels of ``cascade.fused`` take on ``device`` (0 where
     Inductor cannot build them): on CUDA (Triton) every pass the graphs capture,
     ``MAX_GRAPH_TOKENS``; on CPU (C++) as many for bf16 weights where cascade's weight kernel runs
     (a pass of a few tokens then reads each weight once), else one token."""
     if device.type == "cuda":
         if importlib.util.find_spec("triton") is None:
-            log("Triton is not installed: short passes run eagerly (kernels: eager)")
+            logger.warning("Triton is not installed: short passes run eagerly (kernels: eager)")
             return 0
         return MAX_GRAPH_TOKENS
     if device.type != "cpu":
         return 0
     if not has_cxx_compiler():
-        log("no C++ compiler found: one-token passes run eagerly (kernels: eager), about half as fast")
+        logger.warning("no C++ compiler found: one-token passes run eagerly (kernels: eager), about half as fast")
         return 0
     return MAX_GRAPH_TOKENS if dtype == torch.bfloat16 and fused.use_cpu_kernels() else 1
 
@@ -295,11 +293,10 @@ def load_model(
     role: str,
     dtype: torch.dtype,
     device: torch.device,
-    log: Callable[[str], None],
     target: Path | None = None,
 ) -> LoadedModel:
     """``config``'s checkpoint, or the role's default (for a draft: the default for ``target``)."""
-    path = checkpoint_path(config.path) if config.path else default_model(role, log, target)
+    path = checkpoint_path(config.path) if config.path else default_model(role, target=target)
     scaling = config.rope_scaling.model_dump() if config.rope_scaling else None
     loaded = load_checkpoint(path, dtype, device, scaling)
     if int8_weights(config.quantise, dtype, device):

@@ -59,7 +59,7 @@ def main() -> int:
         parser.error(f"--repeats must be >= 1 (measured generations per run); got {args.repeats}")
     grid_path = GRIDS / "quick.yaml" if args.quick else args.grid
     grid = load_grid(grid_path)
-    target = args.target or default_model("target", log=print)
+    target = args.target or default_model("target")
     sweep(grid, grid_path, target, sweep_files(args), args)
     return 0
 

@@ -63,7 +63,7 @@ def measure(args, target: Path, prompt: list[int], policy: str, budget: int) -> 
     if scaling := yarn_scaling(target, len(prompt) + args.new_tokens):
         settings["target.rope_scaling"] = scaling
     _, config = load_config("self-spec", None, [], settings)
-    runtime = build_runtime(config, log=lambda message: print(message, file=sys.stderr))
+    runtime = build_runtime(config)
     result = runtime.generate(prompt, args.new_tokens, stop_at_eos=False)
     stage = result.stats.stages[0]
     return {
@@ -215,7 +215,7 @@ def sweep(args: argparse.Namespace) -> list[dict]:
     rows = finished_rows(args.out, args) if args.out else []
     files = run_files("acceptance", args.out, "acceptance.json")
     done = {(row["context"], row["budget_fraction"], row["policy"]) for row in rows}
-    target = default_model("target", log=lambda message: print(message, file=sys.stderr))
+    target = default_model("target")
     for context in args.contexts:
         prompt = document_ids(target, args.document, context)
         for fraction in args.budgets:

@@ -25,6 +25,7 @@ from cache.config import budget_for
 from cache.full import FullCache
 from cascade.checkpoint import load_checkpoint, yarn_scaling
 from cascade.data import document_text
+from cascade.logs import show_logs
 from cascade.models import default_model
 from cascade.runs import run_files
 from configs.loading import policy_at_budget, policy_option
@@ -87,11 +88,12 @@ def main() -> None:
         "under $CASCADE_HOME/runs/agreement/); a manifest is written beside it",
     )
     args = parser.parse_args()
+    show_logs()
     files = run_files("agreement", args.out, "agreement.json")
     text = document_text(args.document)
     rows = []
     for context in args.contexts:
-        path = default_model("target", print)
+        path = default_model("target")
         scaling = yarn_scaling(path, context + args.new_tokens)
         target = load_checkpoint(path, torch.bfloat16, torch.device("cpu"), scaling)
         prompt = torch.tensor(target.tokenizer.encode(text)[:context])

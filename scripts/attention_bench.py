@@ -36,6 +36,7 @@ from cascade import attention
 from cascade.errors import CascadeError
 from cascade.graphs import cuda_graph
 from cascade.limits import median_seconds
+from cascade.logs import show_logs
 from cascade.runs import run_files
 from cascade.tree import TokenTree
 
@@ -140,6 +141,7 @@ def timed(
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    show_logs()
     files = run_files("attention_bench", args.out, "attention.json")
     device, scale = torch.device(args.device), HEAD_DIM**-0.5
     kernels = kernels_for(device)

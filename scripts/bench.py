@@ -168,10 +168,10 @@ def impl_option(value: str) -> str:
 def model_dirs(args: argparse.Namespace, impl: str) -> tuple[Path, Path | None]:
     from cascade.models import default_model
 
-    target = args.target or default_model("target", log=log)
+    target = args.target or default_model("target")
     if split_impl(impl)[0] not in NEEDS_DRAFT:
         return target, None
-    return target, args.draft or default_model("draft", log=log, target=target)
+    return target, args.draft or default_model("draft", target=target)
 
 
 def cascade_config(args, impl: str, target: Path, draft: Path | None, prompt: torch.Tensor, mode: str):
@@ -200,7 +200,7 @@ def run_cascade(
     from cascade.runtime import build_runtime
 
     config = cascade_config(args, impl, target, draft, prompt, mode)
-    runtime = build_runtime(config, log=log)
+    runtime = build_runtime(config)
     if runtime.capture is None:
         warmup, warmup_tokens = prompt[:WARMUP_TOKENS], min(args.new_tokens, WARMUP_NEW_TOKENS)
     else:  # graphs belong to the caches they were captured over: warm up those of the measured request
@@ -341,11 +341,11 @@ def run_llamacpp(
     from cascade.peers.convert import peer_gguf
     from cascade.peers.llamacpp import ensure_built
 
-    llama = ensure_built(log=log)
+    llama = ensure_built()
     tokens = prompt.numel() + args.new_tokens
-    model = peer_gguf(llama, target, PEERS[impl], tokens, log=log)
+    model = peer_gguf(llama, target, PEERS[impl], tokens)
     if impl == "llama.cpp-speculative":
-        draft_model = peer_gguf(llama, draft, PEERS[impl], tokens, log=log)
+        draft_model = peer_gguf(llama, draft, PEERS[impl], tokens)
         run = run_llamacpp_speculative(args, llama, model, draft_model, draft, prompt)
     else:
         flash_attn = FLASH_ATTN if args.llama_flash_attn == "both" else (args.llama_flash_attn,)
@@ -620,10 +620,10 @@ def prepare_peers(args: argparse.Namespace, cases: list[Case]) -> dict | None:
     peers = dict.fromkeys((impl, context) for impl, context, _ in cases if impl in PEERS)
     if not peers:
         return None
-    llama = ensure_built(log=log)
+    llama = ensure_built()
     for impl, context in peers:
         for checkpoint in filter(None, model_dirs(args, impl)):
-            peer_gguf(llama, checkpoint, PEERS[impl], context + args.new_tokens, log=log)
+            peer_gguf(llama, checkpoint, PEERS[impl], context + args.new_tokens)
     return llama.describe()
 
 

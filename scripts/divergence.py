@@ -18,6 +18,7 @@ from pathlib import Path
 
 from cascade.checkpoint import checkpoint_option
 from cascade.data import DOCUMENT_NAMES, document_text
+from cascade.logs import show_logs
 from cascade.runs import run_files
 from cascade.runtime import Runtime, build_runtime
 from configs import load_config
@@ -55,7 +56,7 @@ def preset_runtime(preset: str, args: argparse.Namespace, overrides: list[str]) 
     if args.draft:
         settings["draft.path"] = str(args.draft)
     _, config = load_config(preset, None, overrides, settings)
-    return build_runtime(config, log=lambda message: print(message, file=sys.stderr))
+    return build_runtime(config)
 
 
 def greedy_tokens(runtime: Runtime, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
@@ -68,6 +69,7 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    show_logs()
     files = run_files("divergence", args.out, "divergence.json")
     report = {
         "settings": {

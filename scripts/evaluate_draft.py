@@ -29,6 +29,7 @@ from cascade.data import document_ids
 from cascade.draft.agreement import greedy_agreement
 from cascade.draft.teacher import HELD_OUT
 from cascade.errors import CascadeError
+from cascade.logs import show_logs
 from cascade.models import default_model
 from cascade.runs import run_files
 from cascade.runtime import build_runtime
@@ -57,7 +58,7 @@ def triforce_acceptance(target: Path, draft: Path, prompt: torch.Tensor, new_tok
     if scaling := yarn_scaling(target, prompt.numel() + new_tokens):
         settings["target.rope_scaling"] = scaling
     _, config = load_config("triforce", None, [], settings)
-    runtime = build_runtime(config, log=lambda message: print(message, file=sys.stderr))
+    runtime = build_runtime(config)
     result = runtime.generate(prompt.tolist(), new_tokens, stop_at_eos=False)
     tier0, verifier = result.stats.stages[0], result.stats.stages[1]
     return {
@@ -86,9 +87,10 @@ def main() -> None:
     )
     parser.add_argument("--card", action="store_true", help="also store the figures in the draft's card.json")
     args = parser.parse_args()
+    show_logs()
     files = run_files("evaluate_draft", args.out, "draft_evaluation.json")
-    target = args.target or default_model("target", log=print)
-    draft = args.draft or default_model("draft", log=print)
+    target = args.target or default_model("target")
+    draft = args.draft or default_model("draft")
 
     results = {"agreement": [], "acceptance": []}
     for context in args.contexts:

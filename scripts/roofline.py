@@ -58,6 +58,7 @@ from cascade.checkpoint import load_checkpoint, model_spec, yarn_scaling
 from cascade.costs import expected_speedup, expected_tokens
 from cascade.graphs import PassGraphs, cuda_graph
 from cascade.limits import matmul_peak, median_seconds, memory_bandwidth
+from cascade.logs import show_logs
 from cascade.model import CausalLM
 from cascade.models import default_model
 from cascade.rope import Rotary, rope_frequencies
@@ -214,10 +215,6 @@ def per_context(
     return values * contexts if len(values) == 1 else values
 
 
-def print_to_stderr(message: str) -> None:
-    print(message, file=sys.stderr)
-
-
 def random_model(config: LlamaConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
     """A model of ``config``'s shape with random weights (std 0.02; norms at 1), built on ``device``."""
     config.max_position_embeddings = 1 << 20  # cost only: positions past the trained range are fine
@@ -368,7 +365,7 @@ def load_target(args, path: Path | None, context: int) -> tuple[CausalLM, dict |
     else:
         scaling = yarn_scaling(path, context + 64)
         model = load_checkpoint(path, dtype, device, scaling).model
-    model.fused_tokens = fused_tokens_for(device, dtype, print_to_stderr) if args.kernels == "compiled" else 0
+    model.fused_tokens = fused_tokens_for(device, dtype) if args.kernels == "compiled" else 0
     model.attention = resolve_kernels(args.attention, device)
     return model, scaling
 
@@ -464,6 +461,7 @@ def context_figures(
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    show_logs()
     files = run_files("roofline", args.out, "roofline.json")
     dtype, device = getattr(torch, args.dtype), torch.device(args.device)
     hardware = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
@@ -475,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         bandwidth, peak = memory_bandwidth(args.repeats, device), matmul_peak(dtype, args.repeats, device)
         print(f"{hardware}: ", end="")
     print(f"memory bandwidth {bandwidth / 1e9:.1f} GB/s, {args.dtype} matmul peak {peak / 1e9:.0f} GFLOP/s")
-    path = None if args.shape else default_model("target", log=print_to_stderr)
+    path = None if args.shape else default_model("target")
     rows = []
     print("| context | pass | measured ms | memory-bound ms | compute-bound ms | measured / roofline |")
     print("|---:|---|---:|---:|---:|---:|")

@@ -26,6 +26,7 @@ from cascade.checkpoint import checkpoint_option
 from cascade.draft.architecture import DraftShape, draft_config, initialised_draft, shape_record
 from cascade.draft.teacher import HELD_OUT, HIDDEN_SAMPLE, TeacherPlan, label_all, load_shards
 from cascade.draft.training import StepMetrics, Trainer, TrainPlan
+from cascade.logs import show_logs
 from cascade.models import default_model
 from cascade.packages import staged
 
@@ -115,8 +116,9 @@ def main() -> None:
     add_dataclass_options(parser, TrainPlan, "training")
     add_dataclass_options(parser, DraftShape, "architecture")
     args = parser.parse_args()
+    show_logs()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    target_dir = args.target or default_model("target", log=print)
+    target_dir = args.target or default_model("target")
     teacher_plan, train_plan, shape = (from_args(cls, args) for cls in (TeacherPlan, TrainPlan, DraftShape))
 
     started = time.time()

@@ -76,7 +76,7 @@ def home(tmp_path, monkeypatch) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The provisioned default target (fetched on first use; CI provisions it before the tests)."""
-    return fetch(DEFAULTS["target"], log=lambda message: None)
+    return fetch(DEFAULTS["target"])
 
 
 @pytest.fixture(scope="session")

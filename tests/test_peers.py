@@ -59,7 +59,7 @@ def test_ensure_built_without_cmake_fails_before_downloading(home, monkeypatch):
     monkeypatch.setattr(llamacpp.shutil, "which", lambda name: None if name == "cmake" else f"/usr/bin/{name}")
     monkeypatch.setattr(llamacpp, "pip_download", lambda *args, **kwargs: pytest.fail("downloaded"))
     with pytest.raises(CascadeError, match="building llama.cpp needs cmake"):
-        ensure_built(log=lambda message: None)
+        ensure_built()
 
 
 def test_a_finished_build_is_found_and_not_built_again(home, monkeypatch):
@@ -70,7 +70,7 @@ def test_a_finished_build_is_found_and_not_built_again(home, monkeypatch):
         json.dumps({"llama_cpp_python": "0.3.36", "commit": "0c1e57098", "version": version})
     )
     monkeypatch.setattr(llamacpp, "missing_toolchain", lambda: pytest.fail("checked the toolchain"))
-    build = ensure_built("0.3.36", log=lambda message: None)
+    build = ensure_built("0.3.36")
     assert build == installed_build("0.3.36") == LlamaCpp(root, "0.3.36", "0c1e57098", version)
     assert build.tool("llama-bench") == root / "bin" / "llama-bench"
     assert build.converter == root / "convert" / "convert_hf_to_gguf.py"
@@ -118,7 +118,7 @@ def write_tiny_gguf(path: Path, context: int = 512) -> Path:
 
 def test_yarn_copy_stretches_the_context_in_its_metadata_and_keeps_the_tensors(tmp_path):
     base = write_tiny_gguf(tmp_path / "tiny-bf16.gguf")
-    stretched = ensure_yarn_gguf(base, 4.0, log=lambda message: None)
+    stretched = ensure_yarn_gguf(base, 4.0)
     assert stretched == tmp_path / "tiny-bf16-yarn4.gguf"
     reader = GGUFReader(stretched)
     assert convert.field_value(reader, "llama.rope.scaling.type") == "yarn"
@@ -143,7 +143,7 @@ def test_peer_gguf_stretches_with_yarn_beyond_the_native_context_as_cascade_does
     home, tmp_path, tiny_dir, tokens, expected
 ):
     write_tiny_gguf(gguf_path(tiny_dir, "bf16"), context=512)  # tiny_dir's native context: 512
-    assert peer_gguf(fake_build(tmp_path), tiny_dir, "bf16", tokens, log=lambda message: None).name == expected
+    assert peer_gguf(fake_build(tmp_path), tiny_dir, "bf16", tokens).name == expected
 
 
 def test_ensure_gguf_reuses_a_converted_file_without_running_the_converter(home, tmp_path, tiny_dir):
@@ -170,5 +170,5 @@ def test_a_failed_conversion_says_why_and_leaves_no_file(home, tmp_path, tiny_di
     monkeypatch.setattr(convert.subprocess, "run", converter)
     fix = r"No module named 'sentencepiece'; install .*`pip install -e \"\.\[peers\]\"`"
     with pytest.raises(CascadeError, match=fix):
-        ensure_gguf(fake_build(tmp_path), tiny_dir, "bf16", log=lambda message: None)
+        ensure_gguf(fake_build(tmp_path), tiny_dir, "bf16")
     assert list((home / "peers" / "gguf").iterdir()) == []

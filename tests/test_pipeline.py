@@ -20,10 +20,10 @@ SMALL_CACHES = {  # budgets below the 300-token prompt, so every policy really d
 }
 
 
-def runtime_for(preset, target, draft, overrides=(), config_file=None, logs=None, **settings):
+def runtime_for(preset, target, draft, overrides=(), config_file=None, **settings):
     settings = {"target.path": str(target), "draft.path": str(draft), "dtype": "float32", **settings}
     _, config = load_config(None if config_file else preset, config_file, list(overrides), settings)
-    return build_runtime(config, log=(logs.append if logs is not None else lambda message: None))
+    return build_runtime(config)
 
 
 def generate(runtime, prompt_ids, max_new_tokens=40, eos=(), seed=0, pipeline=None):
@@ -159,13 +159,14 @@ def test_four_stages_from_a_yaml_file(tmp_path, tiny_dir, tiny_draft_dir, autore
     ]
 
 
-def test_a_prompt_within_the_retrieval_budget_skips_that_optional_stage(tiny_dir, tiny_draft_dir):
-    logs = []
-    runtime = runtime_for("triforce", tiny_dir, tiny_draft_dir, logs=logs)
+def test_a_prompt_within_the_retrieval_budget_skips_that_optional_stage(tiny_dir, tiny_draft_dir, caplog):
+    caplog.set_level("INFO", logger="cascade.runtime")
+    runtime = runtime_for("triforce", tiny_dir, tiny_draft_dir)
     prompt = PROMPT[:100]
     result = generate(runtime, prompt, 20)
     assert [stage.name for stage in result.stats.stages] == ["0:draft/streaming", "1:target/full"]
-    assert "stage 1 (target/retrieval) skipped" in logs[0] and "budget (4096)" in logs[0]
+    [skipped] = [record.getMessage() for record in caplog.records if record.name == "cascade.runtime"]
+    assert "stage 1 (target/retrieval) skipped" in skipped and "budget (4096)" in skipped
     autoregressive = generate(runtime_for("autoregressive", tiny_dir, tiny_draft_dir), prompt, 20)
     assert result.token_ids == autoregressive.token_ids
 

@@ -11,7 +11,7 @@ from configs import load_config
 PROMPT = [(7 * i) % 300 + 5 for i in range(40)]
 
 
-def runtime_for(tiny_dir, tiny_draft_dir, cache_dir, logs=None, **settings):
+def runtime_for(tiny_dir, tiny_draft_dir, cache_dir, **settings):
     """Sampled ``speculative`` with a fixed gamma: a seeded sample repeats token for token (under
     ``cost_model`` the gammas, so the text, follow measured times)."""
     settings = {
@@ -27,7 +27,7 @@ def runtime_for(tiny_dir, tiny_draft_dir, cache_dir, logs=None, **settings):
     if cache_dir is not None:
         settings["prompt_cache.dir"] = str(cache_dir)
     _, config = load_config("speculative", None, [], settings)
-    return build_runtime(config, log=(logs.append if logs is not None else lambda message: None))
+    return build_runtime(config)
 
 
 def prefilled(runtime, prompt=PROMPT):
@@ -68,7 +68,7 @@ def test_other_prompts_chunks_and_dtypes_are_not_served_from_the_store(tmp_path,
     assert len(list(tmp_path.glob("*.safetensors"))) == 1 + len(variants)
 
 
-def test_damaged_or_foreign_files_are_reported_deleted_and_recomputed(tmp_path, tiny_dir, tiny_draft_dir):
+def test_damaged_or_foreign_files_are_reported_deleted_and_recomputed(tmp_path, tiny_dir, tiny_draft_dir, caplog):
     reference, reference_logits = prefilled(runtime_for(tiny_dir, tiny_draft_dir, None))
     runtime = runtime_for(tiny_dir, tiny_draft_dir, tmp_path)
     stored = runtime.prompt_caches["target"].path(torch.tensor(PROMPT), 16)
@@ -80,10 +80,10 @@ def test_damaged_or_foreign_files_are_reported_deleted_and_recomputed(tmp_path, 
     }
     for reason, damage in damages.items():
         damage()
-        logs = []
-        stage, logits = prefilled(runtime_for(tiny_dir, tiny_draft_dir, tmp_path, logs), PROMPT)
+        caplog.clear()
+        stage, logits = prefilled(runtime_for(tiny_dir, tiny_draft_dir, tmp_path), PROMPT)
         assert not stage.stats.prefill_loaded
-        assert [line for line in logs if stored.name in line and reason in line], logs
+        assert [line for line in caplog.messages if stored.name in line and reason in line], caplog.messages
         assert torch.equal(stage.cache.keys, reference.cache.keys) and torch.equal(logits, reference_logits)
     assert prefilled(runtime_for(tiny_dir, tiny_draft_dir, tmp_path))[0].stats.prefill_loaded  # rewritten whole
 
@@ -102,13 +102,16 @@ def test_least_recently_used_prompts_are_deleted_beyond_max_gb_and_nothing_else(
     assert all((tmp_path / name).read_bytes() == data for name, data in others.items())
 
 
-def test_a_directory_that_cannot_be_written_is_reported_and_the_prompt_computed(tmp_path, tiny_dir, tiny_draft_dir):
+def test_a_directory_that_cannot_be_written_is_reported_and_the_prompt_computed(
+    tmp_path, tiny_dir, tiny_draft_dir, caplog
+):
     _, reference_logits = prefilled(runtime_for(tiny_dir, tiny_draft_dir, None))
     not_a_directory = tmp_path / "file"
     not_a_directory.write_text("a file where the cache directory should be")
     for directory in (not_a_directory, not_a_directory / "below"):
-        logs = []
-        stage, logits = prefilled(runtime_for(tiny_dir, tiny_draft_dir, directory, logs))
+        caplog.clear()
+        stage, logits = prefilled(runtime_for(tiny_dir, tiny_draft_dir, directory))
         assert not stage.stats.prefill_loaded and torch.equal(logits, reference_logits)
-        assert [line for line in logs if "could not store" in line and str(directory) in line], logs
+        messages = caplog.messages
+        assert [line for line in messages if "could not store" in line and str(directory) in line], messages
     assert not_a_directory.read_text() == "a file where the cache directory should be"

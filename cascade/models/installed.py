@@ -4,13 +4,15 @@ turning a catalog name or a directory into a checkpoint path."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import logging
 from pathlib import Path
 
 from cascade.errors import CascadeError
 from cascade.home import models_dir
 from cascade.models.catalog import CATALOG, DEFAULTS, FAMILIES, CatalogEntry, Role
 from cascade.models.provision import MANIFEST, fetch, installed_path
+
+logger = logging.getLogger(__name__)
 
 LISTED_KEYS = ("name", "role", "parameters", "context_length")
 """What every manifest holds and ``python -m cascade.models list`` shows."""
@@ -47,7 +49,7 @@ def unreadable_manifest(manifest: Path, why: str) -> str:
     )
 
 
-def default_model(role: Role, log: Callable[[str], None], target: Path | None = None) -> Path:
+def default_model(role: Role, *, target: Path | None = None) -> Path:
     """Path of the default model for ``role``, fetched now if this is its first use: for a draft
     proposing to ``target``, the draft of the target's catalog family if it has one (the Qwen2.5-Coder
     1.5B gets the 0.5B), else the default draft."""
@@ -55,8 +57,8 @@ def default_model(role: Role, log: Callable[[str], None], target: Path | None = 
     entry = entry or DEFAULTS[role]
     if (path := installed_path(entry)) is not None:
         return path
-    log(f"cascade: the default {role} {entry.name} is not provisioned yet; fetching it (first use)")
-    return fetch(entry, log=log)
+    logger.warning(f"cascade: the default {role} {entry.name} is not provisioned yet; fetching it (first use)")
+    return fetch(entry)
 
 
 def family_draft(target: Path) -> CatalogEntry | None:

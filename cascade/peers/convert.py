@@ -12,6 +12,7 @@ complete; an existing file is reused (delete it after changing the checkpoint).
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -22,8 +23,10 @@ from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metada
 from cascade.checkpoint import read_config, yarn_scaling
 from cascade.errors import CascadeError
 from cascade.home import peers_dir
-from cascade.packages import Log, staged_file
+from cascade.packages import staged_file
 from cascade.peers.llamacpp import LlamaCpp
+
+logger = logging.getLogger(__name__)
 
 GGUF_TYPES = ("bf16", "q8_0")
 
@@ -32,15 +35,15 @@ def gguf_path(checkpoint: Path, outtype: str) -> Path:
     return peers_dir() / "gguf" / f"{checkpoint.name}-{outtype}.gguf"
 
 
-def peer_gguf(llama: LlamaCpp, checkpoint: Path, outtype: str, tokens: int, log: Log = print) -> Path:
+def peer_gguf(llama: LlamaCpp, checkpoint: Path, outtype: str, tokens: int) -> Path:
     """The GGUF of ``checkpoint`` at ``outtype`` that fits ``tokens`` positions: YaRN-stretched, as
     cascade stretches it, where they exceed its native context."""
-    base = ensure_gguf(llama, checkpoint, outtype, log)
+    base = ensure_gguf(llama, checkpoint, outtype)
     scaling = yarn_scaling(checkpoint, tokens)
-    return base if scaling is None else ensure_yarn_gguf(base, scaling["factor"], log)
+    return base if scaling is None else ensure_yarn_gguf(base, scaling["factor"])
 
 
-def ensure_gguf(llama: LlamaCpp, checkpoint: Path, outtype: str, log: Log = print) -> Path:
+def ensure_gguf(llama: LlamaCpp, checkpoint: Path, outtype: str) -> Path:
     """``checkpoint`` converted to GGUF at ``outtype`` (one of ``GGUF_TYPES``), unless it was already."""
     if outtype not in GGUF_TYPES:
         raise CascadeError(f"GGUF type {outtype!r}: expected one of {', '.join(GGUF_TYPES)}")
@@ -48,7 +51,7 @@ def ensure_gguf(llama: LlamaCpp, checkpoint: Path, outtype: str, log: Log = prin
     if path.is_file():
         return path
     read_config(checkpoint)  # a Llama-family checkpoint directory, or an error saying what it is not
-    log(f"converting {checkpoint} to {path} with llama.cpp's converter")
+    logger.info(f"converting {checkpoint} to {path} with llama.cpp's converter")
     with staged_file(path) as partial:
         command = [
             sys.executable,
@@ -74,7 +77,7 @@ def converter_failure(stderr: str) -> str:
     return lines[-1]
 
 
-def ensure_yarn_gguf(base: Path, factor: float, log: Log = print) -> Path:
+def ensure_yarn_gguf(base: Path, factor: float) -> Path:
     """A copy of the GGUF ``base`` whose metadata stretches its context ``factor`` times with YaRN."""
     path = base.with_name(f"{base.stem}-yarn{factor:g}.gguf")
     if path.is_file():
@@ -82,7 +85,7 @@ def ensure_yarn_gguf(base: Path, factor: float, log: Log = print) -> Path:
     reader = GGUFReader(base)
     arch = field_value(reader, Keys.General.ARCHITECTURE)
     native_context = field_value(reader, Keys.LLM.CONTEXT_LENGTH.format(arch=arch))
-    log(f"writing {path.name}: {base.name} with YaRN x{factor:g} of its {native_context} positions")
+    logger.info(f"writing {path.name}: {base.name} with YaRN x{factor:g} of its {native_context} positions")
     with staged_file(path) as partial:
         writer = GGUFWriter(partial, arch=arch, endianess=reader.endianess)
         if (alignment := field_value(reader, Keys.General.ALIGNMENT)) is not None:

@@ -17,6 +17,7 @@ issue 20824). bf16 weights never run on them, so the bf16 peer is what a native 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shlex
@@ -28,7 +29,9 @@ from pathlib import Path
 
 from cascade.errors import CascadeError
 from cascade.home import peers_dir
-from cascade.packages import Log, pip_download, staged
+from cascade.packages import pip_download, staged
+
+logger = logging.getLogger(__name__)
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 """The llama-cpp-python release whose vendored llama.cpp is built (llama.cpp commit 0c1e57098)."""
@@ -93,19 +96,19 @@ def installed_build(version: str = LLAMA_CPP_PYTHON_VERSION) -> LlamaCpp | None:
     return LlamaCpp(manifest.parent, record["llama_cpp_python"], record["commit"], record["version"])
 
 
-def ensure_built(version: str = LLAMA_CPP_PYTHON_VERSION, log: Log = print) -> LlamaCpp:
+def ensure_built(version: str = LLAMA_CPP_PYTHON_VERSION) -> LlamaCpp:
     """The build of ``version``, made now (about 10 minutes on 2 cores) unless it exists."""
     if (build := installed_build(version)) is not None:
         return build
     if missing := missing_toolchain():
         raise CascadeError("building llama.cpp needs " + " and ".join(missing))
-    sdist = pip_download(f"llama-cpp-python=={version}", sdist=True, log=log)
+    sdist = pip_download(f"llama-cpp-python=={version}", sdist=True)
     final, build_log = build_root(version), peers_dir() / f"llama.cpp-{version}.build.log"
     with staged(final) as staging:
         release = unpack(sdist, staging / "sdist")
         commit = vendored_commit(release / "CHANGELOG.md", version)
         source = release / "vendor" / "llama.cpp"
-        log(f"building llama.cpp {commit} ({', '.join(TOOLS)}) from {sdist.name}; log in {build_log}")
+        logger.info(f"building llama.cpp {commit} ({', '.join(TOOLS)}) from {sdist.name}; log in {build_log}")
         options = cmake_options(commit, cpu_flags())
         compile_tools(source, staging / "cmake-build", options, build_log)
         keep(staging / "cmake-build" / "bin", TOOLS, staging / "bin")
@@ -120,7 +123,7 @@ def ensure_built(version: str = LLAMA_CPP_PYTHON_VERSION, log: Log = print) -> L
             "cmake_options": options,
         }
         (staging / MANIFEST).write_text(json.dumps(record, indent=2) + "\n")
-    log(f"llama.cpp {commit} built in {final}")
+    logger.info(f"llama.cpp {commit} built in {final}")
     return installed_build(version)
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import sys
 
 from cascade.runtime import build_runtime
 from cascade.summarize.job import Job, Outcome, Progress, pending_documents, record_for
@@ -12,7 +11,7 @@ from cascade.summarize.summarizer import Summarizer
 
 
 def summarizer_for(job: Job) -> Summarizer:
-    runtime = build_runtime(job.config, log=lambda message: print(message, file=sys.stderr))
+    runtime = build_runtime(job.config)
     return Summarizer(runtime, job.template, job.config.max_new_tokens)
 
 
