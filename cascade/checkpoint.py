@@ -17,7 +17,7 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoTokenizer, PreTrainedConfig, PreTrainedTokenizerBase
 
 from cascade.errors import CascadeError
-from cascade.model import CausalLM, ModelSpec
+from cascade.model import CausalLM, ModelSpec, PassOptions
 from cascade.models import checkpoint_path
 from cascade.rope import Rotary, rope_frequencies
 
@@ -89,11 +89,15 @@ def apply_rope_scaling(config: PreTrainedConfig, kind: str, factor: float) -> No
 
 
 def load_checkpoint(
-    path: Path, dtype: torch.dtype, device: torch.device, rope_scaling: dict | None = None
+    path: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    rope_scaling: dict | None = None,
+    options: PassOptions = PassOptions(),
 ) -> LoadedModel:
     """Model, tokenizer and end-of-sequence ids of a checkpoint directory."""
     config = read_config(path, rope_scaling)
-    model = build_model(path, config, dtype, device)
+    model = build_model(path, config, dtype, device, options)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as exc:  # the tokenizers library raises bare Exceptions for malformed files
@@ -101,17 +105,25 @@ def load_checkpoint(
     return LoadedModel(path, model, tokenizer, eos_token_ids(path, config))
 
 
-def load_model(path: Path, dtype: torch.dtype, device: torch.device, rope_scaling: dict | None = None) -> CausalLM:
+def load_model(
+    path: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    rope_scaling: dict | None = None,
+    options: PassOptions = PassOptions(),
+) -> CausalLM:
     """Just the model (no tokenizer needed)."""
-    return build_model(path, read_config(path, rope_scaling), dtype, device)
+    return build_model(path, read_config(path, rope_scaling), dtype, device, options)
 
 
-def build_model(path: Path, config: PreTrainedConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
+def build_model(
+    path: Path, config: PreTrainedConfig, dtype: torch.dtype, device: torch.device, options: PassOptions
+) -> CausalLM:
     weights = read_weights(path)
     spec = model_spec(config, weights)
     rotary = Rotary(*rope_frequencies(config), device=device)
     with torch.device("meta"):
-        model = CausalLM(spec, rotary)
+        model = CausalLM(spec, rotary, options)
     try:
         model.load_state_dict(fuse_projections(weights, spec), assign=True, strict=True)
     except (KeyError, RuntimeError) as exc:  # a tensor missing, or shaped unlike the config says

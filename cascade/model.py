@@ -7,7 +7,7 @@ the caller asks for (the output projection dominates a small model at a 49K voca
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -136,21 +136,27 @@ class Block(nn.Module):
         return norms, list(weights), list(scales), [attn.qkv_proj.bias]
 
 
-class CausalLM(nn.Module):
-    """Token ids in, logits out; all state lives in the cache policy passed to ``forward``.
-
-    Passes of one sequence of up to ``fused_tokens`` tokens (decode steps, proposals and, on CUDA,
-    verification passes) run through the compiled kernels of ``cascade.fused``; longer passes
-    always run eagerly.
-    """
+@dataclass(frozen=True)
+class PassOptions:
+    """How a model runs its passes, chosen when it is built (the runtime picks them per device)."""
 
     fused_tokens: int = 0
-    """Longest pass that runs fused (0: none); the runtime sets it per device."""
+    """Longest pass that runs fused (0: none)."""
     attention: str = "auto"
     """Attention kernel family (``cascade.attention``); auto picks by device."""
 
-    def __init__(self, spec: ModelSpec, rotary: Rotary) -> None:
+
+class CausalLM(nn.Module):
+    """Token ids in, logits out; all state lives in the cache policy passed to ``forward``.
+
+    Passes of one sequence of up to ``options.fused_tokens`` tokens (decode steps, proposals and,
+    on CUDA, verification passes) run through the compiled kernels of ``cascade.fused``; longer
+    passes always run eagerly.
+    """
+
+    def __init__(self, spec: ModelSpec, rotary: Rotary, options: PassOptions = PassOptions()) -> None:
         super().__init__()
+        self.options = options
         self.spec = spec
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(Block(spec, i) for i in range(spec.num_layers))
@@ -158,6 +164,18 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.rotary = rotary
         self._operands: tuple[nn.Module, fused.LayerOperands] | None = None  # see _kernel_operands
+
+    @property
+    def fused_tokens(self) -> int:
+        return self.options.fused_tokens
+
+    @property
+    def attention(self) -> str:
+        return self.options.attention
+
+    def run_eagerly(self) -> None:
+        """Run every pass eagerly from now on (the fused kernels could not be built here)."""
+        self.options = replace(self.options, fused_tokens=0)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -17,7 +17,7 @@ from cascade.checkpoint import LoadedModel, load_checkpoint, stretch_factor
 from cascade.errors import CascadeError
 from cascade.graphs import MAX_GRAPH_TOKENS, Capture, cuda_graph
 from cascade.huge_pages import move_to_huge_pages
-from cascade.model import CausalLM
+from cascade.model import CausalLM, PassOptions
 from cascade.models import checkpoint_path, default_model
 from cascade.pipeline import GenerationResult, Pipeline, StopRule, TokenCallback
 from cascade.prompt_cache import PromptCache, model_key
@@ -205,20 +205,17 @@ class Runtime:
 def build_runtime(config: PipelineConfig) -> Runtime:
     device = pick_device()
     dtype = resolve_dtype(config.dtype, device)
-    target = load_model(config.target, "target", dtype, device)
+    fused_tokens = fused_tokens_for(device, dtype) if config.kernels == "compiled" else 0
+    options = PassOptions(fused_tokens, resolve_kernels(config.attention, device))
+    target = load_model(config.target, "target", dtype, device, options)
     uses_draft = any(stage.model == "draft" for stage in config.stages)
     draft = None
     if uses_draft or config.draft.path is not None:
-        draft = load_model(config.draft, "draft", dtype, device, target=target.path)
+        draft = load_model(config.draft, "draft", dtype, device, options, target=target.path)
         check_same_vocabulary(target, draft)
-    fused_tokens = fused_tokens_for(device, dtype) if config.kernels == "compiled" else 0
-    attention = resolve_kernels(config.attention, device)
     for loaded in (target, draft):
-        if loaded is not None:
-            loaded.model.fused_tokens = fused_tokens
-            loaded.model.attention = attention
-            if fused_tokens:
-                warm_up(loaded.model)
+        if loaded is not None and fused_tokens:
+            warm_up(loaded.model)
     models = {"target": (target, config.target), "draft": (draft, config.draft)}
     prompt_caches = {
         role: prompt_cache(config, loaded, model_config)
@@ -244,7 +241,7 @@ def warm_up(model: CausalLM) -> None:
                 model(torch.zeros(1, width, dtype=torch.long, device=model.device), cache, num_logits=width)
                 cache.commit(cache.length)
     except Exception as error:  # Inductor's and Triton's build failures come in many exception types
-        model.fused_tokens = 0
+        model.run_eagerly()
         first_line = next(iter(str(error).splitlines()), "")
         logger.warning(
             f"compiling the fused kernels failed ({type(error).__name__}: {first_line}); "
@@ -293,12 +290,13 @@ def load_model(
     role: str,
     dtype: torch.dtype,
     device: torch.device,
+    options: PassOptions,
     target: Path | None = None,
 ) -> LoadedModel:
     """``config``'s checkpoint, or the role's default (for a draft: the default for ``target``)."""
     path = checkpoint_path(config.path) if config.path else default_model(role, target=target)
     scaling = config.rope_scaling.model_dump() if config.rope_scaling else None
-    loaded = load_checkpoint(path, dtype, device, scaling)
+    loaded = load_checkpoint(path, dtype, device, scaling, options)
     if int8_weights(config.quantise, dtype, device):
         quantise_int8(loaded.model)
     move_to_huge_pages(loaded.model)

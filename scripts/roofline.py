@@ -59,7 +59,7 @@ from cascade.costs import expected_speedup, expected_tokens
 from cascade.graphs import PassGraphs, cuda_graph
 from cascade.limits import matmul_peak, median_seconds, memory_bandwidth
 from cascade.logs import show_logs
-from cascade.model import CausalLM
+from cascade.model import CausalLM, PassOptions
 from cascade.models import default_model
 from cascade.rope import Rotary, rope_frequencies
 from cascade.runs import run_files
@@ -215,13 +215,13 @@ def per_context(
     return values * contexts if len(values) == 1 else values
 
 
-def random_model(config: LlamaConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
+def random_model(config: LlamaConfig, dtype: torch.dtype, device: torch.device, options: PassOptions) -> CausalLM:
     """A model of ``config``'s shape with random weights (std 0.02; norms at 1), built on ``device``."""
     config.max_position_embeddings = 1 << 20  # cost only: positions past the trained range are fine
     spec = model_spec(config, {"lm_head.weight": None})  # an output projection of its own (untied)
     rotary = Rotary(*rope_frequencies(config), device=device)
     with torch.device("meta"):
-        model = CausalLM(spec, rotary)
+        model = CausalLM(spec, rotary, options)
     model = model.to(dtype).to_empty(device=device).eval()
     with torch.no_grad():
         for name, parameter in model.named_parameters():
@@ -360,14 +360,12 @@ def triforce_ceiling(
 def load_target(args, path: Path | None, context: int) -> tuple[CausalLM, dict | None]:
     """The model whose passes are timed at ``context``, and the rope scaling it runs with."""
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    fused_tokens = fused_tokens_for(device, dtype) if args.kernels == "compiled" else 0
+    options = PassOptions(fused_tokens, resolve_kernels(args.attention, device))
     if args.shape:
-        model, scaling = random_model(SHAPES[args.shape], dtype, device), None
-    else:
-        scaling = yarn_scaling(path, context + 64)
-        model = load_checkpoint(path, dtype, device, scaling).model
-    model.fused_tokens = fused_tokens_for(device, dtype) if args.kernels == "compiled" else 0
-    model.attention = resolve_kernels(args.attention, device)
-    return model, scaling
+        return random_model(SHAPES[args.shape], dtype, device, options), None
+    scaling = yarn_scaling(path, context + 64)
+    return load_checkpoint(path, dtype, device, scaling, options).model, scaling
 
 
 def filled_cache(cache, tokens: int):
@@ -436,8 +434,7 @@ def context_figures(
                 step, proposal, selecting_proposal, tree_level, tree_verification, tree, args.tree_accepted[index]
             )
     if args.draft_shape:
-        draft = random_model(SHAPES[args.draft_shape], model.dtype, model.device)
-        draft.attention, draft.fused_tokens = model.attention, model.fused_tokens
+        draft = random_model(SHAPES[args.draft_shape], model.dtype, model.device, model.options)
         window = StreamingCacheConfig(sinks=4, window=args.draft_window)
         streaming = build_policy(window, draft.cache_layout(context + 64, args.gamma + 2))
         for start in range(0, 4 + args.draft_window, args.gamma + 2):  # fill its window within its pending room

@@ -15,6 +15,7 @@ from cache.registry import POLICIES, build_policy
 from cascade import fused, kernels
 from cascade.checkpoint import load_model
 from cascade.graphs import MAX_GRAPH_TOKENS
+from cascade.model import PassOptions
 from cascade.runtime import build_runtime, has_cxx_compiler
 from configs.schema import PipelineConfig
 from tests.conftest import FAMILIES, make_checkpoint
@@ -54,13 +55,13 @@ def decode(model, kind: str, fused_tokens: int, widths: tuple[int, ...] = ONE_TO
     if source is None:
         model(tokens(model, PROMPT, 0), cache)
         cache.commit(PROMPT)
-    model.fused_tokens = fused_tokens
+    model.options = PassOptions(fused_tokens)
     generated = tokens(model, GENERATED, 1)
     logits = []
     for width in widths:
         logits.append(model(generated[:, cache.length - PROMPT : cache.length - PROMPT + width], cache)[0])
         cache.commit(cache.length)
-    model.fused_tokens = 0
+    model.options = PassOptions()
     return torch.cat(logits)  # [GENERATED, V]
 
 

@@ -18,6 +18,7 @@ from cache.streaming import StreamingCacheConfig
 from cascade import attention
 from cascade.checkpoint import load_model
 from cascade.graphs import MAX_GRAPH_TOKENS, PassGraphs, cuda_graph
+from cascade.model import PassOptions
 from tests.conftest import make_checkpoint
 from tests.test_pipeline import PROMPT, SMALL_CACHES, generate, runtime_for
 
@@ -107,7 +108,7 @@ def test_a_static_pass_compiles_once_per_shape_whatever_the_length(kind, fused_t
     """Also with every pass through the fused kernels, as on CUDA: no graph break or host sync there."""
     counter = CompileCounter()
     dynamic, _ = run_passes(tiny_model, kind)
-    monkeypatch.setattr(tiny_model, "fused_tokens", fused_tokens)
+    monkeypatch.setattr(tiny_model, "options", PassOptions(fused_tokens))
     compiled, graphs = run_passes(tiny_model, kind, compiled_capture(counter))
     for expected, got in zip(dynamic, compiled, strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
@@ -127,7 +128,7 @@ def test_flex_attention_traces_whole_inside_a_compiled_pass(kind, tiny_model, mo
     the rest of the pass: no graph break, one compile per shape, the dynamic passes' logits."""
     counter = CompileCounter()
     dynamic, _ = run_passes(tiny_model, kind)
-    monkeypatch.setattr(tiny_model, "attention", "flex")
+    monkeypatch.setattr(tiny_model, "options", PassOptions(attention="flex"))
     compiled, graphs = run_passes(tiny_model, kind, compiled_capture(counter))
     for expected, got in zip(dynamic, compiled, strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
@@ -144,7 +145,7 @@ def test_cuda_graph_replays_compute_what_dynamic_passes_do(kind, fused_tokens, a
     their attention the device's default or FlexAttention's."""
     model = load_model(tiny_checkpoint, torch.float32, torch.device("cuda"))
     dynamic, _ = run_passes(model, kind)
-    model.fused_tokens, model.attention = fused_tokens, attention_family
+    model.options = PassOptions(fused_tokens, attention_family)
     replayed, _ = run_passes(model, kind, cuda_graph)
     for expected, got in zip(dynamic, replayed, strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
@@ -193,7 +194,7 @@ def test_graphed_presets_greedy_equal_autoregressive_and_keep_their_graphs(
     caches, and not one pass shape compiled twice; with every graphed pass fused, as on CUDA, too."""
     autoregressive = runtime_for("autoregressive", tiny_dir, tiny_draft_dir, kernels="eager")
     runtime = runtime_for(preset, tiny_dir, tiny_draft_dir, SMALL_CACHES[preset], kernels="eager")
-    runtime.target.model.fused_tokens = runtime.draft.model.fused_tokens = fused_tokens
+    runtime.target.model.options = runtime.draft.model.options = PassOptions(fused_tokens)
     counter = CompileCounter()
     runtime.capture = compiled_capture(counter)
     used = []  # per request: its stages and their caches
