@@ -205,8 +205,7 @@ class Runtime:
 def build_runtime(config: PipelineConfig) -> Runtime:
     device = pick_device()
     dtype = resolve_dtype(config.dtype, device)
-    fused_tokens = fused_tokens_for(device, dtype) if config.kernels == "compiled" else 0
-    options = PassOptions(fused_tokens, resolve_kernels(config.attention, device))
+    options = pass_options(config.kernels, config.attention, device, dtype)
     target = load_model(config.target, "target", dtype, device, options)
     uses_draft = any(stage.model == "draft" for stage in config.stages)
     draft = None
@@ -214,7 +213,7 @@ def build_runtime(config: PipelineConfig) -> Runtime:
         draft = load_model(config.draft, "draft", dtype, device, options, target=target.path)
         check_same_vocabulary(target, draft)
     for loaded in (target, draft):
-        if loaded is not None and fused_tokens:
+        if loaded is not None and options.fused_tokens:
             warm_up(loaded.model)
     models = {"target": (target, config.target), "draft": (draft, config.draft)}
     prompt_caches = {
@@ -265,6 +264,12 @@ def prompt_cache(config: PipelineConfig, loaded: LoadedModel, model_config: Mode
         model_key(loaded.path, settings),
         int(config.prompt_cache.max_gb * 2**30),
     )
+
+
+def pass_options(kernels: str, attention: str, device: torch.device, dtype: torch.dtype) -> PassOptions:
+    """The pass options of models run with the config's ``kernels`` and ``attention`` here."""
+    fused_tokens = fused_tokens_for(device, dtype) if kernels == "compiled" else 0
+    return PassOptions(fused_tokens, resolve_kernels(attention, device))
 
 
 def fused_tokens_for(device: torch.device, dtype: torch.dtype) -> int:

@@ -53,7 +53,7 @@ from cache.chunk_scoring import Scoring
 from cache.full import FullCache
 from cache.retrieval import RetrievalCacheConfig
 from cache.streaming import StreamingCacheConfig
-from cascade.attention import KERNELS, resolve_kernels
+from cascade.attention import KERNELS
 from cascade.checkpoint import load_checkpoint, model_spec, yarn_scaling
 from cascade.costs import expected_speedup, expected_tokens
 from cascade.graphs import PassGraphs, cuda_graph
@@ -63,7 +63,7 @@ from cascade.model import CausalLM, PassOptions
 from cascade.models import default_model
 from cascade.rope import Rotary, rope_frequencies
 from cascade.runs import run_files
-from cascade.runtime import fused_tokens_for
+from cascade.runtime import pass_options
 from cascade.tree import TokenTree
 from configs.schema import TreeConfig
 
@@ -360,8 +360,7 @@ def triforce_ceiling(
 def load_target(args, path: Path | None, context: int) -> tuple[CausalLM, dict | None]:
     """The model whose passes are timed at ``context``, and the rope scaling it runs with."""
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    fused_tokens = fused_tokens_for(device, dtype) if args.kernels == "compiled" else 0
-    options = PassOptions(fused_tokens, resolve_kernels(args.attention, device))
+    options = pass_options(args.kernels, args.attention, device, dtype)
     if args.shape:
         return random_model(SHAPES[args.shape], dtype, device, options), None
     scaling = yarn_scaling(path, context + 64)
