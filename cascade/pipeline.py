@@ -106,8 +106,11 @@ class Pipeline:
         self.generator: torch.Generator | None = None
         self.clock = stages[-1].clock
         """Times the rounds (proposing, verifying, plain steps) for the schedules."""
-        self._tree_plans: dict[int, TreePlan] = {}
-        """The lowest stage's token tree on its device, by depth (when it proposes trees)."""
+        lowest = stages[0]
+        depths = range(1, lowest.tree.depth + 1) if lowest.tree else ()
+        self._tree_plans = {depth: TreePlan(lowest.tree.up_to(depth), lowest.model.device) for depth in depths}
+        """The lowest stage's token tree on its device, by depth (when it proposes trees): built
+        here, since copying it to the device inside a round would wait for the device."""
 
     @property
     def target(self) -> Stage:
@@ -257,9 +260,7 @@ class Pipeline:
         """The lowest stage's tree of ``depth`` levels after ``context``, a pass per level but the last."""
         stage = self.stages[0]
         logits = stage.extend(context, 1)  # [1, V]: after the root
-        if depth not in self._tree_plans:
-            self._tree_plans[depth] = TreePlan(stage.tree.up_to(depth), logits.device)
-        plan = self._tree_plans[depth]
+        plan = self._tree_plans[min(depth, len(self._tree_plans))]  # deeper: the whole tree
         growth = TreeGrowth(plan, stage.dynamic_tree, logits.device)
         for index, level in enumerate(plan.levels):
             feed = growth.grow(level, logits)
