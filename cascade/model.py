@@ -163,6 +163,9 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.rotary = rotary
+        self.output_ids: torch.Tensor | None = None
+        """[K] int64, sorted: the tokens of the output projection's rows once it keeps only some
+        (``keep_output_tokens``); None while it has a row per token."""
         self._operands: tuple[nn.Module, fused.LayerOperands] | None = None  # see _kernel_operands
 
     @property
@@ -194,6 +197,23 @@ class CausalLM(nn.Module):
         if self.lm_head.weight is not embedding:
             total -= embedding.nbytes - embedding[0].nbytes
         return total
+
+    def keep_output_tokens(self, token_ids: torch.Tensor) -> None:
+        """Keep the output projection's rows of ``token_ids`` [K] alone: each pass then reads K rows
+        instead of the vocabulary's, and every other token's logit is -inf. For a model that only
+        proposes (a draft, after FR-Spec): its distribution no longer covers the vocabulary."""
+        ids = torch.unique(token_ids.to(self.device))  # [K] sorted
+        head = nn.Linear(self.spec.hidden_size, len(ids), bias=False, device=self.device, dtype=self.dtype)
+        with torch.no_grad():
+            head.weight.copy_(self.lm_head.weight[ids])
+        self.lm_head, self.output_ids = head, ids
+
+    def _every_token(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits [B, N, K] of the kept tokens -> [B, N, V], -inf for the tokens not kept."""
+        if self.output_ids is None:
+            return logits
+        every = logits.new_full((*logits.shape[:-1], self.spec.vocab_size), float("-inf"))
+        return every.index_copy_(-1, self.output_ids, logits)
 
     def _kernel_operands(self) -> fused.LayerOperands:
         """Every layer's ``Block.kernel_operands``, gathered once (~0.4 ms of module lookups, 4% of a
@@ -239,19 +259,20 @@ class CausalLM(nn.Module):
         x = self.embed_tokens(token_ids)  # [B, T, C]
         attend = KERNELS[resolve_kernels(self.attention, self.device)]
         if token_ids.shape[0] == 1 and token_ids.shape[1] <= self.fused_tokens:
-            return self._forward_fused(x[0], cos, sin, cache, attend, num_logits)
+            return self._every_token(self._forward_fused(x[0], cos, sin, cache, attend, num_logits))
         for block in self.layers:
             x = block(x, cos, sin, cache, attend)
         if num_logits is not None:
             x = x[:, -num_logits:]
-        return self.lm_head(self.norm(x))  # [B, N, V]
+        return self._every_token(self.lm_head(self.norm(x)))  # [B, N, V]
 
     def _forward_fused(
         self, x, cos, sin, cache: CachePolicy, attend: AttentionKernel, num_logits: int | None
     ) -> torch.Tensor:
         """``forward_at``'s blocks and head for one sequence's residual stream x [T, C] through the
-        compiled kernels -> logits [1, N, V]: over a plain cache (``CachePolicy.plain_pass``) every
-        layer in one call where cascade's CPU kernels take the pass, else layer by layer."""
+        compiled kernels -> logits [1, N, K] of the kept tokens: over a plain cache
+        (``CachePolicy.plain_pass``) every layer in one call where cascade's CPU kernels take the
+        pass, else layer by layer."""
         spec = self.spec
         plain = cache.plain_pass() if fused.decoder_layers_apply(x, spec.head_dim, is_quantised(self)) else None
         if plain is not None:

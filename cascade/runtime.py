@@ -25,6 +25,7 @@ from cascade.quantise import is_quantised, quantise_int8
 from cascade.schedule import SCHEDULES, Schedule
 from cascade.stage import Stage
 from cascade.tree import TokenTree
+from cascade.vocabulary import frequent_tokens
 from configs.schema import ModelConfig, PipelineConfig, StageConfig
 
 logger = logging.getLogger(__name__)
@@ -258,6 +259,7 @@ def prompt_cache(config: PipelineConfig, loaded: LoadedModel, model_config: Mode
         "attention": model.attention,
         "rope_scaling": model_config.rope_scaling.model_dump() if model_config.rope_scaling else None,
         "quantise": "int8" if is_quantised(model) else "none",
+        "frequent_tokens": model_config.frequent_tokens,  # the stored last logits are the kept tokens'
     }
     return PromptCache(
         Path(config.prompt_cache.dir).expanduser(),
@@ -302,10 +304,23 @@ def load_model(
     path = checkpoint_path(config.path) if config.path else default_model(role, target=target)
     scaling = config.rope_scaling.model_dump() if config.rope_scaling else None
     loaded = load_checkpoint(path, dtype, device, scaling, options)
+    if config.frequent_tokens is not None:
+        keep_frequent_tokens(loaded, config.frequent_tokens, role)
     if int8_weights(config.quantise, dtype, device):
         quantise_int8(loaded.model)
     move_to_huge_pages(loaded.model)
     return loaded
+
+
+def keep_frequent_tokens(loaded: LoadedModel, count: int, role: str) -> None:
+    """``loaded``'s output projection cut to the ``count`` most frequent tokens (``frequent_tokens``)."""
+    vocab_size = loaded.model.spec.vocab_size
+    if count > vocab_size:
+        raise CascadeError(
+            f"{role}.frequent_tokens: {count} is more than the {vocab_size} tokens of {loaded.path}; "
+            f"use at most {vocab_size}, or null to keep every token"
+        )
+    loaded.model.keep_output_tokens(frequent_tokens(loaded.tokenizer, vocab_size, count))
 
 
 def int8_weights(setting: str, dtype: torch.dtype, device: torch.device) -> bool:

@@ -38,6 +38,12 @@ class ModelConfig(Strict):
     checkpoint as the draft makes a quantised self-draft. auto: int8 where cascade's int8 kernel
     runs (bf16 on a CPU with AMX-INT8 or AVX512-VNNI), elsewhere the weights as loaded (unpacking int8 weights for
     every product would be slower than bf16)."""
+    frequent_tokens: int | None = Field(None, ge=256)
+    """Draft only: keep the output projection's rows of this many tokens alone, the most frequent
+    in the Python standard library's source (special tokens first), as FR-Spec does. A proposal
+    then reads fewer weights (Qwen2.5's 151,936-row projection is a quarter of its 0.5B model) and
+    proposes only among these tokens; the target verifies every token, so the output is unchanged.
+    null keeps every token."""
 
 
 MIN_TEMPERATURE = 1e-4
@@ -185,6 +191,15 @@ class PipelineConfig(Strict):
                 f"target.quantise: {self.target.quantise!r} would change the output cascade reproduces (the "
                 "target's own); quantise a draft instead (draft.quantise, with draft.path = the target's "
                 "checkpoint for a quantised self-draft)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _target_keeps_every_token(self) -> PipelineConfig:
+        if self.target.frequent_tokens is not None:
+            raise ValueError(
+                f"target.frequent_tokens: {self.target.frequent_tokens} would leave the target unable to "
+                "emit the other tokens, and it decides every token; set it on the draft (draft.frequent_tokens)"
             )
         return self
 

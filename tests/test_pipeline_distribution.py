@@ -103,6 +103,8 @@ def chain(seed: int, sharpness: float) -> torch.Tensor:
 TARGET = chain(0, 1.5)
 CLOSE = TARGET + chain(1, 0.4)  # a middle tier that mostly agrees with the target
 BAD = -TARGET  # a draft that prefers what the target avoids
+CUT = CLOSE.clone()
+CUT[:, 3:] = float("-inf")  # a draft that keeps some tokens alone (draft.frequent_tokens)
 
 
 def cascade_of(logit_tables: list[torch.Tensor], gammas: list[int], schedule: str = "fixed") -> list[ToyStage]:
@@ -131,7 +133,7 @@ SAMPLINGS = [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, to
 
 
 @pytest.mark.parametrize("sampling", SAMPLINGS, ids=["plain", "transformed"])
-@pytest.mark.parametrize("draft", [CLOSE, BAD], ids=["close-draft", "bad-draft"])
+@pytest.mark.parametrize("draft", [CLOSE, BAD, CUT], ids=["close-draft", "bad-draft", "cut-draft"])
 def test_two_levels_emit_the_target_distribution(sampling, draft):
     pipeline = Pipeline(cascade_of([draft, TARGET], [4]), sampling, prefill_chunk=16)
     assert follows_target(emitted_transitions(pipeline), sampling) > P_FLOOR
