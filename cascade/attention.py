@@ -33,6 +33,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from cache.base import AttentionView
 from cache.slots import SLOT_ALIGNMENT, causal_mask, visible_keys
 from cascade.errors import CascadeError
+from cascade.tuning import machine_tuning
 
 FLASH_ATTN_INSTALLED = importlib.util.find_spec("flash_attn") is not None
 
@@ -44,10 +45,10 @@ MATMUL_MAX_QUERIES = 8
 runs as plain matrix products per KV head; so do token-tree passes (at most 64 nodes, plus the
 tokens fed before them) of any width: 1.1-2.4x faster than grouped SDPA under the tree mask for
 16-64 queries over 4K-120K keys (``scripts/attention_bench.py``)."""
-SPLIT_KEYS = 1024
+SPLIT_KEYS = machine_tuning().split_keys
 """On CUDA, a multi-token pass's weights-values product (few rows, thousands of keys, 64 columns)
-over a static view runs as partial products over blocks of at most this many keys: as one product
-cuBLAS gave it a few blocks of threads, 0.2-0.5 ms per layer over 16K keys on an H100."""
+over a static view runs as partial products over blocks of at most this many keys
+(``Tuning.split_keys``): as one product cuBLAS gave it a few blocks of threads."""
 FOLD_MAX_QUERIES = 64
 """Up to this many queries per pass the grouped SDPA layout is used; beyond it (prefill chunks)
 repeating the mask per group costs more than it saves."""
@@ -116,7 +117,7 @@ def attend_cuda(query: torch.Tensor, view: AttentionView, scale: float) -> torch
     num_keys = weights.shape[-1]
     static = view.valid_lengths is not None  # a whole buffer: its heads' blocks are one strided batch
     if static and num_keys >= 2 * SPLIT_KEYS and num_keys % SLOT_ALIGNMENT == 0:
-        out = _blockwise_product(weights, view.values, block_size(num_keys))
+        out = blockwise_product(weights, view.values, block_size(num_keys))
     else:
         out = weights @ view.values
     return rearrange(out, "b k (g t) d -> b (k g) t d", t=num_queries)  # [B, H, T, D]
@@ -128,7 +129,7 @@ def block_size(num_keys: int) -> int:
     return next(size for size in range(SPLIT_KEYS, 0, -SLOT_ALIGNMENT) if num_keys % size == 0)
 
 
-def _blockwise_product(weights: torch.Tensor, values: torch.Tensor, size: int) -> torch.Tensor:
+def blockwise_product(weights: torch.Tensor, values: torch.Tensor, size: int) -> torch.Tensor:
     """weights [B, H_kv, R, S] @ values [B, H_kv, S, D] -> [B, H_kv, R, D] as one batched product
     over blocks of ``size`` keys, the partial results summed in float32."""
     blocks = weights.shape[-1] // size

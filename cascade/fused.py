@@ -41,11 +41,11 @@ from cascade import kernels
 from cascade.attention import AttentionKernel
 from cascade.quantise import dense_int8_product
 from cascade.rope import apply_rotary
+from cascade.tuning import machine_tuning
 
-MAX_COMPILED_ATTENTION_KEYS = 6144
-"""Up to this many cached keys the compiled attention kernel wins; beyond it the per-KV-head
-matrix products of ``cascade.attention`` are faster on this CPU (4K keys: 18 vs 23 ms over 30
-layers; 8K: 40 vs 35 ms)."""
+MAX_COMPILED_ATTENTION_KEYS = machine_tuning().compiled_attention_max_keys
+"""Up to this many cached keys a one-query pass cascade's attention kernel does not take runs the
+compiled attention kernel, beyond it the ``cpu`` family (``Tuning.compiled_attention_max_keys``)."""
 
 
 cpu_layers = False
@@ -145,7 +145,7 @@ def _attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sc
 _compiled_pre_attention = torch.compile(_pre_attention, dynamic=True)
 _compiled_post_attention = torch.compile(_post_attention, dynamic=True)
 _compiled_logits = torch.compile(_logits, dynamic=True)
-_compiled_attention = torch.compile(_attention, dynamic=True)
+compiled_attention = torch.compile(_attention, dynamic=True)
 
 
 def _on_cpu_layers(x: torch.Tensor, *weights: Weight) -> bool:
@@ -249,5 +249,5 @@ def attend(query: torch.Tensor, view: AttentionView, scale: float, family: Atten
         ]
     one_query = query.shape[2] == 1 and on_cpu
     if one_query and view.mask is None and view.keys.shape[2] <= MAX_COMPILED_ATTENTION_KEYS:
-        return _compiled_attention(query, view.keys, view.values, scale)
+        return compiled_attention(query, view.keys, view.values, scale)
     return family(query, view, scale)

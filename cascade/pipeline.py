@@ -108,7 +108,7 @@ class Pipeline:
         """Times the rounds (proposing, verifying, plain steps) for the schedules."""
         lowest = stages[0]
         depths = range(1, lowest.tree.depth + 1) if lowest.tree else ()
-        self._tree_plans = {depth: TreePlan(lowest.tree.up_to(depth), lowest.model.device) for depth in depths}
+        self._tree_plans = {depth: TreePlan(lowest.tree.up_to(depth), lowest.device) for depth in depths}
         """The lowest stage's token tree on its device, by depth (when it proposes trees): built
         here, since copying it to the device inside a round would wait for the device."""
 
@@ -165,18 +165,15 @@ class Pipeline:
         return target_logits
 
     def _draw(self, level: int, context: list[int], count: int) -> Draw:
-        """``count`` tokens from stage ``level``'s distribution after ``context`` (left unchanged)."""
+        """``count`` tokens from stage ``level``'s distribution after ``context`` (not changed)."""
         if level == 0:
             return self._decode(context, count)
-        start = len(context)
         drawn = self._round(level, context, count)
         while len(drawn) < count:
-            context += drawn.tokens[len(context) - start :]
-            drawn += self._round(level, context, count - len(drawn))
-        del context[start:]
+            drawn += self._round(level, context + drawn.tokens, count - len(drawn))
         if len(drawn) > count:
             for stage in self.stages[: level + 1]:
-                stage.truncate(start + count)
+                stage.truncate(len(context) + count)
         return drawn.first(count)
 
     def _decode(self, context: list[int], count: int) -> Draw:

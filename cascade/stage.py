@@ -64,8 +64,12 @@ class Stage:
         the next prefill) and its graphs are kept."""
         self.schedule = schedule
         self.stats = StageStats(self.name, schedule=schedule.name if schedule else "")
-        self.clock = Clock(self.model.device)
+        self.clock = Clock(self.device)
         """Times this stage's passes; its spans are settled by the pipeline between rounds."""
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
 
     @property
     def captured_passes(self) -> int:
@@ -131,7 +135,7 @@ class Stage:
         (on the model's device; the nodes of ``tree`` if given) -> logits [N, V] of the last N.
         What the cache can take from its source instead (``CachePolicy.adopt``) is not fed."""
         self.cache.adopt(len(context) - 1)  # the last token is fed: its logits are asked for
-        unseen = device_ids(context[self.cache.length :], self.model.device)  # [T]
+        unseen = device_ids(context[self.cache.length :], self.device)  # [T]
         return self.feed(unseen if proposed is None else torch.cat([unseen, proposed]), num_logits, tree)
 
     def feed(self, token_ids: torch.Tensor, num_logits: int, tree: TreePass | None = None) -> torch.Tensor:

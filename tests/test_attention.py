@@ -101,7 +101,7 @@ def test_cuda_family_sums_blockwise_products_to_the_reference(monkeypatch):
     monkeypatch.setattr(attention, "SLOT_ALIGNMENT", 4)
     query, view = make_view(*SHAPES["static-verify"], torch.float32, "cpu")
     assert attention.block_size(view.keys.shape[2]) < view.keys.shape[2] // 2
-    taken = recorded_calls(monkeypatch, "_blockwise_product")
+    taken = recorded_calls(monkeypatch, "blockwise_product")
     out = KERNELS["cuda"](query, view, HEAD_DIM**-0.5)
     assert len(taken) == 1
     torch.testing.assert_close(out.double(), reference(query, view, HEAD_DIM**-0.5), rtol=1e-4, atol=1e-5)

@@ -41,7 +41,8 @@ class ToyStage:
         self.logits = logits  # [V, V]: row = previous token
         self.schedule = schedule
         self.stats = StageStats(name)
-        self.clock = Clock(torch.device("cpu"))
+        self.device = torch.device("cpu")
+        self.clock = Clock(self.device)
         self.cache = self
         self.source = None
         self.seen: list[int] = []
