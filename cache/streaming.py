@@ -4,6 +4,9 @@ Positions live inside the cache: slot i is rotary position i, so a model trained
 contexts sees short positions at any sequence length. Eviction happens on ``commit``, never on
 ``allocate``, so rejected speculative tokens can still be rolled back; when the oldest window
 tokens are dropped, the kept ones move down and their keys are re-rotated to their new slots.
+The re-rotation starts from a float32 copy of the window's keys, not from the rounded keys
+attention reads: a key re-rotated at every commit of a long generation (about window / tokens
+per round times) is then rounded to the cache's dtype once per move, not once more at each.
 """
 
 from __future__ import annotations
@@ -52,6 +55,15 @@ class StreamingCache(SlotCache):
         kept = config.sinks + config.window
         super().__init__(layout, min(layout.capacity, kept + pending_room(layout)))
         self.sinks, self.window, self.prefill_tail = config.sinks, config.window, config.prefill_tail
+        self._exact_keys: torch.Tensor | None = None
+        """[L, B, H_kv, buffer, D] float32: the window's keys as re-rotated, before rounding
+        (allocated at the first eviction)."""
+        self._exact_up_to = 0
+        """Slots below this hold their current key in ``_exact_keys`` (those past it: only in ``keys``)."""
+
+    def restart(self) -> None:
+        super().restart()
+        self._exact_up_to = 0
 
     def allocate(self, num_new: int) -> torch.Tensor:
         self._allocate_slots(num_new)
@@ -79,6 +91,18 @@ class StreamingCache(SlotCache):
         """Drop the ``count`` oldest tokens after the sinks; later tokens move down ``count`` slots."""
         kept = slice(self.sinks + count, self.used_slots)
         moved = slice(self.sinks, self.used_slots - count)
-        self.keys[:, :, :, moved] = self.layout.rotary.shift(self.keys[:, :, :, kept], -count)
+        exact = self._exact_window()
+        exact[:, :, :, moved] = self.layout.rotary.shift(exact[:, :, :, kept], -count)
+        self.keys[:, :, :, moved] = exact[:, :, :, moved]
         self.values[:, :, :, moved] = self.values[:, :, :, kept].clone()
         self.dropped += count
+        self._exact_up_to = self.committed - self.dropped  # a later rollback may rewrite the rest
+
+    def _exact_window(self) -> torch.Tensor:
+        """``_exact_keys`` with every held window slot current (keys written since the last
+        eviction copied in as written)."""
+        if self._exact_keys is None:
+            self._exact_keys = torch.zeros_like(self.keys, dtype=torch.float32)
+        fresh = slice(max(self._exact_up_to, self.sinks), self.used_slots)
+        self._exact_keys[:, :, :, fresh] = self.keys[:, :, :, fresh]
+        return self._exact_keys

@@ -408,6 +408,8 @@ def spawn_case(args: argparse.Namespace, impl: str, context: int, mode: str) -> 
         str(args.warmups),
         "--contexts",
         str(context),
+        "--llama-flash-attn",
+        args.llama_flash_attn,
         *(["--store-only"] if args.store_only else []),
         *(["--target", str(args.target)] if args.target else []),
         *(["--draft", str(args.draft)] if args.draft else []),

@@ -73,7 +73,8 @@ def test_bench_rejects_overrides_on_implementations_other_than_presets(impl):
 
 @pytest.mark.llamacpp
 @pytest.mark.skipif(installed_build() is None, reason="llama.cpp is not built (python -m cascade.peers build)")
-def test_bench_measures_llama_cpp_beside_cascade_and_reports_the_ratios_to_it(tmp_path, tiny_dir):
+@pytest.mark.parametrize("flash_attn, settings", [("both", {"off", "on"}), ("on", {"on"})])
+def test_bench_measures_llama_cpp_beside_cascade_and_reports_the_ratios_to_it(tmp_path, tiny_dir, flash_attn, settings):
     home = tmp_path / "home"  # the built tools and the documents; the tiny checkpoint's GGUF goes here
     (home / "peers").mkdir(parents=True)
     (home / "peers" / installed_build().root.name).symlink_to(installed_build().root)
@@ -93,6 +94,8 @@ def test_bench_measures_llama_cpp_beside_cascade_and_reports_the_ratios_to_it(tm
         str(tiny_dir),
         "--draft",
         str(tiny_dir),
+        "--llama-flash-attn",
+        flash_attn,
         "--out",
         str(out),
     ]
@@ -100,7 +103,7 @@ def test_bench_measures_llama_cpp_beside_cascade_and_reports_the_ratios_to_it(tm
     report = json.loads(out.read_text())
     peer = next(run for run in report["runs"] if run["preset"] == "llama.cpp")
     assert peer["decode_tokens_per_s"] > 0 and peer["prefill_tokens_per_s"] > 0 and peer["token_ids"] == []
-    assert set(peer["flash_attn"]) == {"off", "on"} and peer["dtype"] == "bf16"
+    assert set(peer["flash_attn"]) == settings and peer["dtype"] == "bf16"  # each case runs the settings asked for
     assert peer["runs"][0]["build_commit"] == report["machine"]["llama_cpp"]["llama_cpp_commit"]
     row = next(row for row in report["ratios_to_llama_cpp"]["llama.cpp"] if row["preset"] == "autoregressive")
     assert row["same_prefix_tokens"] is None
