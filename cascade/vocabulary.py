@@ -51,9 +51,7 @@ def token_ranking(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> torch.
 
 def rank(counts: torch.Tensor) -> torch.Tensor:
     """Token counts [V] -> ids [V], the most counted first, equal counts by id."""
-    ids = torch.arange(len(counts))
-    order = torch.argsort(ids, stable=True)  # ids ascending, kept among equal counts below
-    return order[torch.argsort(-counts[order], stable=True)]
+    return torch.argsort(-counts, stable=True)  # stable: equal counts stay in id order
 
 
 def count_tokens(tokenizer: PreTrainedTokenizerBase, texts: list[str], vocab_size: int) -> torch.Tensor:
