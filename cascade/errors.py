@@ -12,8 +12,9 @@ from cascade.logs import show_logs
 P = ParamSpec("P")
 
 
-class CascadeError(Exception):
-    """A user-facing error: what was wrong and what is allowed instead."""
+class CascadeError(ValueError):
+    """A user-facing error: what was wrong and what is allowed instead (a ValueError, so Python
+    callers of ``cascade.LLM`` may catch either)."""
 
 
 def entry_point(main: Callable[P, int | None]) -> Callable[P, int]:

@@ -8,15 +8,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-from transformers import TextStreamer
-
 from cache import describe_policies
 from cascade import atomic
 from cascade.errors import CascadeError, entry_point
+from cascade.llm import LLM
 from cascade.logs import show_logs
-from cascade.runtime import Runtime, build_runtime
-from configs import PipelineConfig, load_config, preset_names
+from configs import load_config, preset_names
 
 DEFAULT_PROMPT = Path(__file__).parent / "data" / "alice_chapters_1_2.txt"
 """The prompt without --prompt or --prompt-file: the first two chapters of Alice's Adventures in
@@ -89,41 +86,29 @@ def read_prompt(args: argparse.Namespace) -> str:
         ) from None
 
 
-def encode_prompt(runtime: Runtime, text: str, chat: bool) -> list[int]:
-    tokenizer = runtime.tokenizer
-    if not text.strip():
-        raise CascadeError("the prompt is empty: give some text with --prompt or --prompt-file")
-    if chat:
-        messages = [{"role": "user", "content": text}]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return tokenizer.encode(text, add_special_tokens=False)
-    return tokenizer.encode(text)
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     settings = {key: getattr(args, flag) for flag, key in FLAG_SETTINGS.items() if getattr(args, flag) is not None}
     preset, config = load_config(args.preset, args.config, args.set, settings)
     text = read_prompt(args)
-    runtime = build_runtime(config)
-    prompt_ids = encode_prompt(runtime, text, args.chat)
-    streamer = None if args.quiet else TextStreamer(runtime.tokenizer, skip_special_tokens=True)
-    result = runtime.generate(
-        prompt_ids, on_tokens=(lambda tokens: streamer.put(torch.tensor(tokens))) if streamer else None
-    )
-    if streamer:
-        streamer.end()
-    return report(preset, config, prompt_ids, result, runtime)
-
-
-def report(preset: str, config: PipelineConfig, prompt_ids, result, runtime: Runtime) -> dict[str, Any]:
+    if not text.strip():
+        raise CascadeError("the prompt is empty: give some text with --prompt or --prompt-file")
+    llm = LLM.from_config(config, preset)
+    request = llm.prepare([{"role": "user", "content": text}], chat=True) if args.chat else llm.prepare(text)
+    completion = llm.run(request, on_text=None if args.quiet else print_text)
+    if not args.quiet:
+        print(flush=True)
     return {
-        "text": runtime.tokenizer.decode(result.token_ids, skip_special_tokens=True),
-        "token_ids": result.token_ids,
-        "prompt_token_ids": prompt_ids,
+        "text": completion.text,
+        "token_ids": completion.token_ids,
+        "prompt_token_ids": completion.prompt_token_ids,
         "preset": preset,
         "config": config.model_dump(mode="json"),
-        "stats": result.stats.to_dict(),
+        "stats": completion.stats,
     }
+
+
+def print_text(delta: str) -> None:
+    print(delta, end="", flush=True)
 
 
 def check_writable(path: Path) -> None:

@@ -14,6 +14,7 @@ rolled back in every stage below the one that rejected them.
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ import torch
 from cascade.sampling import draw, token_probs
 from cascade.stage import Stage, device_ids
 from cascade.stats import GenerationStats, StageStats
+from cascade.stop_strings import StopStrings
 from cascade.tree import RANKS_SEEN, TokenTree, TreeGrowth, TreePlan, choice_ranks
 from cascade.verification import Verdict, verify, verify_greedy
 from configs.schema import SamplingConfig
@@ -39,15 +41,24 @@ class GenerationResult:
 
 @dataclass(frozen=True)
 class StopRule:
+    """Where generation stops: EOS, ``max_new_tokens``, a completed stop string, or a cancellation
+    (checked once per round; the tokens emitted until then are kept)."""
+
     eos_token_ids: frozenset[int]
     max_new_tokens: int
+    stop_strings: StopStrings | None = None
+    cancelled: threading.Event | None = None
 
     def cut(self, emitted: list[int], new: list[int]) -> tuple[list[int], str | None]:
         """The prefix of ``new`` autoregressive decoding would still emit, and why it stops (if it does)."""
+        if self.cancelled is not None and self.cancelled.is_set():
+            return [], "cancelled"
         room = self.max_new_tokens - len(emitted)
         for index, token in enumerate(new[:room]):
             if token in self.eos_token_ids:
                 return new[: index + 1], "eos"
+            if self.stop_strings is not None and self.stop_strings.completed(emitted, new[: index + 1]):
+                return new[: index + 1], "stop_string"
         if len(new) >= room:
             return new[:room], "max_new_tokens"
         return new, None

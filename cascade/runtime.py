@@ -26,7 +26,7 @@ from cascade.schedule import SCHEDULES, Schedule
 from cascade.stage import Stage
 from cascade.tree import TokenTree
 from cascade.vocabulary import frequent_tokens
-from configs.schema import ModelConfig, PipelineConfig, StageConfig
+from configs.schema import ModelConfig, PipelineConfig, SamplingConfig, StageConfig
 
 logger = logging.getLogger(__name__)
 
@@ -138,9 +138,10 @@ class Runtime:
             f"--set target.rope_scaling.factor={factor:g}"
         )
 
-    def pipeline_for(self, prompt_tokens: int, max_new_tokens: int) -> Pipeline:
+    def pipeline_for(self, prompt_tokens: int, max_new_tokens: int, sampling: SamplingConfig | None = None) -> Pipeline:
         """Stages with caches sized for this request (checked against the context limit): the
-        last request's, restarted, where their caches hold this one too (so are their graphs)."""
+        last request's, restarted, where their caches hold this one too (so are their graphs).
+        ``sampling`` replaces the config's for this request."""
         config = self.check_request(prompt_tokens, max_new_tokens)
         speculation = sum(stage.speculative_tokens for stage in config.stages[:-1])
         request = CacheRequest(
@@ -157,7 +158,7 @@ class Runtime:
             self.stages = []  # the old caches go before the new ones are allocated
             self.stages = self.build_stages(config, request, schedules)
             self.built_for = request
-        return Pipeline(self.stages, config.sampling, config.prefill_chunk)
+        return Pipeline(self.stages, sampling or config.sampling, config.prefill_chunk)
 
     def build_stages(
         self, config: PipelineConfig, request: CacheRequest, schedules: list[Schedule | None]
@@ -183,8 +184,9 @@ class Runtime:
             )
         return [stages[i] for i in range(last + 1)]
 
-    def stop_rule(self, max_new_tokens: int) -> StopRule:
-        return StopRule(frozenset(self.target.eos_token_ids), max_new_tokens)
+    def stop_rule(self, max_new_tokens: int, **extra) -> StopRule:
+        """Stop at the target's EOS tokens or after ``max_new_tokens``; ``extra``: StopRule's other fields."""
+        return StopRule(frozenset(self.target.eos_token_ids), max_new_tokens, **extra)
 
     def generate(
         self,
@@ -192,14 +194,20 @@ class Runtime:
         max_new_tokens: int | None = None,
         on_tokens: TokenCallback | None = None,
         stop_at_eos: bool = True,
+        sampling: SamplingConfig | None = None,
+        seed: int | None = None,
+        stop: StopRule | None = None,
     ) -> GenerationResult:
-        """Generate after ``prompt_ids`` (checked first) with the config's seed, on ``pipeline_for``'s
-        stages. ``stop_at_eos=False`` makes exactly ``max_new_tokens`` (for measurements)."""
-        max_new_tokens = max_new_tokens or self.config.max_new_tokens
+        """Generate after ``prompt_ids`` (checked first) on ``pipeline_for``'s stages, with the
+        config's sampling and seed unless ``sampling`` / ``seed`` replace them. ``stop`` replaces
+        the stop rule (its ``max_new_tokens`` then sizes the request); ``stop_at_eos=False``
+        makes exactly ``max_new_tokens`` (for measurements)."""
+        max_new_tokens = stop.max_new_tokens if stop else max_new_tokens or self.config.max_new_tokens
         device = self.target.model.device
-        pipeline = self.pipeline_for(len(prompt_ids), max_new_tokens)
-        generator = torch.Generator(device=device).manual_seed(self.config.seed)
-        stop = self.stop_rule(max_new_tokens) if stop_at_eos else StopRule(frozenset(), max_new_tokens)
+        pipeline = self.pipeline_for(len(prompt_ids), max_new_tokens, sampling)
+        generator = torch.Generator(device=device).manual_seed(self.config.seed if seed is None else seed)
+        if stop is None:
+            stop = self.stop_rule(max_new_tokens) if stop_at_eos else StopRule(frozenset(), max_new_tokens)
         return pipeline.generate(torch.tensor(prompt_ids, device=device), stop, generator, on_tokens=on_tokens)
 
 

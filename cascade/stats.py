@@ -185,7 +185,7 @@ class GenerationStats:
     decode_s: float = 0.0
     """Every step after the first new token: new_tokens - 1 of them."""
     stop_reason: str = ""
-    """"eos" or "max_new_tokens"."""
+    """"eos", "max_new_tokens", "stop_string" or "cancelled" (``StopRule``)."""
     stages: list[StageStats] = field(default_factory=list)
     predicted_speedup: float = 1.0
     """The cost model's speed-up over plain decoding, from what the run measured of the stage

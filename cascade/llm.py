@@ -1,0 +1,216 @@
+"""``from cascade import LLM``: a preset's models loaded once, then generate, stream and chat from Python."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from cascade.completion import FINISH_REASONS, Completion, IncrementalText, Stream, TextCallback
+from cascade.errors import CascadeError
+from cascade.runtime import build_runtime
+from cascade.stop_strings import StopStrings
+from configs import PipelineConfig, SamplingConfig, load_config
+
+Prompt = str | Sequence[int]
+"""Text (encoded with the target's tokenizer) or token ids."""
+Messages = Sequence[Mapping[str, Any]]
+"""A chat: ``{"role": ..., "content": ...}`` dicts, put into the target's chat template."""
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation, checked and encoded (``LLM.prepare``)."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingConfig
+    seed: int
+    stop_strings: StopStrings | None
+
+
+class LLM:
+    """A preset's models, loaded once; its generations run one at a time, in the order they ask.
+
+    ``LLM(preset, target, draft, dtype, config=FILE, **overrides)``: ``preset`` names one of
+    ``configs/presets`` (default ``self-spec``) or ``config`` gives a YAML file; ``target`` and
+    ``draft`` are catalog names (``python -m cascade.models list``) or checkpoint directories;
+    ``overrides`` are the CLI's ``--set`` settings, dotted (``**{"stages.0.gamma": 4}``) or with
+    ``__`` for the dots (``sampling__temperature=0.7``). A bad setting raises ``ValueError`` with the
+    CLI's message.
+
+    >>> llm = LLM("speculative", target="qwen2.5-coder-1.5b-instruct")
+    >>> llm.generate("def quicksort(items):", max_new_tokens=64).text
+    """
+
+    def __init__(
+        self,
+        preset: str | None = None,
+        target: str | Path | None = None,
+        draft: str | Path | None = None,
+        dtype: str | None = None,
+        *,
+        config: str | Path | None = None,
+        **overrides: Any,
+    ) -> None:
+        settings = {key.replace("__", "."): value for key, value in overrides.items()}
+        models = {"target.path": target, "draft.path": draft, "dtype": dtype}
+        settings |= {key: str(value) for key, value in models.items() if value is not None}
+        name, pipeline_config = load_config(preset, Path(config) if config else None, (), settings)
+        self._load(name, pipeline_config)
+
+    @classmethod
+    def from_config(cls, config: PipelineConfig, name: str = "config") -> LLM:
+        """An LLM for a validated config (``configs.load_config``'s), called ``name``."""
+        llm = cls.__new__(cls)
+        llm._load(name, config)
+        return llm
+
+    def _load(self, name: str, config: PipelineConfig) -> None:
+        self.name = name
+        self.config = config
+        self.runtime = build_runtime(config)
+        self._turn = FifoLock()
+
+    @property
+    def tokenizer(self):
+        return self.runtime.tokenizer
+
+    def generate(self, prompt: Prompt | Sequence[Prompt], **params: Any) -> Completion | list[Completion]:
+        """Complete ``prompt``, or each of a list of prompts (a list of Completions).
+
+        ``params``: ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed`` (each
+        defaulting to the config's) and ``stop`` (strings that end the generation where its text
+        completes one; the text stops before it)."""
+        if is_prompt_list(prompt):
+            return [self.run(self.prepare(one, **params)) for one in prompt]
+        return self.run(self.prepare(prompt, **params))
+
+    def stream(self, prompt: Prompt, **params: Any) -> Stream:
+        """Generate in the background; iterate the Stream for text deltas as tokens are accepted."""
+        request = self.prepare(prompt, **params)
+        return Stream(lambda on_text, cancelled: self.run(request, on_text, cancelled))
+
+    def chat(self, messages: Messages, **params: Any) -> Completion:
+        """The assistant's reply to ``messages``, through the target's chat template."""
+        return self.run(self.prepare(messages, chat=True, **params))
+
+    def stream_chat(self, messages: Messages, **params: Any) -> Stream:
+        """``chat``, streamed as ``stream`` does."""
+        request = self.prepare(messages, chat=True, **params)
+        return Stream(lambda on_text, cancelled: self.run(request, on_text, cancelled))
+
+    def prepare(
+        self,
+        prompt: Prompt | Messages,
+        *,
+        chat: bool = False,
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+    ) -> Request:
+        """``prompt`` encoded and every parameter checked (a ``ValueError`` says what is wrong)."""
+        prompt_ids = self.encode_chat(prompt) if chat else self.encode(prompt)
+        max_new_tokens = self.config.max_new_tokens if max_new_tokens is None else max_new_tokens
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise CascadeError(f"max_new_tokens: must be a whole number of at least 1; got {max_new_tokens!r}")
+        given = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
+        sampling = checked_sampling(self.config.sampling, {k: v for k, v in given.items() if v is not None})
+        seed = self.config.seed if seed is None else seed
+        if not isinstance(seed, int) or not 0 <= seed < 2**64:
+            raise CascadeError(f"seed: must be a whole number from 0 to 2**64 - 1; got {seed!r}")
+        stop_strings = StopStrings(self.tokenizer, stop) if stop else None
+        self.runtime.check_request(len(prompt_ids), max_new_tokens)
+        return Request(prompt_ids, max_new_tokens, sampling, seed, stop_strings)
+
+    def run(
+        self, request: Request, on_text: TextCallback | None = None, cancelled: threading.Event | None = None
+    ) -> Completion:
+        """Generate ``request`` (after the generations that asked first); ``on_text`` receives each
+        text delta; setting ``cancelled`` stops the generation after its current round."""
+        text = IncrementalText(self.tokenizer, request.stop_strings)
+
+        def on_tokens(tokens: list[int]) -> None:
+            if (delta := text.add(tokens)) and on_text:
+                on_text(delta)
+
+        stop = self.runtime.stop_rule(request.max_new_tokens, stop_strings=request.stop_strings, cancelled=cancelled)
+        with self._turn:
+            result = self.runtime.generate(
+                request.prompt_ids, on_tokens=on_tokens, sampling=request.sampling, seed=request.seed, stop=stop
+            )
+        if (delta := text.finish()) and on_text:
+            on_text(delta)
+        reason = FINISH_REASONS[result.stats.stop_reason]
+        return Completion(text.text, result.token_ids, request.prompt_ids, reason, result.stats.to_dict())
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids of ``prompt`` (text, or ids checked against the vocabulary)."""
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise CascadeError("the prompt is empty: give some text")
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        vocab_size = self.runtime.target.model.spec.vocab_size
+        if not ids:
+            raise CascadeError("the prompt is empty: give some text or token ids")
+        if not all(isinstance(token, int) and 0 <= token < vocab_size for token in ids):
+            bad = next(t for t in ids if not (isinstance(t, int) and 0 <= t < vocab_size))
+            raise CascadeError(f"the prompt's token ids must be whole numbers from 0 to {vocab_size - 1}; got {bad!r}")
+        return ids
+
+    def encode_chat(self, messages: Messages) -> list[int]:
+        """Token ids of ``messages`` in the target's chat template, ending where the assistant's reply begins."""
+        if not self.tokenizer.chat_template:
+            raise CascadeError(f"the target ({self.runtime.target.path}) has no chat template; give a plain prompt")
+        if isinstance(messages, str | bytes) or not messages:
+            raise CascadeError('a chat is a non-empty list of {"role": ..., "content": ...} messages')
+        for index, message in enumerate(messages):
+            if not isinstance(message, Mapping) or message.get("role") not in CHAT_ROLES:
+                raise CascadeError(f"messages[{index}]: needs a role, one of {', '.join(CHAT_ROLES)}; got {message!r}")
+            if not isinstance(message.get("content"), str):
+                raise CascadeError(f"messages[{index}].content: must be text; got {message.get('content')!r}")
+        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+def is_prompt_list(prompt: Any) -> bool:
+    """Whether ``prompt`` is several prompts (texts or id lists) rather than one."""
+    return not isinstance(prompt, str) and bool(prompt) and all(not isinstance(p, int) for p in prompt)
+
+
+def checked_sampling(base: SamplingConfig, given: dict[str, Any]) -> SamplingConfig:
+    """``base`` with ``given`` settings, validated as the config's ``sampling`` is."""
+    try:
+        return SamplingConfig.model_validate(base.model_dump() | given)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise CascadeError(problems) from None
+
+
+class FifoLock:
+    """A lock granted in the order it was asked for (``threading.Lock`` promises no order)."""
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._next_ticket = 0
+        self._serving = 0
+
+    def __enter__(self) -> None:
+        with self._condition:
+            ticket, self._next_ticket = self._next_ticket, self._next_ticket + 1
+            self._condition.wait_for(lambda: self._serving == ticket)
+
+    def __exit__(self, *exc_info: object) -> None:
+        with self._condition:
+            self._serving += 1
+            self._condition.notify_all()
