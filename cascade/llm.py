@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from cascade.completion import FINISH_REASONS, Completion, IncrementalText, Stream, TextCallback
 from cascade.errors import CascadeError
+from cascade.pipeline import StopRule
 from cascade.runtime import build_runtime
 from cascade.stop_strings import StopStrings
 from configs import PipelineConfig, SamplingConfig, load_config
@@ -33,6 +34,8 @@ class Request:
     sampling: SamplingConfig
     seed: int
     stop_strings: StopStrings | None
+    ignore_eos: bool = False
+    """Make exactly ``max_new_tokens`` (measurements), unless a stop string ends it first."""
 
 
 class LLM:
@@ -86,8 +89,8 @@ class LLM:
         """Complete ``prompt``, or each of a list of prompts (a list of Completions).
 
         ``params``: ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed`` (each
-        defaulting to the config's) and ``stop`` (strings that end the generation where its text
-        completes one; the text stops before it)."""
+        defaulting to the config's), ``stop`` (strings that end the generation where its text
+        completes one; the text stops before it) and ``ignore_eos`` (go on past end-of-sequence)."""
         if is_prompt_list(prompt):
             return [self.run(self.prepare(one, **params)) for one in prompt]
         return self.run(self.prepare(prompt, **params))
@@ -117,6 +120,7 @@ class LLM:
         top_k: int | None = None,
         seed: int | None = None,
         stop: str | Sequence[str] | None = None,
+        ignore_eos: bool = False,
     ) -> Request:
         """``prompt`` encoded and every parameter checked (a ``ValueError`` says what is wrong)."""
         prompt_ids = self.encode_chat(prompt) if chat else self.encode(prompt)
@@ -130,7 +134,7 @@ class LLM:
             raise CascadeError(f"seed: must be a whole number from 0 to 2**64 - 1; got {seed!r}")
         stop_strings = StopStrings(self.tokenizer, stop) if stop else None
         self.runtime.check_request(len(prompt_ids), max_new_tokens)
-        return Request(prompt_ids, max_new_tokens, sampling, seed, stop_strings)
+        return Request(prompt_ids, max_new_tokens, sampling, seed, stop_strings, ignore_eos)
 
     def run(
         self, request: Request, on_text: TextCallback | None = None, cancelled: threading.Event | None = None
@@ -143,7 +147,8 @@ class LLM:
             if (delta := text.add(tokens)) and on_text:
                 on_text(delta)
 
-        stop = self.runtime.stop_rule(request.max_new_tokens, stop_strings=request.stop_strings, cancelled=cancelled)
+        eos = frozenset() if request.ignore_eos else frozenset(self.runtime.target.eos_token_ids)
+        stop = StopRule(eos, request.max_new_tokens, request.stop_strings, cancelled)
         with self._turn:
             result = self.runtime.generate(
                 request.prompt_ids, on_tokens=on_tokens, sampling=request.sampling, seed=request.seed, stop=stop

@@ -184,9 +184,8 @@ class Runtime:
             )
         return [stages[i] for i in range(last + 1)]
 
-    def stop_rule(self, max_new_tokens: int, **extra) -> StopRule:
-        """Stop at the target's EOS tokens or after ``max_new_tokens``; ``extra``: StopRule's other fields."""
-        return StopRule(frozenset(self.target.eos_token_ids), max_new_tokens, **extra)
+    def stop_rule(self, max_new_tokens: int) -> StopRule:
+        return StopRule(frozenset(self.target.eos_token_ids), max_new_tokens)
 
     def generate(
         self,

@@ -40,9 +40,9 @@ from cascade.checkpoint import yarn_scaling
 from cascade.data import DOCUMENT_NAMES, document_ids
 from cascade.errors import CascadeError, entry_point
 from cascade.home import prompt_cache_dir, prompt_cache_option
+from cascade.llm import LLM
 from cascade.models import default_model
 from cascade.runs import run_files
-from cascade.runtime import build_runtime
 from cascade.schedule import SCHEDULES
 from configs import load_config
 from configs.loading import policy_at_budget, policy_option
@@ -63,19 +63,20 @@ def measure(args, target: Path, prompt: list[int], policy: str, budget: int) -> 
     if scaling := yarn_scaling(target, len(prompt) + args.new_tokens):
         settings["target.rope_scaling"] = scaling
     _, config = load_config("self-spec", None, [], settings)
-    runtime = build_runtime(config)
-    result = runtime.generate(prompt, args.new_tokens, stop_at_eos=False)
-    stage = result.stats.stages[0]
-    return {
-        "acceptance": stage.acceptance_rate,
-        "acceptance_mle": stage.acceptance_mle,
-        "mean_accepted_run": stage.mean_accepted_run,
-        "proposed": stage.proposed,
-        "accepted": stage.accepted,
-        "rounds": stage.rounds,
-        "tree_nodes": stage.tree_nodes,
-        "rank_acceptance": stage.rank_acceptance,
-        "choice_ranks": stage.choice_ranks,
+    llm = LLM.from_config(config)
+    stage = llm.run(llm.prepare(prompt, max_new_tokens=args.new_tokens, ignore_eos=True)).stats["stages"][0]
+    return {"acceptance": stage["acceptance_rate"]} | {
+        key: stage[key]
+        for key in (
+            "acceptance_mle",
+            "mean_accepted_run",
+            "proposed",
+            "accepted",
+            "rounds",
+            "tree_nodes",
+            "rank_acceptance",
+            "choice_ranks",
+        )
     }
 
 

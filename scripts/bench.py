@@ -197,20 +197,22 @@ def run_cascade(
     args, impl: str, target: Path, draft: Path | None, prompt: torch.Tensor, mode: str
 ) -> tuple[dict, list[int]]:
     from cascade.huge_pages import huge_page_bytes
-    from cascade.runtime import build_runtime
+    from cascade.llm import LLM
 
     config = cascade_config(args, impl, target, draft, prompt, mode)
-    runtime = build_runtime(config)
+    llm = LLM.from_config(config, impl)
+    runtime = llm.runtime
     if runtime.capture is None:
         warmup, warmup_tokens = prompt[:WARMUP_TOKENS], min(args.new_tokens, WARMUP_NEW_TOKENS)
     else:  # graphs belong to the caches they were captured over: warm up those of the measured request
         warmup, warmup_tokens = prompt, args.new_tokens
     for _ in range(args.warmups):
-        runtime.generate(warmup.tolist(), warmup_tokens, stop_at_eos=False)
+        llm.run(llm.prepare(warmup.tolist(), max_new_tokens=warmup_tokens, ignore_eos=True))
     graphs_before = captured_graphs(runtime)
     # no EOS: exactly N tokens, like min_new_tokens; seeded from the config (seed 0)
-    result = runtime.generate(prompt.tolist(), 2 if args.store_only else args.new_tokens, stop_at_eos=False)
-    stats = result.stats.to_dict()
+    new_tokens = 2 if args.store_only else args.new_tokens
+    result = llm.run(llm.prepare(prompt.tolist(), max_new_tokens=new_tokens, ignore_eos=True))
+    stats = result.stats
     loaded = stats["prefill_loaded"]
     stored = runtime.prompt_caches["target"].path(prompt, config.prefill_chunk) if args.prompt_cache else None
     verifier = stats["stages"][-1]  # the full-cache target: its passes read its weights and the whole KV

@@ -18,9 +18,9 @@ from pathlib import Path
 
 from cascade.checkpoint import checkpoint_option
 from cascade.data import DOCUMENT_NAMES, document_text
+from cascade.llm import LLM
 from cascade.logs import show_logs
 from cascade.runs import run_files
-from cascade.runtime import Runtime, build_runtime
 from configs import load_config
 
 
@@ -51,16 +51,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def preset_runtime(preset: str, args: argparse.Namespace, overrides: list[str]) -> Runtime:
+def preset_llm(preset: str, args: argparse.Namespace, overrides: list[str]) -> LLM:
     settings = {"dtype": args.dtype, "max_new_tokens": args.new_tokens}
     if args.draft:
         settings["draft.path"] = str(args.draft)
     _, config = load_config(preset, None, overrides, settings)
-    return build_runtime(config)
+    return LLM.from_config(config, preset)
 
 
-def greedy_tokens(runtime: Runtime, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    return [runtime.generate(prompt, new_tokens, stop_at_eos=False).token_ids for prompt in prompts]
+def greedy_tokens(llm: LLM, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    return [llm.run(llm.prepare(prompt, max_new_tokens=new_tokens, ignore_eos=True)).token_ids for prompt in prompts]
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -77,13 +77,13 @@ def main(argv: list[str] | None = None) -> int:
         },
         "presets": {},
     }
-    autoregressive = preset_runtime("autoregressive", args, [])
+    autoregressive = preset_llm("autoregressive", args, [])
     ids = autoregressive.tokenizer.encode(document_text(args.document))
     prompts = [ids[i * args.context : (i + 1) * args.context] for i in range(args.prompts)]
     reference = greedy_tokens(autoregressive, prompts, args.new_tokens)
     del autoregressive
     for preset in args.presets:
-        outputs = greedy_tokens(preset_runtime(preset, args, args.set), prompts, args.new_tokens)
+        outputs = greedy_tokens(preset_llm(preset, args, args.set), prompts, args.new_tokens)
         firsts = [first_difference(out, ref) for out, ref in zip(outputs, reference, strict=True)]
         diverged = [f for f in firsts if f is not None]
         report["presets"][preset] = {"diverged": len(diverged), "of": len(firsts), "first_difference": firsts}

@@ -29,10 +29,10 @@ from cascade.data import document_ids
 from cascade.draft.agreement import greedy_agreement
 from cascade.draft.teacher import HELD_OUT
 from cascade.errors import CascadeError
+from cascade.llm import LLM
 from cascade.logs import show_logs
 from cascade.models import default_model
 from cascade.runs import run_files
-from cascade.runtime import build_runtime
 from configs import load_config
 
 SAMPLE = {"document": "lcet10", "tokens": 768, "evaluated": 256, "dtype": "float32"}
@@ -58,16 +58,16 @@ def triforce_acceptance(target: Path, draft: Path, prompt: torch.Tensor, new_tok
     if scaling := yarn_scaling(target, prompt.numel() + new_tokens):
         settings["target.rope_scaling"] = scaling
     _, config = load_config("triforce", None, [], settings)
-    runtime = build_runtime(config)
-    result = runtime.generate(prompt.tolist(), new_tokens, stop_at_eos=False)
-    tier0, verifier = result.stats.stages[0], result.stats.stages[1]
+    llm = LLM.from_config(config)
+    completion = llm.run(llm.prepare(prompt.tolist(), max_new_tokens=new_tokens, ignore_eos=True))
+    tier0, verifier = completion.stats["stages"][:2]
     return {
-        "acceptance": tier0.acceptance_rate,
-        "acceptance_per_token": tier0.acceptance_mle,
-        "mean_accepted_run": tier0.mean_accepted_run,
-        "gamma": tier0.mean_gamma,
-        "proposed": tier0.proposed,
-        "verified_by": verifier.name,
+        "acceptance": tier0["acceptance_rate"],
+        "acceptance_per_token": tier0["acceptance_mle"],
+        "mean_accepted_run": tier0["mean_accepted_run"],
+        "gamma": tier0["mean_gamma"],
+        "proposed": tier0["proposed"],
+        "verified_by": verifier["name"],
     }
 
 

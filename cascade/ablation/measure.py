@@ -14,7 +14,7 @@ from cache.config import budget_for
 from cascade.ablation.grid import RUN_KEYS, Run
 from cascade.checkpoint import yarn_scaling
 from cascade.data import document_ids
-from cascade.runtime import build_runtime
+from cascade.llm import LLM
 from configs import load_config
 
 BUDGET_GRANULE = 64
@@ -70,24 +70,24 @@ def measure(run: Run, target: Path, dtype: str, repeats: int, prompt_cache: str 
     started = time.perf_counter()
     settings = config_settings(run, target, dtype) | {"prompt_cache.dir": prompt_cache}
     _, config = load_config(run.get("preset"), None, [], settings)
-    runtime = build_runtime(config)
+    llm = LLM.from_config(config)
     prompt = list(prompt_tokens(target, run.get("document"), run.get("context")))
-    runtime.generate(prompt, WARMUP_TOKENS, stop_at_eos=False)
-    results = [runtime.generate(prompt, run.get("new_tokens"), stop_at_eos=False) for _ in range(repeats)]
-    stats = results[-1].stats
-    speeds = [result.stats.tokens_per_s for result in results]
-    proposers = stats.stages[:-1]
+    llm.run(llm.prepare(prompt, max_new_tokens=WARMUP_TOKENS, ignore_eos=True))
+    request = llm.prepare(prompt, max_new_tokens=run.get("new_tokens"), ignore_eos=True)
+    runs = [llm.run(request).stats for _ in range(repeats)]
+    stats, speeds = runs[-1], [run_stats["tokens_per_s"] for run_stats in runs]
+    proposers = stats["stages"][:-1]
     return {
         "run_id": run.id,
         **{key: run.get(key, "") for key in RUN_KEYS},
         "settings": json.dumps({key: value for key, value in run.settings if key not in RUN_KEYS}),
         "tokens_per_s": round(statistics.median(speeds), 3),
         "ms_per_token": round(1000 / statistics.median(speeds), 3),
-        "prefill_s": "" if stats.prefill_loaded else round(stats.prefill_s, 3),
-        "tokens_per_verify": round(stats.tokens_per_verify, 3),
-        "predicted_speedup": round(stats.predicted_speedup, 3),
-        "acceptance": json.dumps({stage.name: round(stage.acceptance_rate, 4) for stage in proposers}),
-        "mean_accepted_run": json.dumps({stage.name: round(stage.mean_accepted_run, 3) for stage in proposers}),
-        "stage_time_s": json.dumps({stage.name: round(stage.time_s, 3) for stage in stats.stages}),
+        "prefill_s": "" if stats["prefill_loaded"] else round(stats["prefill_s"], 3),
+        "tokens_per_verify": round(stats["tokens_per_verify"], 3),
+        "predicted_speedup": round(stats["predicted_speedup"], 3),
+        "acceptance": json.dumps({stage["name"]: round(stage["acceptance_rate"], 4) for stage in proposers}),
+        "mean_accepted_run": json.dumps({stage["name"]: round(stage["mean_accepted_run"], 3) for stage in proposers}),
+        "stage_time_s": json.dumps({stage["name"]: round(stage["time_s"], 3) for stage in stats["stages"]}),
         "wall_s": round(time.perf_counter() - started, 1),
     }

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import functools
 
-from cascade.runtime import build_runtime
+from cascade.llm import LLM
 from cascade.summarize.job import Job, Outcome, Progress, pending_documents, record_for
 from cascade.summarize.results import ResultLog
 from cascade.summarize.summarizer import Summarizer
 
 
 def summarizer_for(job: Job) -> Summarizer:
-    runtime = build_runtime(job.config)
-    return Summarizer(runtime, job.template, job.config.max_new_tokens)
+    return Summarizer(LLM.from_config(job.config), job.template, job.config.max_new_tokens)
 
 
 def run_local(job: Job) -> Outcome:

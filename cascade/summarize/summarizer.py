@@ -1,12 +1,11 @@
-"""Summarize one document with a runtime, within its context: whole, truncated, or map-reduced."""
+"""Summarize one document with an LLM, within its context: whole, truncated, or map-reduced."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from cascade.errors import CascadeError
-from cascade.runtime import Runtime
-from cascade.stats import GenerationStats
+from cascade.llm import LLM
 from cascade.summarize.prompts import COMBINE_TEMPLATE, PART_TEMPLATE, PromptBuilder
 
 
@@ -24,15 +23,16 @@ class SummaryStats:
     proposed: dict[str, int] = field(default_factory=dict)
     accepted: dict[str, int] = field(default_factory=dict)
 
-    def add(self, stats: GenerationStats) -> None:
-        self.prompt_tokens += stats.prompt_tokens
-        self.new_tokens += stats.new_tokens
-        self.prefill_s += stats.prefill_s
-        self.decode_s += stats.decode_s
+    def add(self, stats: dict) -> None:
+        """Count one generation's ``Completion.stats``."""
+        self.prompt_tokens += stats["prompt_tokens"]
+        self.new_tokens += stats["new_tokens"]
+        self.prefill_s += stats["prefill_s"]
+        self.decode_s += stats["decode_s"]
         self.generations += 1
-        for stage in stats.stages[:-1]:
-            self.proposed[stage.name] = self.proposed.get(stage.name, 0) + stage.proposed
-            self.accepted[stage.name] = self.accepted.get(stage.name, 0) + stage.accepted
+        for stage in stats["stages"][:-1]:
+            self.proposed[stage["name"]] = self.proposed.get(stage["name"], 0) + stage["proposed"]
+            self.accepted[stage["name"]] = self.accepted.get(stage["name"], 0) + stage["accepted"]
 
     def to_dict(self) -> dict:
         decoded = self.new_tokens - self.generations  # each generation's first token comes with its prefill
@@ -59,16 +59,16 @@ class Summary:
 
 
 class Summarizer:
-    def __init__(self, runtime: Runtime, template: str, max_new_tokens: int) -> None:
-        self.runtime = runtime
+    def __init__(self, llm: LLM, template: str, max_new_tokens: int) -> None:
+        self.llm = llm
         self.template = template
         self.max_new_tokens = max_new_tokens
-        self.long_documents = runtime.config.long_documents
-        self.prompts = PromptBuilder(runtime.tokenizer)
+        self.long_documents = llm.config.long_documents
+        self.prompts = PromptBuilder(llm.tokenizer)
 
     def room(self, template: str) -> int:
         """Document tokens that fit with ``template`` and the new tokens in the context."""
-        limit = self.runtime.context_limit()
+        limit = self.llm.runtime.context_limit()
         room = limit - self.max_new_tokens - self.prompts.overhead(template)
         if room < 1:
             raise CascadeError(
@@ -89,9 +89,10 @@ class Summarizer:
         return self.map_reduced(ids, stats)
 
     def generate(self, template: str, document_ids: list[int], stats: SummaryStats) -> str:
-        result = self.runtime.generate(self.prompts.ids(template, document_ids), self.max_new_tokens)
-        stats.add(result.stats)
-        return self.prompts.decode(result.token_ids).strip()
+        prompt_ids = self.prompts.ids(template, document_ids)
+        completion = self.llm.run(self.llm.prepare(prompt_ids, max_new_tokens=self.max_new_tokens))
+        stats.add(completion.stats)
+        return completion.text.strip()
 
     def truncated(self, ids: list[int], room: int, stats: SummaryStats) -> Summary:
         head = max(1, round(room * self.long_documents.head_share))

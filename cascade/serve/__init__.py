@@ -1,0 +1,1 @@
+"""``python -m cascade.serve``: an OpenAI-compatible HTTP server over ``cascade.LLM`` (``app``)."""
