@@ -24,7 +24,8 @@ def peers_dir() -> Path:
 
 
 def prompt_cache_dir() -> Path:
-    """Where the measurement scripts store prefilled prompts (see ``prompt_cache`` in the config)."""
+    """Where ``cascade.LLM``, the server and the measurement scripts store prefilled prompts by
+    default (see ``prompt_cache`` in the config)."""
     return cascade_home() / "prompt-cache"
 
 

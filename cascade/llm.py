@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from cascade.completion import FINISH_REASONS, Completion, IncrementalText, Stream, TextCallback
 from cascade.errors import CascadeError
+from cascade.home import prompt_cache_dir
 from cascade.pipeline import StopRule
 from cascade.runtime import build_runtime
 from cascade.stop_strings import StopStrings
@@ -46,7 +47,9 @@ class LLM:
     ``draft`` are catalog names (``python -m cascade.models list``) or checkpoint directories;
     ``overrides`` are the CLI's ``--set`` settings, dotted (``**{"stages.0.gamma": 4}``) or with
     ``__`` for the dots (``sampling__temperature=0.7``). A bad setting raises ``ValueError`` with the
-    CLI's message.
+    CLI's message. Prompts are reused (``reuse_prompts``): a prompt that begins as an earlier one did
+    (a document asked another question) prefills only what follows the shared passes, from the
+    prompt cache (``prompt_cache.dir``, by default ``$CASCADE_HOME/prompt-cache``).
 
     >>> llm = LLM("speculative", target="qwen2.5-coder-1.5b-instruct")
     >>> llm.generate("def quicksort(items):", max_new_tokens=64).text
@@ -60,13 +63,14 @@ class LLM:
         dtype: str | None = None,
         *,
         config: str | Path | None = None,
+        reuse_prompts: bool = True,
         **overrides: Any,
     ) -> None:
         settings = {key.replace("__", "."): value for key, value in overrides.items()}
         models = {"target.path": target, "draft.path": draft, "dtype": dtype}
         settings |= {key: str(value) for key, value in models.items() if value is not None}
         name, pipeline_config = load_config(preset, Path(config) if config else None, (), settings)
-        self._load(name, pipeline_config)
+        self._load(name, with_prompt_cache(pipeline_config) if reuse_prompts else pipeline_config)
 
     @classmethod
     def from_config(cls, config: PipelineConfig, name: str = "config") -> LLM:
@@ -133,7 +137,7 @@ class LLM:
         if not isinstance(seed, int) or not 0 <= seed < 2**64:
             raise CascadeError(f"seed: must be a whole number from 0 to 2**64 - 1; got {seed!r}")
         stop_strings = StopStrings(self.tokenizer, stop) if stop else None
-        self.runtime.check_request(len(prompt_ids), max_new_tokens)
+        self.runtime.check_request(len(prompt_ids), max_new_tokens, log_skips=False)  # logged as it runs
         return Request(prompt_ids, max_new_tokens, sampling, seed, stop_strings, ignore_eos)
 
     def run(
@@ -186,6 +190,14 @@ class LLM:
                 raise CascadeError(f"messages[{index}].content: must be text; got {message.get('content')!r}")
         text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+def with_prompt_cache(config: PipelineConfig) -> PipelineConfig:
+    """``config`` storing and reusing prefilled prompts: in its ``prompt_cache.dir``, else the default one."""
+    if config.prompt_cache.dir is not None:
+        return config
+    cache = config.prompt_cache.model_copy(update={"dir": str(prompt_cache_dir())})
+    return config.model_copy(update={"prompt_cache": cache})
 
 
 def is_prompt_list(prompt: Any) -> bool:

@@ -1,19 +1,27 @@
-"""Prefilled prompts on disk: a full-cache stage that has prefilled the same prompt before, with the
-same model and settings, loads the prompt's K/V and last logits instead of recomputing them.
+"""Prefilled prompts on disk: a full-cache stage whose prompt begins with one prefilled before, with
+the same model and settings, loads that prefix's K/V instead of recomputing it, and the last
+logits too when the whole prompt was prefilled before.
 
-One safetensors file per (model, settings, prompt): each layer's keys and values [1, H_kv, T, D],
-the last position's logits [V] and the prompt's token ids (checked on load). The file's name
-hashes everything that decides those numbers: the checkpoint's files, dtype, rope scaling,
-device type, prefill chunk, the fused-pass setting, the attention kernel family and the
-model code itself, so a loaded prompt is what prefilling it would compute. Files are written to a
-temporary name and renamed (an interrupted write leaves nothing behind); after each write the least
-recently used files beyond ``max_gb`` are deleted (only files named as this cache names them: the
-directory may hold anything else); a file that cannot be read is reported, deleted and recomputed.
-A directory that cannot be written is reported and the prompt computed as without a cache.
+A prompt's prefill is stored as it ran: one file per ``chunk``-token pass (each layer's keys and
+values [1, H_kv, chunk, D] and the pass's token ids, checked on load), the last pass's file holding
+the last position's logits [V] too. A pass's file is named by a digest of every token up to its end
+(the last pass's by the whole prompt, tagged apart) and of everything that decides those numbers:
+the checkpoint's files, dtype, rope scaling, device type, the chunk, the fused-pass setting, the
+attention kernel family and the model code itself. A new prompt that shares its first N tokens
+with a stored one finds the files of the passes within them, loads them, and prefills the rest
+from there, pass for pass as a cold prefill would (the passes start at multiples of ``chunk``):
+its K/V and logits are bitwise a cold run's. Prompts sharing a prefix share its files.
+
+Files are written to a temporary name and renamed (an interrupted write leaves nothing behind; two
+processes writing the same file write the same bytes); after each write the least recently used
+files beyond ``max_gb`` are deleted (only files named as this cache names them: the directory may
+hold anything else); a file that cannot be read is reported, deleted and recomputed. A directory
+that cannot be written is reported and the prompt computed as without a cache.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -42,11 +50,20 @@ KV_NAMES = ("keys", "values")
 """A stored layer's tensors are named ``keys.{layer}`` and ``values.{layer}``."""
 
 
-def stored_layer(stored: safe_open, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """From an open prompt file: ``layer``'s keys and values [1, H_kv, length, D] (rotated keys)
-    of the prompt's first ``length`` tokens."""
-    keys, values = (stored.get_slice(f"{name}.{layer}")[:, :, :length] for name in KV_NAMES)
+def stored_layer(stored: safe_open, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """From an open file of a stored pass: ``layer``'s keys and values [1, H_kv, N, D] (rotated keys)."""
+    keys, values = (stored.get_tensor(f"{name}.{layer}") for name in KV_NAMES)
     return keys, values
+
+
+def touch(path: Path) -> bool:
+    """Mark ``path`` most recently used; False if it does not exist (or no longer: another process
+    may evict it)."""
+    try:
+        os.utime(path)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def model_key(checkpoint_dir: Path, settings: dict[str, object]) -> str:
@@ -70,58 +87,96 @@ class PromptCache:
     model: str
     max_bytes: int
 
-    def path(self, prompt_ids: torch.Tensor, chunk: int) -> Path:
+    def passes(self, prompt_ids: torch.Tensor, chunk: int) -> list[tuple[Path, range]]:
+        """The files of prompt_ids' [T] prefill with the positions of each: one per pass of
+        ``chunk`` tokens before the last, then the last pass's (which holds the logits)."""
+        tokens = prompt_ids.cpu().to(torch.int64).numpy()
+        last_pass = (len(tokens) - 1) // chunk * chunk
         digest = hashlib.sha256(f"{self.model}:{chunk}:".encode())
-        digest.update(prompt_ids.cpu().to(torch.int64).numpy().tobytes())
-        return self.directory / f"{digest.hexdigest()}.safetensors"
+        files = []
+        for start in range(0, len(tokens), chunk):
+            span = range(start, min(start + chunk, len(tokens)))
+            digest.update(tokens[span.start : span.stop].tobytes())
+            name = digest.copy()
+            name.update(b"prompt" if start == last_pass else b"prefix")
+            files.append((self.directory / f"{name.hexdigest()}.safetensors", span))
+        return files
 
-    def load(self, prompt_ids: torch.Tensor, chunk: int, cache: FullCache) -> torch.Tensor | None:
-        """Fill ``cache`` with the stored prefill of prompt_ids [T] -> its last logits [V], or None."""
-        path = self.path(prompt_ids, chunk)
-        if not path.exists():
-            return None
-        length = prompt_ids.numel()
-        try:
-            with safe_open(path, framework="pt", device=str(cache.layout.device)) as stored:
-                if not torch.equal(stored.get_tensor("prompt").cpu(), prompt_ids.cpu().to(torch.int64)):
-                    raise ValueError("it holds a different prompt")
-                cache.allocate(length)
-                for layer in range(cache.layout.num_layers):
-                    keys, values = stored_layer(stored, layer, length)
-                    cache.keys[layer, :, :, :length], cache.values[layer, :, :, :length] = keys, values
-                logits = stored.get_tensor("logits")  # [V]
-        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-            logger.warning(f"prompt cache: {path.name} is unusable ({exc}); deleting it and prefilling")
-            cache.rollback(0)
-            path.unlink(missing_ok=True)
-            return None
-        cache.commit(length)
-        os.utime(path)  # most recently used
-        return logits
+    def path(self, prompt_ids: torch.Tensor, chunk: int) -> Path:
+        """The file that completes prompt_ids' stored prefill: its last pass's, with the logits."""
+        return self.passes(prompt_ids, chunk)[-1][0]
+
+    def load(self, prompt_ids: torch.Tensor, chunk: int, cache: FullCache) -> tuple[int, torch.Tensor | None]:
+        """Fill the emptied ``cache`` with the longest stored prefix of prompt_ids [T], whole passes
+        from the start -> (its length, the last logits [V] if it is the whole prompt, else None)."""
+        logits = None
+        for path, span in self.passes(prompt_ids, chunk):
+            if not path.exists():
+                break
+            try:
+                logits = self._load_pass(path, prompt_ids[span.start : span.stop], cache)
+            except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+                logger.warning(f"prompt cache: {path.name} is unusable ({exc}); deleting it and prefilling")
+                cache.rollback(span.start)
+                path.unlink(missing_ok=True)
+                break
+            cache.commit(span.stop)
+            touch(path)
+        return cache.length, logits
+
+    def _load_pass(self, path: Path, pass_ids: torch.Tensor, cache: FullCache) -> torch.Tensor | None:
+        """Append one stored pass of pass_ids [N] to ``cache`` -> its logits [V] if it has them."""
+        with safe_open(path, framework="pt", device=str(cache.layout.device)) as stored:
+            if not torch.equal(stored.get_tensor("prompt").cpu(), pass_ids.cpu().to(torch.int64)):
+                raise ValueError("it holds other tokens")
+            start, end = cache.length, cache.length + pass_ids.numel()
+            cache.allocate(pass_ids.numel())
+            for layer in range(cache.layout.num_layers):
+                keys, values = stored_layer(stored, layer)
+                cache.keys[layer, :, :, start:end], cache.values[layer, :, :, start:end] = keys, values
+            return stored.get_tensor("logits") if "logits" in stored.keys() else None  # [V]
 
     def save(self, prompt_ids: torch.Tensor, chunk: int, cache: FullCache, logits: torch.Tensor) -> None:
-        """Store the prefill of prompt_ids [T] (now in ``cache``) and its last logits [V]."""
-        length = prompt_ids.numel()
-        tensors = {"prompt": prompt_ids.cpu().to(torch.int64), "logits": logits.contiguous()}
-        for layer in range(cache.layout.num_layers):
-            for name, buffer in zip(KV_NAMES, (cache.keys, cache.values), strict=True):
-                tensors[f"{name}.{layer}"] = buffer[layer, :, :, :length].contiguous()  # [1, H_kv, T, D]
-        path = self.path(prompt_ids, chunk)
+        """Store the passes of prompt_ids' [T] prefill (now in ``cache``) not stored yet, the last
+        with its logits [V]."""
+        passes = self.passes(prompt_ids, chunk)
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            with atomic.replacing(path) as partial:
-                save_file(tensors, partial)
+            for index, (path, span) in enumerate(passes):
+                if touch(path):
+                    continue
+                last = index == len(passes) - 1
+                tensors = self._pass_tensors(prompt_ids, span, cache, logits if last else None)
+                with atomic.replacing(path) as partial:
+                    save_file(tensors, partial)
         except OSError as exc:
-            logger.warning(f"prompt cache: could not store {path.name} in {self.directory}: {exc.strerror or exc}")
+            logger.warning(f"prompt cache: could not store a prefill in {self.directory}: {exc.strerror or exc}")
             return
-        self._evict(keep=path)
+        self._evict(keep={path for path, _ in passes})
 
-    def _evict(self, keep: Path) -> None:
-        """Delete the least recently used stored prompts until the rest fit in ``max_bytes``."""
-        stored = [path for path in self.directory.iterdir() if STORED_NAME.fullmatch(path.name)]
-        stored.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+    @staticmethod
+    def _pass_tensors(
+        prompt_ids: torch.Tensor, span: range, cache: FullCache, logits: torch.Tensor | None
+    ) -> dict[str, torch.Tensor]:
+        tensors = {"prompt": prompt_ids[span.start : span.stop].cpu().to(torch.int64)}
+        if logits is not None:
+            tensors["logits"] = logits.contiguous()
+        for layer in range(cache.layout.num_layers):
+            for name, buffer in zip(KV_NAMES, (cache.keys, cache.values), strict=True):
+                tensors[f"{name}.{layer}"] = buffer[layer, :, :, span.start : span.stop].contiguous()  # [1, H_kv, N, D]
+        return tensors
+
+    def _evict(self, keep: set[Path]) -> None:
+        """Delete the least recently used stored passes until the rest fit in ``max_bytes`` (files
+        another process deletes meanwhile are passed over)."""
+        stored = []
+        for path in self.directory.iterdir():
+            if STORED_NAME.fullmatch(path.name):
+                with contextlib.suppress(FileNotFoundError):
+                    status = path.stat()
+                    stored.append((status.st_mtime, status.st_size, path))
         total = 0
-        for path in stored:
-            total += path.stat().st_size
-            if total > self.max_bytes and path != keep:
+        for _, size, path in sorted(stored, key=lambda entry: entry[0], reverse=True):
+            total += size
+            if total > self.max_bytes and path not in keep:
                 path.unlink(missing_ok=True)

@@ -103,8 +103,9 @@ class Runtime:
         limit = self.target.model.spec.max_context
         return min(limit, self.config.max_context) if self.config.max_context else limit
 
-    def check_request(self, prompt_tokens: int, max_new_tokens: int) -> PipelineConfig:
-        """The config this request runs (optional stages that cannot serve it dropped), or an error."""
+    def check_request(self, prompt_tokens: int, max_new_tokens: int, log_skips: bool = True) -> PipelineConfig:
+        """The config this request runs (optional stages that cannot serve it dropped, and said so
+        unless not ``log_skips``), or an error."""
         if prompt_tokens == 0:
             raise CascadeError("the prompt is empty: give some text with --prompt or --prompt-file")
         kept = []
@@ -114,7 +115,10 @@ class Runtime:
             except ValueError as exc:
                 if not stage.optional:
                     raise CascadeError(f"stages.{index}.cache: {exc}") from None
-                logger.info(f"cascade: stage {index} ({stage.model}/{stage.cache.kind}) skipped for this prompt: {exc}")
+                if log_skips:
+                    logger.info(
+                        f"cascade: stage {index} ({stage.model}/{stage.cache.kind}) skipped for this prompt: {exc}"
+                    )
                 continue
             kept.append(stage)
         limit, total = self.context_limit(), prompt_tokens + max_new_tokens

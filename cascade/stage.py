@@ -83,18 +83,21 @@ class Stage:
 
     def prefill(self, prompt_ids: torch.Tensor, chunk: int) -> torch.Tensor | None:
         """Write prompt_ids [T] into the emptied cache -> last position's logits [V] (None for a
-        stage that reads its source's prompt KV instead): loaded from the prompt cache if it holds
-        this prompt, else computed ``chunk`` tokens per pass (and stored there)."""
+        stage that reads its source's prompt KV instead): the longest prefix the prompt cache
+        holds is loaded from it (every token and the logits, if it holds the whole prompt), the
+        rest computed ``chunk`` tokens per pass (and stored there)."""
         if self.source is not None:
             self._read_source()
             return None
         self.cache.restart()
         started = self.clock.mark()
-        stored = self.prompt_cache.load(prompt_ids, chunk, self.cache) if self.prompt_cache else None
-        self.stats.prefill_loaded = stored is not None
-        logits = self._prefill(prompt_ids, chunk) if stored is None else stored
-        if self.prompt_cache and stored is None:
-            self.prompt_cache.save(prompt_ids, chunk, self.cache, logits)
+        reused, logits = self.prompt_cache.load(prompt_ids, chunk, self.cache) if self.prompt_cache else (0, None)
+        self.stats.prefill_loaded = logits is not None
+        self.stats.prefill_reused = reused
+        if logits is None:
+            logits = self._prefill(prompt_ids, chunk, reused)
+            if self.prompt_cache:
+                self.prompt_cache.save(prompt_ids, chunk, self.cache, logits)
         self.clock.add(self.stats, "prefill_s", started, self.clock.mark())
         return logits
 
@@ -110,10 +113,14 @@ class Stage:
         if self.capture is not None and cache.static_passes:
             self.graphs = PassGraphs(self.model, cache, self.capture)
 
-    def _prefill(self, prompt_ids: torch.Tensor, chunk: int) -> torch.Tensor:
-        """Feed the prompt ``chunk`` tokens per pass, skipping what the policy lets a prefill leave
-        out (``CachePolicy.unfed_prompt``) -> the last position's logits [V]."""
+    def _prefill(self, prompt_ids: torch.Tensor, chunk: int, start: int = 0) -> torch.Tensor:
+        """Feed the prompt from ``start`` (a multiple of ``chunk``, the tokens before it in the
+        cache) ``chunk`` tokens per pass, skipping what the policy lets a prefill leave out
+        (``CachePolicy.unfed_prompt``) -> the last position's logits [V]."""
         unfed = self.cache.unfed_prompt(prompt_ids.numel())
+        if start:
+            assert not unfed, "a policy that skips prompt tokens stores no prefix"
+            return self._feed_prompt(prompt_ids[start:], chunk)
         self._feed_prompt(prompt_ids[: unfed.start], chunk)
         self.cache.skip(len(unfed))
         return self._feed_prompt(prompt_ids[unfed.stop :], chunk)

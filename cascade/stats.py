@@ -19,6 +19,9 @@ class StageStats:
     """Time this stage spent on the prompt (0 for stages that read another stage's KV)."""
     prefill_loaded: bool = False
     """The prompt's K/V came from the prompt cache instead of a prefill."""
+    prefill_reused: int = 0
+    """Prompt tokens whose K/V came from the prompt cache (all of them when ``prefill_loaded``; a
+    prefix of whole prefill passes when the cache held a prompt that begins the same way)."""
     forward_calls: int = 0
     """Decode and verification passes after the prompt."""
     tokens_processed: int = 0

@@ -32,6 +32,7 @@ under ``$CASCADE_HOME/runs/bench/``, with a manifest (command, commit, machine) 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import resource
 import statistics
@@ -133,7 +134,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--case", help=argparse.SUPPRESS)  # "impl:context": run one case, print JSON
     parser.add_argument("--store-only", action="store_true", help=argparse.SUPPRESS)  # 2 tokens: store the prompt
-    parser.add_argument("--prompt-file", help=argparse.SUPPRESS)  # a transformers case continues from it
+    parser.add_argument("--prompt-file", nargs="+", help=argparse.SUPPRESS)  # a transformers case continues from these
     args = parser.parse_args(argv)
     least_allowed = {
         "--new-tokens": (args.new_tokens, 2),
@@ -213,9 +214,9 @@ def run_cascade(
     new_tokens = 2 if args.store_only else args.new_tokens
     result = llm.run(llm.prepare(prompt.tolist(), max_new_tokens=new_tokens, ignore_eos=True))
     stats = result.stats
-    loaded = stats["prefill_loaded"]
-    stored = runtime.prompt_caches["target"].path(prompt, config.prefill_chunk) if args.prompt_cache else None
     verifier = stats["stages"][-1]  # the full-cache target: its passes read its weights and the whole KV
+    loaded = stats["prefill_loaded"] or verifier["prefill_reused"] > 0  # (some of) the prompt came from the store
+    stored = runtime.prompt_caches["target"].passes(prompt, config.prefill_chunk) if args.prompt_cache else []
     return {
         "prefill_s": None if loaded else stats["prefill_s"],
         "decode_s": stats["decode_s"],
@@ -226,7 +227,7 @@ def run_cascade(
         "stats": stats,
         "graphs_captured_while_measured": captured_graphs(runtime) - graphs_before,
         "huge_page_mb": None if (held := huge_page_bytes()) is None else held / 2**20,
-        "prompt_file": str(stored) if stored else None,
+        "prompt_files": [str(path) for path, _ in stored],
     }, result.token_ids
 
 
@@ -251,18 +252,21 @@ class FirstTokenClock:
         pass
 
 
-def continued_cache(path: Path, config, length: int, device: torch.device):
-    """A transformers cache holding the stored prompt's K/V [1, H_kv, T, D] of its first ``length``
-    tokens (rotated keys, as transformers caches them), to continue the prompt from."""
+def continued_cache(paths: list[Path], config, length: int, device: torch.device):
+    """A transformers cache holding the K/V [1, H_kv, T, D] of a stored prompt's first ``length``
+    tokens (rotated keys, as transformers caches them), from the files of its passes in order."""
     from safetensors import safe_open
     from transformers import DynamicCache
 
     from cascade.prompt_cache import stored_layer
 
     cache = DynamicCache(config=config)
-    with safe_open(path, framework="pt", device=str(device)) as stored:
+    with contextlib.ExitStack() as files:
+        stored = [files.enter_context(safe_open(path, framework="pt", device=str(device))) for path in paths]
         for layer in range(config.num_hidden_layers):
-            cache.update(*stored_layer(stored, layer, length), layer)
+            passes = [stored_layer(one, layer) for one in stored]
+            keys, values = (torch.cat(parts, dim=2)[:, :, :length] for parts in zip(*passes))
+            cache.update(keys, values, layer)
     return cache
 
 
@@ -270,7 +274,7 @@ def run_transformers(
     args, impl: str, target: Path, draft: Path | None, prompt: torch.Tensor, mode: str
 ) -> tuple[dict, list[int]]:
     """Prefill = time to the first new token; decode = the rest. With ``--prompt-cache`` the target
-    continues from the prompt's K/V a cascade case stored (``prompt_file``; all but its last token, which
+    continues from the prompt's K/V a cascade case stored (``prompt_files``; all but its last token, which
     generate() then feeds), so long prompts are not prefilled again; the assistant model (no stored
     cache) still prefills the whole prompt in its first call, within prefill time."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -322,7 +326,8 @@ def run_transformers(
         timed(prompt[:WARMUP_TOKENS], min(args.new_tokens, WARMUP_NEW_TOKENS))
     continued = {}
     if args.prompt_file:
-        continued["past_key_values"] = continued_cache(Path(args.prompt_file), model.config, prompt.numel() - 1, device)
+        stored = [Path(path) for path in args.prompt_file]
+        continued["past_key_values"] = continued_cache(stored, model.config, prompt.numel() - 1, device)
     prefill_s, decode_s, tokens = timed(prompt, args.new_tokens, **continued)
     return {
         "prefill_s": None if continued else prefill_s,
@@ -419,7 +424,7 @@ def spawn_case(args: argparse.Namespace, impl: str, context: int, mode: str) -> 
         *[arg for setting in args.set for arg in ("--set", setting)],
     ]
     if impl.startswith("transformers") and context in args.prompt_files:
-        command += ["--prompt-file", args.prompt_files[context]]
+        command += ["--prompt-file", *args.prompt_files[context]]
     result = subprocess.run(command, stdout=subprocess.PIPE, text=True)
     if result.returncode != 0:
         raise CascadeError(f"the {impl} case at context {context} failed (exit {result.returncode})")
@@ -596,16 +601,16 @@ def peer_table(peer: str, ratio_rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def store_prompts(args: argparse.Namespace, cases: list[Case]) -> dict[int, str]:
+def store_prompts(args: argparse.Namespace, cases: list[Case]) -> dict[int, list[str]]:
     """Run each cascade case once, unmeasured, so that every measured one loads its prompt (a first
     prefill and its write would otherwise set the peak RSS of one round) -> {context: the file
-    holding its target prefill}, which the transformers cases continue from."""
+    holding its target prefill's passes}, which the transformers cases continue from."""
     files = {}
     for impl, context in dict.fromkeys((impl, context) for impl, context, _ in cases if split_impl(impl)[0] in PRESETS):
         started = time.perf_counter()
         storing = argparse.Namespace(**{**vars(args), "warmups": 0, "store_only": True})
         case = spawn_case(storing, impl, context, args.sampling[0])
-        files[context] = case["run"]["prompt_file"]
+        files[context] = case["run"]["prompt_files"]
         log(f"[prompt cache] {impl} at {context}: prompt stored or found ({time.perf_counter() - started:.0f} s)")
     if missing := sorted({context for impl, context, _ in cases if impl.startswith("transformers")} - set(files)):
         raise CascadeError(

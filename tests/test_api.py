@@ -18,15 +18,21 @@ cost model's gamma follows them, and with it the draws; the output's law is the 
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_dir, tiny_draft_dir) -> LLM:
-    """A draft that rarely agrees with the target: speculation's rejections are exercised."""
-    return LLM("speculative", target=tiny_dir, draft=tiny_draft_dir, dtype="float32", **FIXED)
+def llm(tiny_dir, tiny_draft_dir, tmp_path_factory) -> LLM:
+    """A draft that rarely agrees with the target: speculation's rejections are exercised. Its
+    prompts are stored and reused, as by default (in a directory of its own)."""
+    store = tmp_path_factory.mktemp("prompt-cache")
+    return LLM(
+        "speculative", target=tiny_dir, draft=tiny_draft_dir, dtype="float32", prompt_cache__dir=str(store), **FIXED
+    )
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_dir):
     """The target decoding alone."""
-    return LLM("autoregressive", target=tiny_dir, dtype="float32").generate(PROMPT, max_new_tokens=NEW)
+    return LLM("autoregressive", target=tiny_dir, dtype="float32", reuse_prompts=False).generate(
+        PROMPT, max_new_tokens=NEW
+    )
 
 
 def test_greedy_output_is_the_targets_and_text_is_its_decoding(llm, reference):
@@ -35,7 +41,8 @@ def test_greedy_output_is_the_targets_and_text_is_its_decoding(llm, reference):
     assert completion.text == llm.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
     assert completion.finish_reason == "length" and completion.stats["new_tokens"] == NEW
     assert completion.prompt_token_ids == llm.tokenizer.encode(PROMPT)
-    assert llm.generate(completion.prompt_token_ids, max_new_tokens=NEW).token_ids == reference.token_ids
+    again = llm.generate(completion.prompt_token_ids, max_new_tokens=NEW)
+    assert again.token_ids == reference.token_ids and again.stats["prefill_loaded"]  # from the prompt cache
 
 
 def test_a_list_of_prompts_gives_a_list_of_completions(llm, reference):
@@ -79,6 +86,7 @@ def test_per_request_sampling_equals_the_same_settings_in_the_config(llm, tiny_d
     assert llm.generate(PROMPT, max_new_tokens=NEW, **{**sampled, "seed": 8}).token_ids != first.token_ids
     configured = LLM(
         "speculative",
+        reuse_prompts=False,
         target=tiny_dir,
         draft=tiny_draft_dir,
         dtype="float32",
@@ -162,10 +170,10 @@ def test_bad_chats_raise_value_errors(llm, messages, message):
 
 def test_a_bad_setting_raises_the_clis_message(tiny_dir):
     with pytest.raises(ValueError) as raised:
-        LLM("autoregressive", target=tiny_dir, **{"sampling.top_p": 2})
+        LLM("autoregressive", target=tiny_dir, reuse_prompts=False, **{"sampling.top_p": 2})
     assert str(raised.value) == "invalid config:\n  sampling.top_p: Input should be less than or equal to 1"
     with pytest.raises(ValueError) as raised:
-        LLM("autoregressive", target=tiny_dir, sampling__warmth=1)
+        LLM("autoregressive", target=tiny_dir, reuse_prompts=False, sampling__warmth=1)
     assert "sampling.warmth: unknown setting; allowed here: temperature, top_k, top_p" in str(raised.value)
 
 

@@ -1,5 +1,6 @@
 """The prompt cache: a stored prefill is bitwise what prefilling computes, is found only for the same
-prompt, model and settings, and a damaged file is recomputed, never trusted."""
+prompt (or the whole passes of a shared prefix), model and settings, and a damaged file is
+recomputed, never trusted."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ def test_second_generation_loads_every_full_stage_and_generates_the_same(tmp_pat
     plain = runtime_for(tiny_dir, tiny_draft_dir, None).generate(PROMPT, 12, stop_at_eos=False)
     assert [stage.prefill_loaded for stage in first.stats.stages] == [False, False]
     assert [stage.prefill_loaded for stage in second.stats.stages] == [True, True]  # draft and target
-    assert len(list(tmp_path.glob("*.safetensors"))) == 2
+    assert len(list(tmp_path.glob("*.safetensors"))) == 2 * 3  # per model, 40 tokens in passes of 16
     assert second.token_ids == first.token_ids == plain.token_ids
 
 
@@ -61,11 +62,11 @@ def test_loaded_prefill_is_bitwise_the_computed_one(tmp_path, tiny_dir, tiny_dra
 
 def test_other_prompts_chunks_and_dtypes_are_not_served_from_the_store(tmp_path, tiny_dir, tiny_draft_dir):
     prefilled(runtime_for(tiny_dir, tiny_draft_dir, tmp_path))
-    variants = [({}, PROMPT[:-1]), ({"prefill_chunk": 32}, PROMPT), ({"dtype": "bfloat16"}, PROMPT)]
-    for settings, prompt in variants:
+    variants = [({}, PROMPT[:-1], 32), ({"prefill_chunk": 32}, PROMPT, 0), ({"dtype": "bfloat16"}, PROMPT, 0)]
+    for settings, prompt, reused in variants:
         stage, _ = prefilled(runtime_for(tiny_dir, tiny_draft_dir, tmp_path, **settings), prompt)
-        assert not stage.stats.prefill_loaded, settings
-    assert len(list(tmp_path.glob("*.safetensors"))) == 1 + len(variants)
+        assert not stage.stats.prefill_loaded and stage.stats.prefill_reused == reused, settings
+    assert len(list(tmp_path.glob("*.safetensors"))) == 3 + 1 + 2 + 3  # PROMPT[:-1] shares two passes
 
 
 def test_damaged_or_foreign_files_are_reported_deleted_and_recomputed(tmp_path, tiny_dir, tiny_draft_dir, caplog):
@@ -75,7 +76,7 @@ def test_damaged_or_foreign_files_are_reported_deleted_and_recomputed(tmp_path, 
     other = runtime.prompt_caches["target"].path(torch.tensor(PROMPT[:-1]), 16)
     prefilled(runtime, PROMPT[:-1])
     damages = {
-        "it holds a different prompt": lambda: other.replace(stored),  # another prompt under this name
+        "it holds other tokens": lambda: other.replace(stored),  # another prompt's last pass under this name
         "unusable": lambda: stored.write_bytes(stored.read_bytes()[:1000]),  # the recomputed file, cut short
     }
     for reason, damage in damages.items():
@@ -97,8 +98,8 @@ def test_least_recently_used_prompts_are_deleted_beyond_max_gb_and_nothing_else(
     runtime = runtime_for(tiny_dir, tiny_draft_dir, tmp_path, **{"prompt_cache.max_gb": 1e-9})
     for length in (30, 35, 40):
         prefilled(runtime, PROMPT[:length])
-    newest = runtime.prompt_caches["target"].path(torch.tensor(PROMPT), 16)
-    assert sorted(path.name for path in tmp_path.iterdir()) == sorted([newest.name, *others])
+    newest = [path.name for path, _ in runtime.prompt_caches["target"].passes(torch.tensor(PROMPT), 16)]
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted([*newest, *others])
     assert all((tmp_path / name).read_bytes() == data for name, data in others.items())
 
 

@@ -36,7 +36,13 @@ def free_port() -> int:
 def start_server(target: Path, draft: Path, port: int, log: Path) -> subprocess.Popen:
     command = [sys.executable, "-m", "cascade.serve", "--preset", "speculative", "--target", str(target)]
     command += ["--draft", str(draft), "--dtype", "float32", "--port", str(port), "--model-name", "tiny"]
-    command += ["--api-key", KEY, *[arg for setting in FIXED for arg in ("--set", setting)]]
+    command += [
+        "--api-key",
+        KEY,
+        "--set",
+        f"prompt_cache.dir={log.parent / 'prompt-cache'}",
+        *[arg for setting in FIXED for arg in ("--set", setting)],
+    ]
     process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -72,7 +78,7 @@ def client(server) -> openai.OpenAI:
 def llm(tiny_dir, tiny_draft_dir) -> LLM:
     """The same preset in this process: what the server must answer."""
     fixed = dict(setting.split("=") for setting in FIXED)
-    return LLM("speculative", target=tiny_dir, draft=tiny_draft_dir, dtype="float32", **fixed)
+    return LLM("speculative", target=tiny_dir, draft=tiny_draft_dir, dtype="float32", reuse_prompts=False, **fixed)
 
 
 def test_models_and_health(client, server):

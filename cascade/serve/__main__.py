@@ -13,7 +13,7 @@ from pathlib import Path
 
 from cascade.errors import CascadeError, entry_point
 from cascade.generate import FLAG_SETTINGS
-from cascade.llm import LLM
+from cascade.llm import LLM, with_prompt_cache
 from cascade.logs import show_logs
 from configs import load_config, preset_names
 
@@ -37,6 +37,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="require 'Authorization: Bearer KEY' on /v1 (default: $CASCADE_API_KEY; none: open)",
     )
     parser.add_argument("--model-name", help="the model id clients send (default: the target's directory name)")
+    parser.add_argument(
+        "--no-prompt-cache",
+        action="store_true",
+        help="prefill every prompt whole (default: reuse stored prefixes from prompt_cache.dir, or "
+        "$CASCADE_HOME/prompt-cache)",
+    )
     parser.add_argument("--quiet", action="store_true", help="log warnings and errors only")
     return parser.parse_args(argv)
 
@@ -55,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         raise CascadeError(
             f"the server needs FastAPI and uvicorn ({missing.name} is not installed): pip install 'cascade[serve]'"
         ) from None
-    llm = LLM.from_config(config, preset)
+    llm = LLM.from_config(config if args.no_prompt_cache else with_prompt_cache(config), preset)
     model_name = args.model_name or Path(llm.runtime.target.path).name
     logger.info(f"serving {model_name} with the {preset} preset on http://{args.host}:{args.port}/v1")
     serve(llm, args, model_name)
