@@ -1,14 +1,18 @@
 """The documentation: every relative link resolves (files and headings), every page is reachable from
-the README, the README stays short, and the configuration reference matches the config models."""
+the README, the README stays short, its Python example runs, and the configuration reference
+matches the config models."""
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
 
 from configs import docs
+from tests.scripts import linked_home, run_script
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
@@ -53,3 +57,15 @@ def test_the_readme_fits_on_a_few_screens():
 
 def test_the_configuration_reference_is_what_the_config_models_say():
     assert docs.PAGE.read_text() == docs.page(), "docs/configuration.md is stale: run python -m configs.docs"
+
+
+@pytest.mark.slow
+def test_the_readmes_python_example_runs(tmp_path, smollm2_dir):
+    """The quickstart's Python block, as a user pastes it (its prompt cache in a fresh home)."""
+    readme = (REPO / "README.md").read_text()
+    [example] = re.findall(r"^```python\n(from cascade import LLM.*?)^```", readme, re.M | re.S)
+    home = linked_home(tmp_path / "home")
+    result = run_script([sys.executable, "-c", example], env={**os.environ, "CASCADE_HOME": str(home)})
+    answer, _, streamed = result.stdout.partition(" tokens/s\n")
+    assert re.search(r"\S.* (stop|length) \d+\.\d$", answer, re.S) and streamed.strip(), result.stdout
+    assert list((home / "prompt-cache").glob("*.safetensors")), "the example's prompts were not stored"

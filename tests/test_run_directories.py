@@ -37,6 +37,11 @@ QUICKEST = [  # script, report, options ({tiny}, {grid}: filled in by the test)
         "bench.json",
         "--impls autoregressive --contexts 96 --new-tokens 4 --repeats 1 --warmups 0 --dtype float32 --target {tiny}",
     ),
+    (
+        "prefix_reuse",
+        "prefix_reuse.json",
+        "--context 40 --questions 2 --new-tokens 2 --dtype float32 --target {tiny} --set prefill_chunk=16",
+    ),
     ("roofline", "roofline.json", "--shape llama-68m --contexts 300 --repeats 1 --kernels eager"),
     ("attention_bench", "attention.json", "--keys 300 --queries 1 --nodes --repeats 1"),
 ]
