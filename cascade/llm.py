@@ -101,8 +101,7 @@ class LLM:
 
     def stream(self, prompt: Prompt, **params: Any) -> Stream:
         """Generate in the background; iterate the Stream for text deltas as tokens are accepted."""
-        request = self.prepare(prompt, **params)
-        return Stream(lambda on_text, cancelled: self.run(request, on_text, cancelled))
+        return self._stream(self.prepare(prompt, **params))
 
     def chat(self, messages: Messages, **params: Any) -> Completion:
         """The assistant's reply to ``messages``, through the target's chat template."""
@@ -110,7 +109,9 @@ class LLM:
 
     def stream_chat(self, messages: Messages, **params: Any) -> Stream:
         """``chat``, streamed as ``stream`` does."""
-        request = self.prepare(messages, chat=True, **params)
+        return self._stream(self.prepare(messages, chat=True, **params))
+
+    def _stream(self, request: Request) -> Stream:
         return Stream(lambda on_text, cancelled: self.run(request, on_text, cancelled))
 
     def prepare(
