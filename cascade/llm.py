@@ -13,7 +13,6 @@ from pydantic import ValidationError
 from cascade.completion import FINISH_REASONS, Completion, IncrementalText, Stream, TextCallback
 from cascade.errors import CascadeError
 from cascade.home import prompt_cache_dir
-from cascade.pipeline import StopRule
 from cascade.runtime import build_runtime
 from cascade.stop_strings import StopStrings
 from configs import PipelineConfig, SamplingConfig, load_config
@@ -152,11 +151,16 @@ class LLM:
             if (delta := text.add(tokens)) and on_text:
                 on_text(delta)
 
-        eos = frozenset() if request.ignore_eos else frozenset(self.runtime.target.eos_token_ids)
-        stop = StopRule(eos, request.max_new_tokens, request.stop_strings, cancelled)
         with self._turn:
             result = self.runtime.generate(
-                request.prompt_ids, on_tokens=on_tokens, sampling=request.sampling, seed=request.seed, stop=stop
+                request.prompt_ids,
+                request.max_new_tokens,
+                on_tokens,
+                stop_at_eos=not request.ignore_eos,
+                sampling=request.sampling,
+                seed=request.seed,
+                stop_strings=request.stop_strings,
+                cancelled=cancelled,
             )
         if (delta := text.finish()) and on_text:
             on_text(delta)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import shutil
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from cascade.prompt_cache import PromptCache, model_key
 from cascade.quantise import is_quantised, quantise_int8
 from cascade.schedule import SCHEDULES, Schedule
 from cascade.stage import Stage
+from cascade.stop_strings import StopStrings
 from cascade.tree import TokenTree
 from cascade.vocabulary import frequent_tokens
 from configs.schema import ModelConfig, PipelineConfig, SamplingConfig, StageConfig
@@ -188,8 +190,11 @@ class Runtime:
             )
         return [stages[i] for i in range(last + 1)]
 
-    def stop_rule(self, max_new_tokens: int) -> StopRule:
-        return StopRule(frozenset(self.target.eos_token_ids), max_new_tokens)
+    def stop_rule(self, max_new_tokens: int, stop_at_eos: bool = True, **extra) -> StopRule:
+        """Stop after ``max_new_tokens``, at the target's EOS unless not ``stop_at_eos``, and as
+        ``extra`` (StopRule's stop strings and cancel event) says."""
+        eos = frozenset(self.target.eos_token_ids) if stop_at_eos else frozenset()
+        return StopRule(eos, max_new_tokens, **extra)
 
     def generate(
         self,
@@ -199,18 +204,18 @@ class Runtime:
         stop_at_eos: bool = True,
         sampling: SamplingConfig | None = None,
         seed: int | None = None,
-        stop: StopRule | None = None,
+        stop_strings: StopStrings | None = None,
+        cancelled: threading.Event | None = None,
     ) -> GenerationResult:
         """Generate after ``prompt_ids`` (checked first) on ``pipeline_for``'s stages, with the
-        config's sampling and seed unless ``sampling`` / ``seed`` replace them. ``stop`` replaces
-        the stop rule (its ``max_new_tokens`` then sizes the request); ``stop_at_eos=False``
-        makes exactly ``max_new_tokens`` (for measurements)."""
-        max_new_tokens = stop.max_new_tokens if stop else max_new_tokens or self.config.max_new_tokens
+        config's sampling and seed unless ``sampling`` / ``seed`` replace them, until
+        ``stop_rule``'s rule ends it (``stop_at_eos=False`` makes exactly ``max_new_tokens``, for
+        measurements, unless a stop string or ``cancelled`` ends it first)."""
+        max_new_tokens = max_new_tokens or self.config.max_new_tokens
         device = self.target.model.device
         pipeline = self.pipeline_for(len(prompt_ids), max_new_tokens, sampling)
         generator = torch.Generator(device=device).manual_seed(self.config.seed if seed is None else seed)
-        if stop is None:
-            stop = self.stop_rule(max_new_tokens) if stop_at_eos else StopRule(frozenset(), max_new_tokens)
+        stop = self.stop_rule(max_new_tokens, stop_at_eos, stop_strings=stop_strings, cancelled=cancelled)
         return pipeline.generate(torch.tensor(prompt_ids, device=device), stop, generator, on_tokens=on_tokens)
 
 

@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException
 
 from cascade.completion import Completion
 from cascade.errors import CascadeError
-from cascade.llm import LLM
+from cascade.llm import LLM, is_prompt_list
 from cascade.llm import Request as Generation
 from cascade.serve.protocol import ChatRequest, CompletionRequest, GenerationParameters
 
@@ -207,10 +207,6 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI
         return reply.whole([await server.run(generation)])
 
     return app
-
-
-def is_prompt_list(prompt: Any) -> bool:
-    return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
 
 
 class Reply:
