@@ -132,6 +132,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="llama.cpp cases: flash attention off and on, the faster reported (both), or one setting "
         "(each setting prefills the context twice: at 32K most of a case's time)",
     )
+    parser.add_argument(
+        "--llama-decode-only",
+        action="store_true",
+        help="llama.cpp cases: time decode at the context's depth only, without llama-bench's separate "
+        "prefill test (which prefills the context once more; no llama.cpp prefill figure then)",
+    )
     parser.add_argument("--case", help=argparse.SUPPRESS)  # "impl:context": run one case, print JSON
     parser.add_argument("--store-only", action="store_true", help=argparse.SUPPRESS)  # 2 tokens: store the prompt
     parser.add_argument("--prompt-file", nargs="+", help=argparse.SUPPRESS)  # a transformers case continues from these
@@ -353,19 +359,23 @@ def run_llamacpp(
     model = peer_gguf(llama, target, PEERS[impl], tokens)
     if impl == "llama.cpp-speculative":
         draft_model = peer_gguf(llama, draft, PEERS[impl], tokens)
-        run = run_llamacpp_speculative(args, llama, model, draft_model, draft, prompt)
+        run = run_llamacpp_speculative(args, llama, model, draft_model, draft, prompt, SAMPLING[mode])
     else:
         flash_attn = FLASH_ATTN if args.llama_flash_attn == "both" else (args.llama_flash_attn,)
         tool, threads = llama.tool("llama-bench"), torch.get_num_threads()
-        run = context_case(tool, model, prompt.numel(), args.new_tokens, threads, flash_attn)
+        run = context_case(
+            tool, model, prompt.numel(), args.new_tokens, threads, flash_attn, prefill=not args.llama_decode_only
+        )
     run["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     return run, []
 
 
-def run_llamacpp_speculative(args, llama, model: Path, draft_model: Path, draft: Path, prompt: torch.Tensor) -> dict:
-    """llama-speculative, greedy: ``draft_model`` (the GGUF of checkpoint ``draft``) proposing to
-    ``model`` on the prompt's text (which llama.cpp tokenizes again: the same tokenizer, so the same
-    ids but for merges at the cut)."""
+def run_llamacpp_speculative(
+    args, llama, model: Path, draft_model: Path, draft: Path, prompt: torch.Tensor, sampling: dict
+) -> dict:
+    """llama-speculative at ``sampling``'s temperature and top-p (seed 0): ``draft_model``
+    (the GGUF of checkpoint ``draft``) proposing to ``model`` on the prompt's text (which llama.cpp
+    tokenizes again: the same tokenizer, so the same ids but for merges at the cut)."""
     import tempfile
 
     from transformers import AutoTokenizer
@@ -373,7 +383,7 @@ def run_llamacpp_speculative(args, llama, model: Path, draft_model: Path, draft:
     from cascade.peers.speculative import SpeculativeSettings, run_speculative
 
     text = AutoTokenizer.from_pretrained(draft).decode(prompt.tolist())
-    settings = SpeculativeSettings(new_tokens=args.new_tokens, threads=torch.get_num_threads())
+    settings = SpeculativeSettings(new_tokens=args.new_tokens, threads=torch.get_num_threads(), **sampling)
     with tempfile.NamedTemporaryFile("w", suffix=".txt") as prompt_file:
         prompt_file.write(text)
         prompt_file.flush()
@@ -417,6 +427,7 @@ def spawn_case(args: argparse.Namespace, impl: str, context: int, mode: str) -> 
         str(context),
         "--llama-flash-attn",
         args.llama_flash_attn,
+        *(["--llama-decode-only"] if args.llama_decode_only else []),
         *(["--store-only"] if args.store_only else []),
         *(["--target", str(args.target)] if args.target else []),
         *(["--draft", str(args.draft)] if args.draft else []),
@@ -557,7 +568,7 @@ def median_of(values) -> float | None:
 
 
 def rate_text(rate: float | None) -> str:
-    return "loaded" if rate is None else f"{rate:.1f}"
+    return "not timed" if rate is None else f"{rate:.1f}"
 
 
 def roofline_text(run: dict) -> str:
@@ -596,7 +607,7 @@ def peer_table(peer: str, ratio_rows: list[dict]) -> str:
         "|---:|---|---|---:|---:|",
     ]
     for row in ratio_rows:
-        decode, prefill = ("loaded" if row[key] is None else f"**{row[key]:.2f}x**" for key in RATES)
+        decode, prefill = ("not timed" if row[key] is None else f"**{row[key]:.2f}x**" for key in RATES)
         lines.append(f"| {row['context']} | {row['sampling']} | {row['preset']} | {decode} | {prefill} |")
     return "\n".join(lines)
 

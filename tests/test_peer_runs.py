@@ -146,6 +146,18 @@ def test_a_context_case_asked_for_one_flash_attention_setting_runs_and_reports_o
     }
 
 
+def test_a_decode_only_context_case_runs_no_prefill_test_and_reports_no_prefill_rate(monkeypatch):
+    fake = recorded_tests_at(1024, 16, prefill={}, decode={"off": 50.0, "on": 40.0})
+    asked = []
+    monkeypatch.setattr(bench_case, "run_llama_bench", lambda *call: asked.append(call[2]) or fake(*call))
+    run = context_case(Path("llama-bench"), Path("m.gguf"), 1024, 16, threads=2, prefill=False)
+    assert [settings.prompt_tokens for settings in asked] == [()]  # one llama-bench run: decode at depth
+    assert (run["prefill_tokens_per_s"], run["decode_tokens_per_s"]) == (None, 50.0)
+    assert run["flash_attn"] == {"off": {"decode_tokens_per_s": 50.0}, "on": {"decode_tokens_per_s": 40.0}}
+    assert flash_attn_summary([run, run])["best_flash_attn"] == {"decode_tokens_per_s": "off"}
+    json.dumps(run)
+
+
 def test_flash_attn_summary_takes_medians_over_rounds_then_the_best_setting():
     def round_(off: float, on: float) -> dict:
         return {
@@ -178,6 +190,12 @@ def test_speculative_command_is_greedy_with_the_draft_settings_given():
         "-n",
         "128",
         "--temp",
+        "0.0",
+        "--top-p",
+        "1.0",
+        "--top-k",
+        "0",
+        "--min-p",
         "0",
         "--seed",
         "0",
@@ -197,6 +215,14 @@ def test_speculative_command_is_greedy_with_the_draft_settings_given():
     assert not any("rope" in arg or "yarn" in arg for arg in command)  # the GGUFs carry their stretch
 
 
+def test_sampled_speculative_command_samples_at_the_temperature_and_top_p_alone():
+    settings = SpeculativeSettings(temperature=0.7, top_p=0.9, seed=3)
+    command = speculative.speculative_command(Path("s"), Path("t"), Path("d"), Path("p"), settings)
+    flags = dict(zip(command[1::2], command[2::2], strict=False))
+    assert (flags["--temp"], flags["--top-p"], flags["--seed"]) == ("0.7", "0.9", "3")
+    assert (flags["--top-k"], flags["--min-p"]) == ("0", "0")  # llama.cpp's own defaults (40, 0.05) off
+
+
 @pytest.mark.parametrize(
     "settings, message",
     [
@@ -206,6 +232,9 @@ def test_speculative_command_is_greedy_with_the_draft_settings_given():
         ({"context": -1}, "context >= 0"),
         ({"threads": 0}, "threads >= 1"),
         ({"flash_attn": "fast"}, "expected off, on or auto"),
+        ({"temperature": -0.5}, "temperature >= 0"),
+        ({"top_p": 0.0}, "0 < top_p <= 1"),
+        ({"top_p": 1.5}, "0 < top_p <= 1"),
     ],
 )
 def test_speculative_settings_refuse_bad_input(settings, message):

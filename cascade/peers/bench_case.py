@@ -7,7 +7,8 @@ the new tokens after N tokens in the cache (decode). Within the case the faster 
 setting gives ``prefill_tokens_per_s`` and ``decode_tokens_per_s``, so cascade is compared with
 llama.cpp at its best. Each setting prefills the context for both tests (llama-bench fills the
 decode test's depth untimed): at 32K tokens that is most of a case's time, so a case may be asked
-for one setting only (the one earlier runs found faster).
+for one setting only (the one earlier runs found faster), and for decode alone (no prefill test:
+half the prefilling; its prefill rate is then None).
 """
 
 from __future__ import annotations
@@ -21,22 +22,32 @@ RATES = {"pp": "prefill_tokens_per_s", "tg": "decode_tokens_per_s"}
 
 
 def context_case(
-    tool: Path, model: Path, context: int, new_tokens: int, threads: int, flash_attn: tuple[str, ...] = FLASH_ATTN
+    tool: Path,
+    model: Path,
+    context: int,
+    new_tokens: int,
+    threads: int,
+    flash_attn: tuple[str, ...] = FLASH_ATTN,
+    prefill: bool = True,
 ) -> dict:
     """One measurement of llama-bench (``tool``) on ``model`` at ``context`` with each ``flash_attn``
-    setting -> ``prefill_tokens_per_s``, ``decode_tokens_per_s`` (the best setting's), ``flash_attn``
-    ({setting: both rates}), ``best_flash_attn`` ({rate: setting}), ``build_commit`` and the parsed ``tests``."""
+    setting -> ``prefill_tokens_per_s`` (None without ``prefill``), ``decode_tokens_per_s`` (the best
+    setting's), ``flash_attn`` ({setting: the rates measured}), ``best_flash_attn`` ({rate: setting}),
+    ``build_commit`` and the parsed ``tests``."""
     common = {"threads": threads, "repetitions": 1, "flash_attn": flash_attn}
-    prefill = BenchSettings(prompt_tokens=(context,), **common)
-    decode = BenchSettings(gen_tokens=(new_tokens,), depths=(context,), **common)
-    tests = [*run_llama_bench(tool, model, prefill), *run_llama_bench(tool, model, decode)]
+    runs = [BenchSettings(gen_tokens=(new_tokens,), depths=(context,), **common)]
+    if prefill:
+        runs.insert(0, BenchSettings(prompt_tokens=(context,), **common))
+    tests = [test for settings in runs for test in run_llama_bench(tool, model, settings)]
     by_setting = {
         setting: {RATES[test["test"]]: test["tokens_per_s"] for test in tests if test["flash_attn"] == setting}
         for setting in flash_attn
     }
-    best = {rate: max(flash_attn, key=lambda setting: by_setting[setting][rate]) for rate in RATES.values()}
+    rates = list(by_setting[flash_attn[0]])
+    best = {rate: max(flash_attn, key=lambda setting: by_setting[setting][rate]) for rate in rates}
     return {
-        **{rate: by_setting[best[rate]][rate] for rate in RATES.values()},
+        **dict.fromkeys(RATES.values()),
+        **{rate: by_setting[best[rate]][rate] for rate in rates},
         "flash_attn": by_setting,
         "best_flash_attn": best,
         "build_commit": tests[0]["build_commit"],
@@ -47,9 +58,10 @@ def context_case(
 def flash_attn_summary(runs: list[dict]) -> dict:
     """A case's rounds -> {setting: {rate: median over rounds}}, and the best setting per rate."""
     settings = list(runs[0]["flash_attn"])
+    rates = list(runs[0]["flash_attn"][settings[0]])
     medians = {
-        setting: {rate: statistics.median(run["flash_attn"][setting][rate] for run in runs) for rate in RATES.values()}
+        setting: {rate: statistics.median(run["flash_attn"][setting][rate] for run in runs) for rate in rates}
         for setting in settings
     }
-    best = {rate: max(settings, key=lambda setting: medians[setting][rate]) for rate in RATES.values()}
+    best = {rate: max(settings, key=lambda setting: medians[setting][rate]) for rate in rates}
     return {"flash_attn": medians, "best_flash_attn": best}

@@ -1,5 +1,8 @@
 """``llama-speculative`` runs: a draft GGUF proposing to a target GGUF of the same vocabulary (the
-Qwen2.5-Coder 0.5B -> 1.5B pair, say), greedy, on a prompt file; what it prints, parsed.
+Qwen2.5-Coder 0.5B -> 1.5B pair, say), greedy or sampled, on a prompt file; what it prints, parsed.
+Sampled (temperature > 0), llama-speculative verifies stochastically (the target's distribution is
+kept); its own default top-k 40 and min-p 0.05 are switched off, so the distribution sampled from is
+the one cascade samples from at the same temperature and top-p.
 
 Rope scaling comes from the GGUF files themselves (``cascade.peers.convert.peer_gguf``), so the
 target and the draft each keep their own native context and YaRN stretch. At the end of a run the
@@ -30,7 +33,7 @@ COUNT = re.compile(r"\b(n_draft|n_predict|n_drafted|n_accept)\s*=\s*(\d+)")
 
 @dataclass(frozen=True)
 class SpeculativeSettings:
-    """One greedy llama-speculative run."""
+    """One llama-speculative run (greedy at temperature 0)."""
 
     new_tokens: int = 128
     draft_max: int = 16
@@ -42,6 +45,9 @@ class SpeculativeSettings:
     flash_attn: str = "auto"
     threads: int = 2
     seed: int = 0
+    temperature: float = 0.0
+    """0: greedy (the target's argmax decides); above: sampled, verified stochastically."""
+    top_p: float = 1.0
 
     def __post_init__(self) -> None:
         if self.new_tokens < 1 or self.draft_max < 1 or not 0 <= self.draft_min <= self.draft_max:
@@ -55,13 +61,17 @@ class SpeculativeSettings:
             )
         if self.flash_attn not in FLASH_ATTN_CODES.values():
             raise CascadeError(f"flash attention {self.flash_attn!r}: expected off, on or auto")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise CascadeError(
+                f"llama-speculative needs temperature >= 0 and 0 < top_p <= 1; got {self.temperature}, {self.top_p}"
+            )
 
 
 def speculative_command(
     tool: Path, target: Path, draft: Path, prompt_file: Path, settings: SpeculativeSettings
 ) -> list[str]:
-    """The llama-speculative command line: ``draft`` proposing to ``target``, greedy (temperature
-    0: the target's argmax decides), on the text of ``prompt_file``."""
+    """The llama-speculative command line: ``draft`` proposing to ``target`` on the text of
+    ``prompt_file``, sampling at the settings' temperature and top-p alone (top-k and min-p off)."""
     return [
         str(tool),
         "-m",
@@ -73,6 +83,12 @@ def speculative_command(
         "-n",
         str(settings.new_tokens),
         "--temp",
+        str(settings.temperature),
+        "--top-p",
+        str(settings.top_p),
+        "--top-k",
+        "0",
+        "--min-p",
         "0",
         "--seed",
         str(settings.seed),
