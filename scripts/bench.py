@@ -56,7 +56,7 @@ from cascade.runs import machine, run_files
 PRESETS = ("autoregressive", "speculative", "self-spec", "triforce")
 PEERS = {"llama.cpp": "bf16", "llama.cpp-q8_0": "q8_0", "llama.cpp-speculative": "bf16"}
 """llama.cpp cases: the GGUF type each runs (``llama.cpp-speculative``: the draft's GGUF proposing
-to the target's in llama-speculative, greedy, its default draft settings)."""
+to the target's in llama-speculative at the case's sampling, llama.cpp's default 3 proposals per round)."""
 IMPLS = (*PRESETS, "transformers", "transformers-assisted", *PEERS)
 NEEDS_DRAFT = {"speculative", "triforce", "transformers-assisted", "llama.cpp-speculative"}
 WARMUP_TOKENS = 5000  # warm-up prompts are at most this long: first-touch costs without long prefills
@@ -458,10 +458,11 @@ def run_round(args: argparse.Namespace, cases: list[Case], index: int, bar: tqdm
         case = spawn_case(args, impl, context, mode)
         run = case["run"]
         run.update(round=index, slot=slot, bandwidth_bytes_per_s=bandwidth)
-        prefill = rate_text(run["prefill_tokens_per_s"])
+        prefill = run["prefill_tokens_per_s"]
+        prefill = "not timed" if prefill is None else f"{prefill:7.1f} tok/s"
         bar.write(
             f"[round {index + 1}/{args.repeats} {impl:21} ctx {context:>6} {mode:6}] decode "
-            f"{run['decode_tokens_per_s']:7.1f} tok/s, prefill {prefill:>7} tok/s, "
+            f"{run['decode_tokens_per_s']:7.1f} tok/s, prefill {prefill:>13}, "
             f"peak RSS {run['peak_rss_mb']:6.0f} MB{huge_page_text(run)} ({time.perf_counter() - started:.0f} s)",
             file=sys.stderr,
         )
