@@ -238,15 +238,20 @@ def attention_rows(attended: torch.Tensor) -> torch.Tensor:
 
 
 def attend(query: torch.Tensor, view: AttentionView, scale: float, family: AttentionKernel) -> torch.Tensor:
-    """Queries [1, H, T, D] over the view -> [1, H, T, D]: on CPU, bf16 over an unmasked or causal
-    view through cascade's flash-decoding kernel, else one query per head over a short unmasked
-    cache through the compiled kernel; everything else through the model's attention ``family``."""
+    """Queries [1, H, T, D] over the view -> [1, H, T, D]: on CPU, bf16 over an unmasked, causal or
+    token-tree view (masked in its tail alone: each node reads what its decode step would, so the
+    verifier's logits equal the steps' bit for bit) through cascade's flash-decoding kernel, else one
+    query per head over a short unmasked cache through the compiled kernel; everything else through
+    the model's attention ``family``."""
     on_cpu = query.device.type == "cpu"
-    ours = query.dtype == torch.bfloat16 and query.shape[-1] in kernels.ATTENTION_HEAD_SIZES
-    if attention_kernel and on_cpu and ours and view.mask is None and query.shape[0] == 1:
-        return torch.ops.cascade_kernels.decode_attention(query[0], view.keys[0], view.values[0], scale, view.causal)[
-            None
-        ]
+    ours = attention_kernel and on_cpu and query.dtype == torch.bfloat16 and query.shape[0] == 1
+    if ours and query.shape[-1] in kernels.ATTENTION_HEAD_SIZES:
+        keys, values = view.keys[0], view.values[0]
+        if view.mask is None:
+            return torch.ops.cascade_kernels.decode_attention(query[0], keys, values, scale, view.causal)[None]
+        if view.masked_tail:  # a token tree's pass: each node reads what its decode step would, bit for bit
+            tail = view.mask[:, -view.masked_tail :] == 0  # [T, M]
+            return torch.ops.cascade_kernels.decode_attention_tree(query[0], keys, values, scale, tail)[None]
     one_query = query.shape[2] == 1 and on_cpu
     if one_query and view.mask is None and view.keys.shape[2] <= MAX_COMPILED_ATTENTION_KEYS:
         return compiled_attention(query, view.keys, view.values, scale)

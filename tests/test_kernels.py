@@ -157,3 +157,61 @@ def test_each_token_of_a_causal_pass_equals_its_one_token_step_bit_for_bit(
             query[:, token : token + 1], keys[:, :visible], values[:, :visible], scale, True
         )
         assert torch.equal(step[:, 0], together[:, token]), f"token {token} of {tokens}"
+
+
+def random_tree(nodes: int, generator: torch.Generator) -> torch.Tensor:
+    """[N, N] bool: node i reads node j when j is i or one of its ancestors (parents drawn at random
+    among the earlier nodes, or none: several roots below the tree's context)."""
+    ancestry = torch.eye(nodes, dtype=torch.bool)
+    for node in range(1, nodes):
+        parent = int(torch.randint(-1, node, (1,), generator=generator))
+        if parent >= 0:
+            ancestry[node] |= ancestry[parent]
+    return ancestry
+
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, tokens, tail, context, dim",
+    [
+        (9, 3, 9, 9, 1000, 64),  # a verification pass: the root and 8 nodes
+        (12, 2, 5, 12, 611, 128),  # a proposer's level: 5 nodes below 7 earlier ones
+        (14, 2, 16, 16, 256, 64),  # the tree starts a block of keys
+        (4, 2, 7, 7, 250, 16),  # the tree crosses into the next block
+        (4, 4, 3, 3, 0, 32),  # nothing before the tree
+        (9, 3, 12, 12, 520, 64),
+    ],
+)
+def test_each_token_of_a_tree_pass_equals_its_one_token_step_bit_for_bit(
+    path, heads, kv_heads, tokens, tail, context, dim
+):
+    """A token tree's verification must attend as the decode step of each node would: over the
+    keys before the tree and its own ancestors, in order, and nothing else. Keys the mask hides may
+    not even change how the visible ones pair up or fall into blocks."""
+    generator = torch.Generator().manual_seed(heads * context + tokens + dim)
+    query = torch.randn(heads, tokens, dim, generator=generator).bfloat16()
+    num_keys = context + tail
+    buffer = torch.randn(2, kv_heads, num_keys + 40, dim, generator=generator).bfloat16()
+    keys, values = buffer[0, :, :num_keys], buffer[1, :, :num_keys]
+    ancestry = random_tree(tail, generator)[-tokens:]  # [T, M]: the pass's tokens are the tree's last
+    scale = dim**-0.5
+    together = torch.ops.cascade_kernels.decode_attention_tree(query, keys, values, scale, ancestry)
+    for token in range(tokens):
+        read = torch.cat([torch.arange(context), context + ancestry[token].nonzero()[:, 0]])
+        step = torch.ops.cascade_kernels.decode_attention(
+            query[:, token : token + 1], keys[:, read], values[:, read], scale, False
+        )
+        assert torch.equal(step[:, 0], together[:, token]), f"token {token} of {tokens}"
+
+
+@pytest.mark.parametrize(
+    "mask, message",
+    [
+        (torch.ones(3, 9, dtype=torch.bool), r"a bool tail mask \[T, M\] with T = 3 <= M <= 8"),
+        (torch.ones(2, 4, dtype=torch.bool), "with T = 3"),
+        (torch.ones(3, 4), "a bool tail mask"),
+    ],
+)
+def test_a_tree_pass_refuses_a_tail_mask_that_does_not_fit(mask, message):
+    query, keys = torch.randn(4, 3, 16).bfloat16(), torch.randn(2, 8, 16).bfloat16()
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.cascade_kernels.decode_attention_tree(query, keys, keys, 0.25, mask)

@@ -13,6 +13,7 @@ from cache import build_policy
 from cache.full import FullCacheConfig
 from cache.retrieval import RetrievalCacheConfig
 from cache.streaming import StreamingCacheConfig
+from cascade import kernels
 from cascade.checkpoint import load_model
 from cascade.errors import CascadeError
 from cascade.graphs import MAX_GRAPH_TOKENS, PassGraphs
@@ -184,6 +185,21 @@ def test_tree_rounds_greedy_equal_autoregressive(preset, overrides, tiny_dir, ti
     proposer = result.stats.stages[0]
     assert proposer.rounds > 0 and proposer.proposed < proposer.tree_nodes <= 12 * proposer.rounds
     assert sum(proposer.choice_ranks) >= proposer.rounds  # the root's choice at least, every round
+
+
+@pytest.mark.skipif(not kernels.attention_kernel_available(), reason="cascade's attention kernel does not run here")
+@pytest.mark.parametrize("preset,overrides", [("self-spec", CLOSE_PROPOSER), ("speculative", [])])
+def test_bf16_tree_rounds_greedy_equal_autoregressive_through_cascades_kernels(
+    preset, overrides, tiny_dir, tiny_draft_dir
+):
+    """In bf16 a near tie between two tokens goes by rounding: a tree's verification pass must round
+    as the decode steps do (cascade's attention kernel reads each node's keys as its step would)."""
+    autoregressive = runtime_for("autoregressive", tiny_dir, tiny_draft_dir, dtype="bfloat16")
+    expected = generate(autoregressive, PROMPT, max_new_tokens=96).token_ids
+    runtime = runtime_for(preset, tiny_dir, tiny_draft_dir, [*overrides, *TREE_SETTINGS], dtype="bfloat16")
+    result = generate(runtime, PROMPT, max_new_tokens=96)
+    assert result.token_ids == expected
+    assert result.stats.stages[0].tree_nodes > 0
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["fixed-shape", "dynamic"])

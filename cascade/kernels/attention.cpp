@@ -5,7 +5,8 @@
 // of a longer slot buffer) -> out [H, T, D] bf16. The H / H_kv query heads of a KV head and the T
 // tokens of the pass are the R = G * T rows (g, t) that meet each key block once: each key and
 // value is read from memory once per pass. With `causal`, token t sees keys up to S - T + t (the
-// pass's own tokens are the last T keys).
+// pass's own tokens are the last T keys). decode_attention_tree takes a token tree's pass: token t
+// sees every key before the tree's and, of the last M, those a [T, M] mask allows (its ancestors).
 //
 // Per block of 256 keys, in bf16 products with float32 accumulation (AVX512-BF16):
 // - values: each two keys' rows interleaved into (key, key + 1) pairs, in registers as the sums use
@@ -17,8 +18,10 @@
 // - each row's output: its weight pairs times the value pairs, 16 dimensions per accumulator.
 // A key's score and a row's weighted sum take the same operations in the same order whatever the
 // pass's width and however many keys follow, so a verification pass equals the decode steps it
-// replaces bit for bit. While a block is read, the next block's rows are asked for (into L2): a
-// thread's blocks follow each other in memory.
+// replaces bit for bit. A tree pass does too: the blocks before the tree's are shared, and from the
+// block the tree's keys begin in, each token reads a copy of just the keys its decode step would
+// (keys that a mask merely zeroed would pair and fill blocks otherwise). While a block is read, the
+// next block's rows are asked for (into L2): a thread's blocks follow each other in memory.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -32,6 +35,8 @@
 #include <cstdlib>
 #include <limits>
 #include <memory>
+#include <optional>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -372,26 +377,39 @@ void block_values(const Operands& op, const at::BFloat16* weights, int64_t rows,
   });
 }
 
-// Combine a KV head's blocks: partial sums [blocks, R, D], maxima and totals [blocks, R] -> out rows
-// [R, D], rounded to bf16.
-void merge_blocks(const float* partial, const float* maxima, const float* totals, int64_t blocks, int64_t rows,
-                  int64_t dim, at::BFloat16* out) {
+// One row's output from its blocks in key order: `block(b)` -> (partial sums [D], maximum, total) of
+// block b; rounded to bf16 into out [D].
+template <typename Block>
+void merge_row(int64_t blocks, int64_t dim, Block block, at::BFloat16* out) {
   float sum[kMaxDim];
-  for (int64_t r = 0; r < rows; ++r) {
-    float best = kNegativeInfinity;
-    for (int64_t b = 0; b < blocks; ++b) best = std::max(best, maxima[b * rows + r]);
-    float total = 0.f;
-    std::fill(sum, sum + dim, 0.f);
-    for (int64_t b = 0; b < blocks; ++b) {
-      const float m = maxima[b * rows + r];
-      if (m == kNegativeInfinity) continue;  // the row sees no key of this block
-      const float factor = std::exp(m - best);
-      total += factor * totals[b * rows + r];
-      for (int64_t d = 0; d < dim; ++d) sum[d] += factor * partial[(b * rows + r) * dim + d];
-    }
-    for (int64_t d = 0; d < dim; ++d) out[r * dim + d] = at::BFloat16(sum[d] / total);
+  float best = kNegativeInfinity;
+  for (int64_t b = 0; b < blocks; ++b) best = std::max(best, std::get<1>(block(b)));
+  float total = 0.f;
+  std::fill(sum, sum + dim, 0.f);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const auto [partial, m, block_total] = block(b);
+    if (m == kNegativeInfinity) continue;  // the row sees no key of this block
+    const float factor = std::exp(m - best);
+    total += factor * block_total;
+    for (int64_t d = 0; d < dim; ++d) sum[d] += factor * partial[d];
   }
+  for (int64_t d = 0; d < dim; ++d) out[d] = at::BFloat16(sum[d] / total);
 }
+
+// What a pass's (KV head, key block) tasks leave for merging, task = head * blocks + block: partial
+// sums [tasks, R, D], maxima and totals [tasks, R].
+struct BlockResults {
+  at::Tensor storage;
+  const float* partial;
+  const float* maxima;
+  const float* totals;
+  int64_t blocks, rows, dim;
+
+  std::tuple<const float*, float, float> at(int64_t head, int64_t block, int64_t row) const {
+    const int64_t task = head * blocks + block;
+    return {partial + (task * rows + row) * dim, maxima[task * rows + row], totals[task * rows + row]};
+  }
+};
 
 // A thread's working memory for its blocks, kept from call to call and grown when a pass needs more.
 struct Scratch {
@@ -416,18 +434,17 @@ Scratch thread_scratch(int64_t rows) {
           reinterpret_cast<__m512i*>(base + score_bytes + weight_bytes)};
 }
 
-// The pass's attention for head size D into `out` [H_kv, R, D]: every (KV head, key block) task on
-// the threads, then each KV head's blocks merged.
+// Every (KV head, key block) task of rows `grouped` [H_kv, R, D] over keys / values [H_kv, S, D] on the
+// threads; row r sees keys up to last_visible[r].
 template <int D>
-void attend(const at::Tensor& grouped, const at::Tensor& keys, const at::Tensor& values, float scale,
-            const std::vector<int32_t>& last_visible, at::BFloat16* out) {
+BlockResults key_blocks(const at::Tensor& grouped, const at::Tensor& keys, const at::Tensor& values, float scale,
+                        const std::vector<int32_t>& last_visible) {
   const int64_t kv_heads = grouped.size(0), rows = grouped.size(1), num_keys = keys.size(1);
   const auto* query_pairs = reinterpret_cast<const int32_t*>(grouped.data_ptr<at::BFloat16>());
   const std::vector<at::Tensor> tiles = tile_operands(grouped, D);
   const int64_t blocks = (num_keys + kBlockKeys - 1) / kBlockKeys, tasks = kv_heads * blocks;
-  // per task: partial sums [R, D], then maxima [R] and totals [R]
-  const at::Tensor results = at::empty({tasks * rows * (D + 2)}, grouped.options().dtype(at::kFloat));
-  float* partial = results.data_ptr<float>();
+  const at::Tensor storage = at::empty({tasks * rows * (D + 2)}, grouped.options().dtype(at::kFloat));
+  float* partial = storage.data_ptr<float>();
   float* maxima = partial + tasks * rows * D;
   float* totals = maxima + tasks * rows;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
@@ -444,20 +461,78 @@ void attend(const at::Tensor& grouped, const at::Tensor& keys, const at::Tensor&
       block_values<D>(op, scratch.weights, rows, k0, k1, scratch.value_pairs, partial + task * rows * D);
     }
   });
-  for (int64_t head = 0; head < kv_heads; ++head) {
-    merge_blocks(partial + head * blocks * rows * D, maxima + head * blocks * rows, totals + head * blocks * rows,
-                 blocks, rows, D, out + head * rows * D);
+  return {storage, partial, maxima, totals, blocks, rows, D};
+}
+
+// The pass's attention for head size D into `out` [H_kv, R, D]: its key blocks, then each row's merged.
+template <int D>
+void attend(const at::Tensor& grouped, const at::Tensor& keys, const at::Tensor& values, float scale,
+            const std::vector<int32_t>& last_visible, at::BFloat16* out) {
+  const BlockResults results = key_blocks<D>(grouped, keys, values, scale, last_visible);
+  for (int64_t head = 0; head < grouped.size(0); ++head) {
+    for (int64_t r = 0; r < results.rows; ++r) {
+      merge_row(results.blocks, D, [&](int64_t b) { return results.at(head, b, r); }, out + (head * results.rows + r) * D);
+    }
   }
+}
+
+// The keys [H_kv, S, D] a decode step of token t of a tree pass reads from the first key of block
+// `first_block` on: the cache's keys from there up to the tail, then the tail keys `visible` [M] lets
+// it read, in order -> [H_kv, L, D], contiguous.
+at::Tensor step_keys(const at::Tensor& keys, int64_t first_key, int64_t tail_start, const at::Tensor& visible) {
+  const at::Tensor tail = visible.nonzero().squeeze(1) + tail_start;
+  const at::Tensor before = at::arange(first_key, tail_start, tail.options());
+  return keys.index_select(1, at::cat({before, tail}));
+}
+
+// A pass whose last M keys are read by mask (a token tree's nodes): token t's rows read keys
+// [0, S - M) and the tail keys tail_mask[t] [M] allows, and get exactly what a decode step of that
+// token gets, whose cache holds just those keys in that order. The key blocks before the one holding
+// key S - M are the same in both and shared by every row; from that block on each token's rows read
+// a copy of the keys its step would (their sums pair keys and fill blocks as that step's do).
+template <int D>
+void attend_masked_tail(const at::Tensor& grouped, const at::Tensor& keys, const at::Tensor& values, float scale,
+                        const at::Tensor& tail_mask, at::BFloat16* out) {
+  const int64_t kv_heads = grouped.size(0), rows = grouped.size(1), tokens = tail_mask.size(0);
+  const int64_t group = rows / tokens, tail_start = keys.size(1) - tail_mask.size(1);
+  const int64_t shared_keys = tail_start / kBlockKeys * kBlockKeys;
+  const BlockResults shared = key_blocks<D>(grouped, keys.narrow(1, 0, shared_keys), values.narrow(1, 0, shared_keys),
+                                            scale, std::vector<int32_t>(rows, shared_keys - 1));
+  const at::Tensor by_token = grouped.view({kv_heads, group, tokens, D});
+  for (int64_t t = 0; t < tokens; ++t) {
+    const at::Tensor step_keys_t = step_keys(keys, shared_keys, tail_start, tail_mask[t]);
+    const at::Tensor step_values_t = step_keys(values, shared_keys, tail_start, tail_mask[t]);
+    const at::Tensor query = by_token.select(2, t).contiguous();  // [H_kv, G, D]
+    const BlockResults own = key_blocks<D>(query, step_keys_t, step_values_t, scale,
+                                           std::vector<int32_t>(group, step_keys_t.size(1) - 1));
+    for (int64_t head = 0; head < kv_heads; ++head) {
+      for (int64_t g = 0; g < group; ++g) {
+        const auto block = [&](int64_t b) {
+          return b < shared.blocks ? shared.at(head, b, g * tokens + t) : own.at(head, b - shared.blocks, g);
+        };
+        merge_row(shared.blocks + own.blocks, D, block, out + (head * rows + g * tokens + t) * D);
+      }
+    }
+  }
+}
+
+// A pass of `tokens` tokens: rows [H_kv, R, D] over keys / values [H_kv, S, D], every row reading
+// every key, or causally, or (with `tail_mask` [T, M]) by that mask over the last M keys.
+template <int D>
+void attend_pass(const at::Tensor& grouped, const at::Tensor& keys, const at::Tensor& values, float scale,
+                 int64_t tokens, bool causal, const std::optional<at::Tensor>& tail_mask, at::BFloat16* out) {
+  if (tail_mask.has_value()) return attend_masked_tail<D>(grouped, keys, values, scale, *tail_mask, out);
+  const int64_t rows = grouped.size(1), num_keys = keys.size(1);
+  std::vector<int32_t> last_visible(rows);
+  for (int64_t r = 0; r < rows; ++r) last_visible[r] = causal ? num_keys - tokens + r % tokens : num_keys - 1;
+  attend<D>(grouped, keys, values, scale, last_visible, out);
 }
 
 #endif  // __AVX512BF16__
 
-}  // namespace
-
-namespace cascade_kernels {
-
-at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, double scale,
-                            bool causal) {
+// query [H, T, D] over keys / values [H_kv, S, D] -> [H, T, D] (see attend_pass).
+at::Tensor attention_pass(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, double scale,
+                          bool causal, const std::optional<at::Tensor>& tail_mask) {
   TORCH_CHECK(query.dim() == 3 && keys.dim() == 3 && values.dim() == 3,
               "decode_attention: query [H, T, D], keys and values [H_kv, S, D]; got ", query.sizes(), ", ",
               keys.sizes(), ", ", values.sizes());
@@ -470,21 +545,24 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, con
                   values.scalar_type() == at::kBFloat16, "decode_attention: bfloat16 query, keys and values");
   TORCH_CHECK(keys.stride(2) == 1 && values.stride(2) == 1 && (dim == 16 || dim == 32 || dim == 64 || dim == 128),
               "decode_attention: rows of keys and values contiguous, head size 16, 32, 64 or 128; got ", dim);
-  const int64_t rows = heads / kv_heads * tokens;
   TORCH_CHECK(num_keys >= tokens, "decode_attention: fewer keys (", num_keys, ") than tokens (", tokens, ")");
+  TORCH_CHECK(!tail_mask.has_value() ||
+                  (tail_mask->scalar_type() == at::kBool && tail_mask->dim() == 2 && tail_mask->size(0) == tokens &&
+                   tail_mask->size(1) >= tokens && tail_mask->size(1) <= num_keys),
+              "decode_attention_tree: a bool tail mask [T, M] with T = ", tokens, " <= M <= ", num_keys, "; got ",
+              tail_mask.has_value() ? tail_mask->sizes() : at::IntArrayRef{});
   at::Tensor out = at::empty_like(query, query.options().memory_format(at::MemoryFormat::Contiguous));
 #if defined(__AVX512BF16__)
-  const at::Tensor grouped = query.contiguous().view({kv_heads, rows, dim});  // row g * T + t of KV head k
-  std::vector<int32_t> last_visible(rows);
-  for (int64_t r = 0; r < rows; ++r) last_visible[r] = causal ? num_keys - tokens + r % tokens : num_keys - 1;
+  const at::Tensor grouped = query.contiguous().view({kv_heads, heads / kv_heads * tokens, dim});  // row g * T + t
+  const std::optional<at::Tensor> mask = tail_mask.has_value() ? std::optional(tail_mask->cpu().contiguous()) : std::nullopt;
   // out [H, T, D] holds the rows [H_kv, R, D] in the same order: head k * G + g, token t is row g * T + t
   auto* rows_out = out.data_ptr<at::BFloat16>();
-  const auto run = [&](auto attend_d) { attend_d(grouped, keys, values, (float)scale, last_visible, rows_out); };
+  const auto run = [&](auto attend_d) { attend_d(grouped, keys, values, (float)scale, tokens, causal, mask, rows_out); };
   switch (dim) {
-    case 16: run(attend<16>); break;
-    case 32: run(attend<32>); break;
-    case 64: run(attend<64>); break;
-    default: run(attend<128>); break;
+    case 16: run(attend_pass<16>); break;
+    case 32: run(attend_pass<32>); break;
+    case 64: run(attend_pass<64>); break;
+    default: run(attend_pass<128>); break;
   }
 #else
   TORCH_CHECK(false, "decode_attention: this build has no AVX512-BF16 (see features())");
@@ -492,10 +570,36 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, con
   return out;
 }
 
+}  // namespace
+
+namespace cascade_kernels {
+
+at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, double scale,
+                            bool causal) {
+  return attention_pass(query, keys, values, scale, causal, std::nullopt);
+}
+
 }  // namespace cascade_kernels
+
+namespace {
+
+// A token tree's pass: query [H, T, D] (the pass's tokens, the last T keys) over keys / values
+// [H_kv, S, D], token t reading keys [0, S - M) and the last M keys tail_mask [T, M] (bool) allows ->
+// [H, T, D], each token's rows equal to a decode step's over just the keys it reads.
+at::Tensor decode_attention_tree(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
+                                 double scale, const at::Tensor& tail_mask) {
+  return attention_pass(query, keys, values, scale, false, tail_mask);
+}
+
+}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(cascade_kernels, m) {
   m.def("decode_attention(Tensor query, Tensor keys, Tensor values, float scale, bool causal) -> Tensor");
+  m.def("decode_attention_tree(Tensor query, Tensor keys, Tensor values, float scale, Tensor tail_mask) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(cascade_kernels, CPU, m) { m.impl("decode_attention", &cascade_kernels::decode_attention); }
+TORCH_LIBRARY_IMPL(cascade_kernels, CPU, m) {
+  m.impl("decode_attention", &cascade_kernels::decode_attention);
+  m.impl("decode_attention_tree", &decode_attention_tree);
+}
+
