@@ -383,7 +383,9 @@ def run_llamacpp_speculative(
     from cascade.peers.speculative import SpeculativeSettings, run_speculative
 
     text = AutoTokenizer.from_pretrained(draft).decode(prompt.tolist())
-    settings = SpeculativeSettings(new_tokens=args.new_tokens, threads=torch.get_num_threads(), **sampling)
+    settings = SpeculativeSettings(
+        new_tokens=args.new_tokens, threads=torch.get_num_threads(), batch=max(2048, prompt.numel()), **sampling
+    )
     with tempfile.NamedTemporaryFile("w", suffix=".txt") as prompt_file:
         prompt_file.write(text)
         prompt_file.flush()

@@ -45,6 +45,9 @@ class SpeculativeSettings:
     """Fewest tokens a round proposes (``--spec-draft-n-min``)."""
     context: int = 0
     """KV cache size of each model; 0 takes the GGUF's context length (stretched, for a YaRN copy)."""
+    batch: int = 2048
+    """Most tokens per llama_decode call (``-b``): llama-speculative decodes the whole prompt in one
+    call and aborts when the prompt is longer, so at least the prompt's length."""
     flash_attn: str = "auto"
     threads: int = 2
     seed: int = 0
@@ -58,9 +61,10 @@ class SpeculativeSettings:
                 f"llama-speculative needs new_tokens >= 1 and 0 <= draft_min <= draft_max >= 1; "
                 f"got {self.new_tokens}, {self.draft_min}, {self.draft_max}"
             )
-        if self.context < 0 or self.threads < 1:
+        if self.context < 0 or self.threads < 1 or self.batch < 1:
             raise CascadeError(
-                f"llama-speculative needs context >= 0 and threads >= 1; got {self.context}, {self.threads}"
+                f"llama-speculative needs context >= 0, threads >= 1 and batch >= 1; "
+                f"got {self.context}, {self.threads}, {self.batch}"
             )
         if self.flash_attn not in FLASH_ATTN_CODES.values():
             raise CascadeError(f"flash attention {self.flash_attn!r}: expected off, on or auto")
@@ -101,6 +105,8 @@ def speculative_command(
         str(settings.threads),
         "-c",
         str(settings.context),
+        "-b",
+        str(settings.batch),
         "-fa",
         settings.flash_attn,
         "--spec-draft-n-max",
