@@ -460,11 +460,10 @@ def run_round(args: argparse.Namespace, cases: list[Case], index: int, bar: tqdm
         case = spawn_case(args, impl, context, mode)
         run = case["run"]
         run.update(round=index, slot=slot, bandwidth_bytes_per_s=bandwidth)
-        prefill = run["prefill_tokens_per_s"]
-        prefill = "not timed" if prefill is None else f"{prefill:7.1f} tok/s"
+        prefill = rate_text(run["prefill_tokens_per_s"])
         bar.write(
             f"[round {index + 1}/{args.repeats} {impl:21} ctx {context:>6} {mode:6}] decode "
-            f"{run['decode_tokens_per_s']:7.1f} tok/s, prefill {prefill:>13}, "
+            f"{run['decode_tokens_per_s']:7.1f} tok/s, prefill (tok/s) {prefill:>9}, "
             f"peak RSS {run['peak_rss_mb']:6.0f} MB{huge_page_text(run)} ({time.perf_counter() - started:.0f} s)",
             file=sys.stderr,
         )

@@ -476,13 +476,11 @@ void attend(const at::Tensor& grouped, const at::Tensor& keys, const at::Tensor&
   }
 }
 
-// The keys [H_kv, S, D] a decode step of token t of a tree pass reads from the first key of block
-// `first_block` on: the cache's keys from there up to the tail, then the tail keys `visible` [M] lets
-// it read, in order -> [H_kv, L, D], contiguous.
-at::Tensor step_keys(const at::Tensor& keys, int64_t first_key, int64_t tail_start, const at::Tensor& visible) {
+// The positions of the keys a decode step of a tree pass's token reads from key `first_key` on: the
+// cache's keys from there up to the tail, then the tail keys `visible` [M] lets it read, in order -> [L].
+at::Tensor step_positions(int64_t first_key, int64_t tail_start, const at::Tensor& visible) {
   const at::Tensor tail = visible.nonzero().squeeze(1) + tail_start;
-  const at::Tensor before = at::arange(first_key, tail_start, tail.options());
-  return keys.index_select(1, at::cat({before, tail}));
+  return at::cat({at::arange(first_key, tail_start, tail.options()), tail});
 }
 
 // A pass whose last M keys are read by mask (a token tree's nodes): token t's rows read keys
@@ -500,11 +498,10 @@ void attend_masked_tail(const at::Tensor& grouped, const at::Tensor& keys, const
                                             scale, std::vector<int32_t>(rows, shared_keys - 1));
   const at::Tensor by_token = grouped.view({kv_heads, group, tokens, D});
   for (int64_t t = 0; t < tokens; ++t) {
-    const at::Tensor step_keys_t = step_keys(keys, shared_keys, tail_start, tail_mask[t]);
-    const at::Tensor step_values_t = step_keys(values, shared_keys, tail_start, tail_mask[t]);
+    const at::Tensor positions = step_positions(shared_keys, tail_start, tail_mask[t]);  // [L]
     const at::Tensor query = by_token.select(2, t).contiguous();  // [H_kv, G, D]
-    const BlockResults own = key_blocks<D>(query, step_keys_t, step_values_t, scale,
-                                           std::vector<int32_t>(group, step_keys_t.size(1) - 1));
+    const BlockResults own = key_blocks<D>(query, keys.index_select(1, positions), values.index_select(1, positions),
+                                           scale, std::vector<int32_t>(group, positions.size(0) - 1));
     for (int64_t head = 0; head < kv_heads; ++head) {
       for (int64_t g = 0; g < group; ++g) {
         const auto block = [&](int64_t b) {
@@ -554,7 +551,7 @@ at::Tensor attention_pass(const at::Tensor& query, const at::Tensor& keys, const
   at::Tensor out = at::empty_like(query, query.options().memory_format(at::MemoryFormat::Contiguous));
 #if defined(__AVX512BF16__)
   const at::Tensor grouped = query.contiguous().view({kv_heads, heads / kv_heads * tokens, dim});  // row g * T + t
-  const std::optional<at::Tensor> mask = tail_mask.has_value() ? std::optional(tail_mask->cpu().contiguous()) : std::nullopt;
+  const std::optional<at::Tensor> mask = tail_mask.has_value() ? std::optional(tail_mask->contiguous()) : std::nullopt;
   // out [H, T, D] holds the rows [H_kv, R, D] in the same order: head k * G + g, token t is row g * T + t
   auto* rows_out = out.data_ptr<at::BFloat16>();
   const auto run = [&](auto attend_d) { attend_d(grouped, keys, values, (float)scale, tokens, causal, mask, rows_out); };
