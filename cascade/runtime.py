@@ -219,8 +219,14 @@ class Runtime:
         return pipeline.generate(torch.tensor(prompt_ids, device=device), stop, generator, on_tokens=on_tokens)
 
 
+PREFILL_CHUNKS = {"cpu": 1024, "cuda": 4096}
+"""``prefill_chunk`` where the config leaves it null, by device type (see ``PipelineConfig``)."""
+
+
 def build_runtime(config: PipelineConfig) -> Runtime:
     device = pick_device()
+    if config.prefill_chunk is None:
+        config = config.model_copy(update={"prefill_chunk": PREFILL_CHUNKS[device.type]})
     dtype = resolve_dtype(config.dtype, device)
     options = pass_options(config.kernels, config.attention, device, dtype)
     target = load_model(config.target, "target", dtype, device, options)

@@ -148,10 +148,13 @@ class PipelineConfig(Strict):
     """Generation stops after this many new tokens (or at end-of-sequence)."""
     max_context: int | None = Field(None, ge=2)
     """Cap on prompt + new tokens; null means the target model's own context limit."""
-    prefill_chunk: int = Field(1024, ge=16, le=65536)
+    prefill_chunk: int | None = Field(None, ge=16, le=65536)
     """Prompt tokens per prefill forward pass: bounds the attention working set of long prompts,
     and is the step at which a stored prompt's prefix is reused (a prompt sharing N tokens with a
-    stored one loads the whole passes within them and prefills the rest)."""
+    stored one loads the whole passes within them and prefills the rest). null: 1024 on CPU (as
+    fast as 4096 there, and a later prompt reuses more of a stored one), 4096 on CUDA (where an
+    eager pass costs its kernel launches whatever its length: an H200 prefilled 16K tokens of
+    SmolLM2 at 212K tokens/s in passes of 4096, at 57K in passes of 1024)."""
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """Weights and KV dtype; auto picks bfloat16 on CUDA and on CPUs with AVX-512 BF16."""
     seed: int = Field(0, ge=0, le=2**64 - 1)

@@ -222,7 +222,7 @@ def run_cascade(
     stats = result.stats
     verifier = stats["stages"][-1]  # the full-cache target: its passes read its weights and the whole KV
     loaded = stats["prefill_loaded"] or verifier["prefill_reused"] > 0  # (some of) the prompt came from the store
-    stored = runtime.prompt_caches["target"].passes(prompt, config.prefill_chunk) if args.prompt_cache else []
+    stored = runtime.prompt_caches["target"].passes(prompt, runtime.config.prefill_chunk) if args.prompt_cache else []
     return {
         "prefill_s": None if loaded else stats["prefill_s"],
         "decode_s": stats["decode_s"],
@@ -451,7 +451,7 @@ Case = tuple[str, int, str]
 def run_round(args: argparse.Namespace, cases: list[Case], index: int, bar: tqdm) -> dict:
     """Every case once, in order on even rounds and in reverse on odd ones -> {case: measurement}."""
     order = cases if index % 2 == 0 else cases[::-1]
-    bandwidth = memory_bandwidth()  # the machine drifts: each round is priced at its own bandwidth
+    bandwidth = device_bandwidth()  # the machine drifts: each round is priced at its own bandwidth
     bar.write(f"[round {index + 1}/{args.repeats}] memory reads {bandwidth / 1e9:.1f} GB/s", file=sys.stderr)
     measured = {}
     for slot, (impl, context, mode) in enumerate(order):
@@ -470,6 +470,18 @@ def run_round(args: argparse.Namespace, cases: list[Case], index: int, bar: tqdm
         bar.update(1)
         measured[(impl, context, mode)] = case
     return measured
+
+
+def device_bandwidth() -> float:
+    """Bytes per second of the memory cascade's passes read: the GPU's where there is one (the
+    buffer then handed back to it, for the cases' processes), else the host's."""
+    from cascade.runtime import pick_device
+
+    device = pick_device()
+    bandwidth = memory_bandwidth(device=device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return bandwidth
 
 
 def huge_page_text(run: dict) -> str:

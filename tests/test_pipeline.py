@@ -8,7 +8,7 @@ import torch
 import yaml
 
 from cascade.pipeline import StopRule
-from cascade.runtime import build_runtime
+from cascade.runtime import PREFILL_CHUNKS, build_runtime
 from configs import load_config
 
 PROMPT = torch.randint(0, 49152, (300,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -117,6 +117,19 @@ def test_a_stage_bypassed_for_long_catches_up_within_its_room(tiny_dir, tiny_dra
     assert draft.gamma_choices.get(0, 0) > 16  # bypassed for longer than a probe interval
     expected = generate(runtime_for("autoregressive", tiny_dir, tiny_draft_dir), PROMPT, 120).token_ids
     assert result.token_ids == expected
+
+
+@pytest.mark.parametrize("overrides, widths", [((), [400]), (("prefill_chunk=128",), [128, 128, 128, 16])])
+def test_prefill_passes_are_the_configured_width_or_the_devices(overrides, widths, tiny_dir, tiny_draft_dir):
+    """A null ``prefill_chunk`` (the default) becomes this device's (1024 on CPU: the 400-token
+    prompt in one pass); a set one splits the prompt into passes of that many tokens."""
+    runtime = runtime_for("autoregressive", tiny_dir, tiny_draft_dir, overrides)
+    assert runtime.config.prefill_chunk == (PREFILL_CHUNKS["cpu"] if not overrides else 128)
+    model, seen = runtime.target.model, []
+    forward = model.forward
+    model.forward = lambda ids, *args, **kwargs: seen.append(ids.shape[1]) or forward(ids, *args, **kwargs)
+    generate(runtime, list(range(3, 403)), max_new_tokens=1)
+    assert seen[: len(widths)] == widths
 
 
 def test_a_draft_prefilling_only_its_streaming_tail_stays_exact(
