@@ -17,7 +17,10 @@ and checked against a float64 reference (largest absolute difference):
 - ``cpu`` / ``sdpa`` / ``cuda`` / ``flash`` / ``flex``: the attention families as configs pick them
   (the ones that can run on the device);
 - ``grouped_sdpa``: SDPA with each KV head's query group folded into rows, which the ``cpu``
-  family ran tree passes of 9-64 queries through before they went to per-KV-head products.
+  family ran tree passes of 9-64 queries through before they went to per-KV-head products;
+- ``kernel`` (CPU, where cascade's kernels build): what a model's pass runs there, cascade's
+  attention kernel for bf16 causal and token-tree views of up to 16 tokens (``fused.attend``), the
+  ``cpu`` family for the rest (static views, wider passes).
 
     python scripts/attention_bench.py [--keys 4096 32768 120000] [--queries 1 7] [--nodes 15 31 63]
         [--static] [--repeats 10] [--device cpu] [--out FILE]
@@ -32,7 +35,7 @@ import torch
 
 from cache.base import AttentionView
 from cache.slots import SLOT_ALIGNMENT, causal_mask, tree_mask
-from cascade import attention
+from cascade import attention, fused
 from cascade.errors import CascadeError
 from cascade.graphs import cuda_graph
 from cascade.limits import median_seconds
@@ -110,7 +113,10 @@ def kernels_for(device: torch.device) -> dict[str, attention.AttentionKernel]:
         except CascadeError:
             continue
         runnable[family] = kernel
-    return runnable | {"grouped_sdpa": attention._grouped_sdpa}
+    runnable["grouped_sdpa"] = attention._grouped_sdpa
+    if device.type == "cpu" and fused.use_cpu_kernels() and fused.attention_kernel:
+        runnable["kernel"] = lambda query, view, scale: fused.attend(query, view, scale, attention.attend_cpu)
+    return runnable
 
 
 def passes(args: argparse.Namespace) -> list[tuple[str, int, TokenTree | None]]:
