@@ -13,9 +13,9 @@ from pydantic import ValidationError
 from cascade.completion import FINISH_REASONS, Completion, IncrementalText, Stream, TextCallback
 from cascade.errors import CascadeError
 from cascade.home import prompt_cache_dir
-from cascade.runtime import build_runtime
+from cascade.runtime import Runtime, build_runtime
 from cascade.stop_strings import StopStrings
-from configs import PipelineConfig, SamplingConfig, load_config
+from configs import PipelineConfig, SamplingConfig, StageConfig, load_config
 
 Prompt = str | Sequence[int]
 """Text (encoded with the target's tokenizer) or token ids."""
@@ -87,6 +87,16 @@ class LLM:
     @property
     def tokenizer(self):
         return self.runtime.tokenizer
+
+    def on_stages(self, stages: list[StageConfig], name: str) -> LLM:
+        """An LLM that runs ``stages`` on this one's loaded models and prompt caches (their weights
+        are not loaded again: the same memory), called ``name``."""
+        twin = LLM.__new__(LLM)
+        twin.name, twin.config, twin._turn = name, self.config.model_copy(update={"stages": stages}), FifoLock()
+        loaded = self.runtime
+        config = loaded.config.model_copy(update={"stages": stages})
+        twin.runtime = Runtime(config, loaded.target, loaded.draft, loaded.prompt_caches, loaded.capture)
+        return twin
 
     def generate(self, prompt: Prompt | Sequence[Prompt], **params: Any) -> Completion | list[Completion]:
         """Complete ``prompt``, or each of a list of prompts (a list of Completions).

@@ -57,6 +57,9 @@ PRESETS = ("autoregressive", "speculative", "self-spec", "triforce")
 PEERS = {"llama.cpp": "bf16", "llama.cpp-q8_0": "q8_0", "llama.cpp-speculative": "bf16"}
 """llama.cpp cases: the GGUF type each runs (``llama.cpp-speculative``: the draft's GGUF proposing
 to the target's in llama-speculative at the case's sampling, llama.cpp's default 3 proposals per round)."""
+SAMPLING_FREE = {"llama.cpp", "llama.cpp-q8_0"}
+"""llama-bench cases: passes over random tokens that sample nothing, so one measurement per round and
+context stands for every sampling mode (each costs a prefill of the whole context)."""
 IMPLS = (*PRESETS, "transformers", "transformers-assisted", *PEERS)
 NEEDS_DRAFT = {"speculative", "triforce", "transformers-assisted", "llama.cpp-speculative"}
 WARMUP_TOKENS = 5000  # warm-up prompts are at most this long: first-touch costs without long prefills
@@ -223,6 +226,8 @@ def run_cascade(
     verifier = stats["stages"][-1]  # the full-cache target: its passes read its weights and the whole KV
     loaded = stats["prefill_loaded"] or verifier["prefill_reused"] > 0  # (some of) the prompt came from the store
     stored = runtime.prompt_caches["target"].passes(prompt, runtime.config.prefill_chunk) if args.prompt_cache else []
+    preset = split_impl(impl)[0]
+    same_process = args.prompt_cache and preset != "autoregressive" and not args.store_only
     return {
         "prefill_s": None if loaded else stats["prefill_s"],
         "decode_s": stats["decode_s"],
@@ -232,9 +237,24 @@ def run_cascade(
         "decode_tokens_per_s": stats["tokens_per_s"],
         "stats": stats,
         "graphs_captured_while_measured": captured_graphs(runtime) - graphs_before,
+        "same_process_autoregressive_tokens_per_s": (
+            same_process_autoregressive(llm, prompt, warmup, warmup_tokens, args) if same_process else None
+        ),
         "huge_page_mb": None if (held := huge_page_bytes()) is None else held / 2**20,
         "prompt_files": [str(path) for path, _ in stored],
     }, result.token_ids
+
+
+def same_process_autoregressive(llm, prompt: torch.Tensor, warmup: torch.Tensor, warmup_tokens: int, args) -> float:
+    """Tokens/s of autoregressive decoding of the same prompt on the target this case's process
+    loaded, after the case: the same weights in the same memory. This VM's speed differs by up to a
+    third between processes, which a ratio to the autoregressive case (another process) carries and
+    the ratio to this does not. Its prompt comes from the prompt cache, so it costs a decode."""
+    twin = llm.on_stages([llm.runtime.config.stages[-1]], "autoregressive")
+    for _ in range(args.warmups):
+        twin.run(twin.prepare(warmup.tolist(), max_new_tokens=warmup_tokens, ignore_eos=True))
+    result = twin.run(twin.prepare(prompt.tolist(), max_new_tokens=args.new_tokens, ignore_eos=True))
+    return result.stats["tokens_per_s"]
 
 
 def captured_graphs(runtime) -> int:
@@ -455,6 +475,10 @@ def run_round(args: argparse.Namespace, cases: list[Case], index: int, bar: tqdm
     bar.write(f"[round {index + 1}/{args.repeats}] memory reads {bandwidth / 1e9:.1f} GB/s", file=sys.stderr)
     measured = {}
     for slot, (impl, context, mode) in enumerate(order):
+        if impl in SAMPLING_FREE and (same := [case for key, case in measured.items() if key[:2] == (impl, context)]):
+            measured[(impl, context, mode)] = same[0]
+            bar.update(1)
+            continue
         started = time.perf_counter()
         bar.set_postfix_str(f"round {index + 1}: {impl} @ {context} {mode}")
         case = spawn_case(args, impl, context, mode)
@@ -512,6 +536,7 @@ def summarize(args: argparse.Namespace, case: Case, cases: list[dict]) -> dict:
         **{key: median_of(run[key] for run in runs) for key in RATES},
         **(flash_attn_summary(runs) if "flash_attn" in runs[0] else {}),
         "peak_rss_mb": max(run["peak_rss_mb"] for run in runs),
+        "speedup_in_same_process": same_process_speedup(runs),
         "step_roofline_tokens_per_s": None,
         "decode_over_step_roofline": None,
         "runs": runs,
@@ -597,8 +622,9 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 def table(runs: list[dict], ratio_rows: list[dict]) -> str:
     lines = [
         "| context | sampling | implementation | decode tok/s | prefill tok/s | peak RSS (MB) | decode vs "
-        f"{ratio_rows[0]['baseline'] if ratio_rows else 'baseline'} | decode / step roofline | acceptance per stage |",
-        "|---:|---|---|---:|---:|---:|---:|---:|---|",
+        f"{ratio_rows[0]['baseline'] if ratio_rows else 'baseline'} | vs autoregressive, same process | "
+        "decode / step roofline | acceptance per stage |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     ratio_of = {(row["preset"], row["context"], row["sampling"]): row for row in ratio_rows}
     for run in runs:
@@ -607,10 +633,26 @@ def table(runs: list[dict], ratio_rows: list[dict]) -> str:
         lines.append(
             f"| {run['context']} | {run['sampling']} | {run['preset']} | {run['decode_tokens_per_s']:.1f} | "
             f"{rate_text(run['prefill_tokens_per_s'])} | {run['peak_rss_mb']:.0f} | "
-            f"{f'**{ratio[RATES[0]]:.2f}x**' if ratio else '1'} | {roofline_text(run)} | "
+            f"{f'**{ratio[RATES[0]]:.2f}x**' if ratio else '1'} | {same_process_text(run)} | {roofline_text(run)} | "
             f"{acceptance} |"
         )
     return "\n".join(lines)
+
+
+def same_process_speedup(runs: list[dict]) -> float | None:
+    """The median over rounds of a case's decode rate over its own process's autoregressive one
+    (``same_process_autoregressive``), or None where it was not measured."""
+    ratios = [
+        run["decode_tokens_per_s"] / baseline
+        for run in runs
+        if (baseline := run.get("same_process_autoregressive_tokens_per_s"))
+    ]
+    return statistics.median(ratios) if ratios else None
+
+
+def same_process_text(run: dict) -> str:
+    speedup = run.get("speedup_in_same_process")
+    return "" if speedup is None else f"{speedup:.2f}x"
 
 
 def peer_table(peer: str, ratio_rows: list[dict]) -> str:

@@ -54,6 +54,13 @@ def test_bench_compares_overridden_presets_and_continues_transformers_from_store
     assert report["runs"][0]["step_roofline_tokens_per_s"] is None  # float32: not priced
     runs = {run["preset"]: run for run in report["runs"]}
     assert list(runs) == ["autoregressive", "speculative+stages.0.gamma=2", "transformers"]
+    # the preset's process also decoded autoregressively on the same loaded target
+    speculative = runs["speculative+stages.0.gamma=2"]
+    assert speculative["runs"][0]["same_process_autoregressive_tokens_per_s"] > 0
+    assert speculative["speedup_in_same_process"] == pytest.approx(
+        speculative["decode_tokens_per_s"] / speculative["runs"][0]["same_process_autoregressive_tokens_per_s"]
+    )
+    assert runs["autoregressive"]["speedup_in_same_process"] is None
     expected = runs["autoregressive"]["token_ids"]
     assert len(expected) == 8
     assert runs["speculative+stages.0.gamma=2"]["token_ids"] == expected  # lossless, gamma overridden
@@ -96,12 +103,16 @@ def test_bench_measures_llama_cpp_beside_cascade_and_reports_the_ratios_to_it(tm
         str(tiny_dir),
         "--llama-flash-attn",
         flash_attn,
+        "--sampling",
+        "greedy",
+        "sample",
         "--out",
         str(out),
     ]
     run_script(command, env={**os.environ, "CASCADE_HOME": str(home)})
     report = json.loads(out.read_text())
-    peer = next(run for run in report["runs"] if run["preset"] == "llama.cpp")
+    peer, peer_sampled = (run for run in report["runs"] if run["preset"] == "llama.cpp")
+    assert peer_sampled["sampling"] == "sample" and peer_sampled["runs"] == peer["runs"]  # llama-bench samples nothing
     assert peer["decode_tokens_per_s"] > 0 and peer["prefill_tokens_per_s"] > 0 and peer["token_ids"] == []
     assert set(peer["flash_attn"]) == settings and peer["dtype"] == "bf16"  # each case runs the settings asked for
     assert peer["runs"][0]["build_commit"] == report["machine"]["llama_cpp"]["llama_cpp_commit"]

@@ -1,8 +1,9 @@
 """``llama-speculative`` runs: a draft GGUF proposing to a target GGUF of the same vocabulary (the
 Qwen2.5-Coder 0.5B -> 1.5B pair, say), greedy or sampled, on a prompt file; what it prints, parsed.
-Sampled (temperature > 0), llama-speculative verifies stochastically (the target's distribution is
-kept); its own default top-k 40 and min-p 0.05 are switched off, so the distribution sampled from is
-the one cascade samples from at the same temperature and top-p.
+Sampled (temperature > 0), llama-speculative verifies stochastically; its own default top-k 40 and
+min-p 0.05 are switched off, so it starts from the distribution cascade samples at the same
+temperature and top-p. It is not lossless there: it proposes the draft's most probable token and
+judges it as if it had been sampled (docs/benchmarks.md), which raises its acceptance.
 
 Rope scaling comes from the GGUF files themselves (``cascade.peers.convert.peer_gguf``), so the
 target and the draft each keep their own native context and YaRN stretch. At the end of a run the
