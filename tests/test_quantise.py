@@ -142,6 +142,24 @@ def test_speculation_with_an_int8_draft_decodes_the_targets_greedy_output(self_d
         assert draft_stage.acceptance_rate > 0.5  # tiny model's near-uniform logits flip under rounding)
 
 
+@needs_int8_kernel
+def test_an_int8_draft_catches_up_in_passes_its_kernels_take(tiny_dir, tiny_draft_dir, monkeypatch):
+    """A draft the cost model bypassed resumes on every token it skipped: with int8 weights those go
+    in passes of at most the compiled kernels' width (a wider pass would unpack every weight), the
+    last of them with the token whose logits are asked for."""
+    for name in ("cpu_layers", "int8_kernel", "attention_kernel"):  # the runtime sets them: restore them after
+        monkeypatch.setattr(fused, name, getattr(fused, name))
+    runtime = runtime_for("speculative", tiny_dir, tiny_draft_dir, ["draft.quantise=int8"], dtype="bfloat16")
+    draft = runtime.pipeline_for(len(PROMPT) + 40, 8).stages[0]
+    assert draft.model.fused_tokens == MAX_GRAPH_TOKENS and isinstance(draft.model.lm_head, Int8Linear)
+    draft.prefill(torch.tensor(PROMPT), runtime.config.prefill_chunk)
+    widths, forward = [], draft.model.forward
+    draft.model.forward = lambda ids, *args, **kwargs: widths.append(ids.shape[1]) or forward(ids, *args, **kwargs)
+    context = PROMPT + list(range(3, 43))  # 40 tokens it skipped
+    assert draft.extend(context, 1).shape[0] == 1
+    assert widths == [16, 8, 16] and draft.cache.length == len(context)
+
+
 def test_the_target_cannot_be_quantised():
     stages = [{"model": "target", "cache": {"kind": "full"}}]
     with pytest.raises(ValidationError, match="target.quantise: 'int8' would change the output"):
