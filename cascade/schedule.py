@@ -38,7 +38,7 @@ WARMUP_ROUNDS = 4
 MIN_GAIN = 1.05
 """The least expected speed-up the cost model speculates for; below it the stage is bypassed. Its
 predictions err by several percent (SmolLM2's `self-spec` at 32K on the 2-core EPYC predicted
-0.98-1.10x and ran at 0.92-0.98x of autoregressive decoding), and a stage run at a loss slows the
+0.98-1.10x and ran at 0.91-0.98x of autoregressive decoding), and a stage run at a loss slows the
 generation down where one bypassed at a small gain only forgoes that gain."""
 
 
