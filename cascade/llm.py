@@ -78,10 +78,11 @@ class LLM:
         llm._load(name, config)
         return llm
 
-    def _load(self, name: str, config: PipelineConfig) -> None:
+    def _load(self, name: str, config: PipelineConfig, runtime: Runtime | None = None) -> None:
+        """Run ``config`` on ``runtime`` (its models already loaded), else on models loaded for it."""
         self.name = name
         self.config = config
-        self.runtime = build_runtime(config)
+        self.runtime = runtime or build_runtime(config)
         self._turn = FifoLock()
 
     @property
@@ -91,11 +92,10 @@ class LLM:
     def on_stages(self, stages: list[StageConfig], name: str) -> LLM:
         """An LLM that runs ``stages`` on this one's loaded models and prompt caches (their weights
         are not loaded again: the same memory), called ``name``."""
-        twin = LLM.__new__(LLM)
-        twin.name, twin.config, twin._turn = name, self.config.model_copy(update={"stages": stages}), FifoLock()
         loaded = self.runtime
         config = loaded.config.model_copy(update={"stages": stages})
-        twin.runtime = Runtime(config, loaded.target, loaded.draft, loaded.prompt_caches, loaded.capture)
+        twin = LLM.__new__(LLM)
+        twin._load(name, config, Runtime(config, loaded.target, loaded.draft, loaded.prompt_caches, loaded.capture))
         return twin
 
     def generate(self, prompt: Prompt | Sequence[Prompt], **params: Any) -> Completion | list[Completion]:

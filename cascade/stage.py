@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from cache import build_policy
@@ -155,10 +157,14 @@ class Stage:
         width = self.model.fused_tokens
         if width <= 1 or not is_quantised(self.model):
             return
-        left = max(width - proposed, 1)  # unseen tokens the next pass can take, the last one at least
-        while len(context) - self.cache.length > left:
-            end = min(len(context) - left, self.cache.length + width)
+        for end in self._pass_ends(context, width, keep=max(width - proposed, 1)):
             self.feed(device_ids(context[self.cache.length : end], self.device), 1)
+
+    def _pass_ends(self, context: list[int], chunk: int, keep: int) -> Iterator[int]:
+        """Where each pass ends that feeds the tokens of ``context`` this stage has not seen, ``chunk``
+        at a time, until ``keep`` of them are left (read as the caller's passes extend the cache)."""
+        while self.cache.length < len(context) - keep:
+            yield min(len(context) - keep, self.cache.length + chunk)
 
     def feed(self, token_ids: torch.Tensor, num_logits: int, tree: TreePass | None = None) -> torch.Tensor:
         """Run token_ids [T] (on the model's device) after what the cache holds -> logits [N, V]
@@ -179,8 +185,7 @@ class Stage:
         """Feed the final tokens of ``context`` this stage skipped, all but the last, ``chunk`` per
         pass, committing each: a stage the cost model bypassed for long then fits its pending room."""
         self.cache.adopt(len(context) - 1)
-        while self.cache.length < len(context) - 1:
-            end = min(len(context) - 1, self.cache.length + chunk)
+        for end in self._pass_ends(context, chunk, keep=1):
             self.extend(context[:end], 1)
             self.cache.commit(end)
 

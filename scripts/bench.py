@@ -475,8 +475,9 @@ def run_round(args: argparse.Namespace, cases: list[Case], index: int, bar: tqdm
     bar.write(f"[round {index + 1}/{args.repeats}] memory reads {bandwidth / 1e9:.1f} GB/s", file=sys.stderr)
     measured = {}
     for slot, (impl, context, mode) in enumerate(order):
-        if impl in SAMPLING_FREE and (same := [case for key, case in measured.items() if key[:2] == (impl, context)]):
-            measured[(impl, context, mode)] = same[0]
+        same = next((case for key, case in measured.items() if key[:2] == (impl, context)), None)
+        if impl in SAMPLING_FREE and same is not None:
+            measured[(impl, context, mode)] = same
             bar.update(1)
             continue
         started = time.perf_counter()
