@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 
 def expected_tokens(acceptance: float, gamma: int) -> float:
     """Tokens one verification pass yields with i.i.d. acceptance: (1 - a^(g+1)) / (1 - a)."""
@@ -43,3 +45,33 @@ def expected_speedup(acceptance: float, propose_s: float, verify_s: float, step_
     if gamma == 0:
         return 1.0
     return expected_tokens(acceptance, gamma) * step_s / (propose_s * gamma + verify_s)
+
+
+def acceptance_upper_bound(accepted: int, rejections: int, confidence: float) -> float:
+    """The per-token acceptance below which ``confidence`` of its posterior lies, from ``accepted``
+    proposals and ``rejections`` (a uniform prior: Beta(accepted + 1, rejections + 1)): an optimistic
+    reading of a few rounds. Found by bisection on the Beta CDF, which for whole parameters is the
+    binomial tail P(Binomial(accepted + rejections + 1, a) >= accepted + 1)."""
+    low, high = 0.0, 1.0
+    for _ in range(40):
+        middle = (low + high) / 2
+        if binomial_tail(accepted + rejections + 1, accepted + 1, middle) < confidence:
+            low = middle
+        else:
+            high = middle
+    return (low + high) / 2
+
+
+def binomial_tail(trials: int, least: int, probability: float) -> float:
+    """P(Binomial(trials, probability) >= least), for 0 < probability < 1."""
+    log_p, log_q = math.log(probability), math.log1p(-probability)
+    return sum(
+        math.exp(
+            math.lgamma(trials + 1)
+            - math.lgamma(k + 1)
+            - math.lgamma(trials - k + 1)
+            + k * log_p
+            + (trials - k) * log_q
+        )
+        for k in range(least, trials + 1)
+    )

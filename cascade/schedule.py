@@ -8,15 +8,18 @@
   plain step of the verifier (the median of the latest plain steps; the verifier decodes
   ``PLAIN_STEPS_FIRST`` of them without speculation first), pick the
   gamma with the most tokens per second, (1 - a^(g+1)) / ((1 - a)(p g + v(g))), against 1 / s for
-  gamma 0 (after ``WARMUP_ROUNDS`` verified rounds, or after one if its costs alone rule the stage
-  out: no gamma would pay even if every proposal were accepted). With ``v(g) = s`` this is the
+  gamma 0 (after ``WARMUP_ROUNDS`` verified rounds). With ``v(g) = s`` this is the
   textbook speed-up (1 - a^(g+1)) / ((1 - a)(c g + 1)),
   c = p / s. On a CPU a pass costs about a step while it is bound by reading the weights and more
   the more tokens it holds once its products are compute-bound (Qwen2.5 1.5B at 1K on a 2-core
   EPYC: 1.06 steps for 4 tokens, 1.10 for 8, 1.7 for 16), so ``v(g)`` is the rising piecewise-linear curve through
   the measured passes and the plain step (``StageStats.verification_s``), and the warm-up rounds
-  measure it at the configured gamma, then at half of it, a quarter, ... (``warmup_gammas``): a
-  short gamma can pay where the configured one does not. Gamma 0 bypasses the stage (the verifier
+  measure it at widths growing from the shortest (``warmup_gammas``: 8 -> 1, 2, 4, 8): a short gamma
+  can pay where the configured one does not. From the third warm-up round on, each runs the gamma
+  that would pay best if the stage were as good as its rounds so far allow (``hopeful_gamma``), and
+  none once even that falls short: a draft that agrees on few tokens is dropped after a few cheap
+  rounds (Qwen2.5 0.5B drafting for 1.5B on prose at 8K agreed on 0.12 of its tokens; warming up
+  at 8, 4, 2, 1 cost about 4 of the 64 steps). Gamma 0 bypasses the stage (the verifier
   decodes by itself) when no gamma pays; the stage is probed again after ``PROBE_EVERY`` bypassed
   rounds, and after twice as many each time a probe finds it still does not pay: a probe costs more
   than its round (a retrieval stage re-selects its chunks when it resumes), and SmolLM2's `self-spec`
@@ -25,6 +28,7 @@
 
 from __future__ import annotations
 
+from cascade.costs import acceptance_upper_bound
 from cascade.stats import StageStats
 
 PROBE_EVERY = 16
@@ -35,6 +39,10 @@ PLAIN_STEPS_FIRST = 3
 speed-up is measured against, so one slow first pass cannot make speculation look like a 50x win."""
 WARMUP_ROUNDS = 4
 """Verified rounds (at ``warmup_gammas``) before the cost model trusts its measurements."""
+HOPE = 0.9
+"""How optimistically a warm-up reads its few rounds: the acceptance ``hopeful_gamma`` assumes is the
+one that this share of its posterior lies below (after 0 of 1, 2, 3 proposals accepted: 0.68, 0.54,
+0.44)."""
 MIN_GAIN = 1.05
 """The least expected speed-up the cost model speculates for; below it the stage is bypassed. Its
 predictions err by several percent (SmolLM2's `self-spec` at 32K on the 2-core EPYC predicted
@@ -73,6 +81,7 @@ class CostModelSchedule(Schedule):
 
     def __init__(self, gamma: int) -> None:
         super().__init__(gamma)
+        self.current = warmup_gammas(gamma)[0]
         self.bypassed = 0
         self.probe_after = PROBE_EVERY
         """Bypassed rounds before the next probe."""
@@ -88,27 +97,34 @@ class CostModelSchedule(Schedule):
         return super().next_gamma(stats, room)
 
     def observe(self, stats: StageStats, proposed: int, accepted: int) -> None:
-        if stats.timed_rounds >= WARMUP_ROUNDS:
+        rounds = stats.timed_rounds
+        if rounds >= WARMUP_ROUNDS:
             self.current = best_gamma(stats, self.gamma)
             if self.probing:  # back off while probes keep finding that the stage does not pay
                 self.probe_after = PROBE_EVERY if self.current else 2 * self.probe_after
                 self.probing = False
-        elif stats.timed_rounds and not pays_if_all_accepted(stats, self.gamma):
-            self.current = 0  # its costs alone rule it out: no need to warm up on it
+        elif rounds <= 1:  # one round's proposals may include a retrieval stage's selection: go on
+            self.current = warmup_gammas(self.gamma)[rounds]
         else:
-            self.current = warmup_gammas(self.gamma)[stats.timed_rounds]
+            self.current = hopeful_gamma(stats, warmup_gammas(self.gamma)[rounds])
 
 
 def warmup_gammas(largest: int) -> list[int]:
-    """Gammas of the warm-up rounds: the configured one, then halved round by round (8: 8, 4, 2, 1),
-    so the verification passes are timed at several widths before one is chosen."""
-    return [max(1, largest >> halvings) for halvings in range(WARMUP_ROUNDS)]
+    """Gammas of the warm-up rounds, the widest last: the configured one halved round by round, in
+    growing order (8: 1, 2, 4, 8), so the verification passes are timed at several widths and a
+    draft that agrees on little costs little while it is measured."""
+    return [max(1, largest >> halvings) for halvings in reversed(range(WARMUP_ROUNDS))]
 
 
-def pays_if_all_accepted(stats: StageStats, largest: int) -> bool:
-    """Whether some gamma in [1, largest] would beat plain steps by ``MIN_GAIN`` even if every
-    proposal were accepted (a retrieval proposal at 8K that costs as much as a full step never does)."""
-    return any(stats.expected_speedup(gamma, acceptance=1.0) >= MIN_GAIN for gamma in range(1, largest + 1))
+def hopeful_gamma(stats: StageStats, widest: int) -> int:
+    """The gamma in [1, ``widest``] that would pay best if the stage were as good as its rounds so far
+    allow (acceptance at its ``HOPE`` upper bound, a proposal at its cheapest round), or 0 if even
+    that falls short of ``MIN_GAIN``: a warm-up round that cannot pay is not run."""
+    acceptance = acceptance_upper_bound(stats.accepted, stats.rejections, HOPE)
+    proposal_s = min(stats.proposal_samples)
+    speedups = {gamma: stats.expected_speedup(gamma, acceptance, proposal_s) for gamma in range(1, widest + 1)}
+    gamma = max(speedups, key=lambda g: (speedups[g], -g))
+    return gamma if speedups[gamma] >= MIN_GAIN else 0
 
 
 def best_gamma(stats: StageStats, largest: int) -> int:

@@ -145,15 +145,16 @@ class StageStats:
             return self.verify_s / self.timed_rounds if self.timed_rounds else 0.0
         return along_curve(rising_curve(points), gamma)
 
-    def expected_speedup(self, gamma: float, acceptance: float | None = None) -> float:
-        """The cost model's speed-up at ``gamma`` from these measurements (``acceptance``: assumed
-        instead of the measured one); until a plain step has been timed, the mean verification pass
-        stands in for one."""
+    def expected_speedup(self, gamma: float, acceptance: float | None = None, proposal_s: float | None = None) -> float:
+        """The cost model's speed-up at ``gamma`` from these measurements (``acceptance``,
+        ``proposal_s``: assumed instead of the measured ones); until a plain step has been timed, the
+        mean verification pass stands in for one."""
         if not self.timed_rounds or not self.timed_proposed:
             return 1.0
         step_s = self.step_s if self.plain_steps else self.verify_s / self.timed_rounds
         acceptance = self.acceptance_mle if acceptance is None else acceptance
-        return expected_speedup(acceptance, self.proposal_s, self.verification_s(gamma), step_s, gamma)
+        proposal_s = self.proposal_s if proposal_s is None else proposal_s
+        return expected_speedup(acceptance, proposal_s, self.verification_s(gamma), step_s, gamma)
 
     @property
     def mean_gamma(self) -> float:
