@@ -37,7 +37,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cache.base import AttentionView, CacheLayout, CachePolicy
-from cache.chunk_scoring import Scoring, score_chunks, summarize_chunks
+from cache.chunk_scoring import Scoring, score_chunks, score_prompt, summarize_chunks
 from cache.config import CachePolicyConfig
 from cache.full import FullCache
 from cache.registry import register_policy
@@ -156,9 +156,11 @@ class RetrievalCache(SlotCache):
         """Prompt tokens in whole chunks: those that are scored."""
         return self.prompt_length - self.prompt_length % self.config.chunk_size
 
+    def _prompt_keys(self, layer: int) -> torch.Tensor:
+        return self.source.keys[layer, 0, :, : self._chunked_prompt]  # [H_kv, C*size, D]
+
     def _summarize(self, layer: int) -> tuple[torch.Tensor, ...]:
-        prompt_keys = self.source.keys[layer, 0, :, : self._chunked_prompt]  # [H_kv, C*size, D]
-        return summarize_chunks(prompt_keys, self.config.chunk_size, self.config.scoring)
+        return summarize_chunks(self._prompt_keys(layer), self.config.chunk_size, self.config.scoring)
 
     @property
     def graph_ready(self) -> bool:
@@ -238,9 +240,12 @@ class RetrievalCache(SlotCache):
         size, prompt = self.config.chunk_size, self.prompt_length
         whole_chunks, tail = divmod(prompt, size)
         chosen = (self.kept - tail) // size
-        summary = self._summaries[layer] if self._summaries else self._summarize(layer)
         first_query = query[0, :, :1]  # [H, 1, D]: the pass's first token (see module docstring)
-        scores = score_chunks(first_query, summary, size, self.config.scoring, self.config.query_dims)  # [H_kv, C]
+        scoring, query_dims = self.config.scoring, self.config.query_dims
+        if self._summaries:
+            scores = score_chunks(first_query, self._summaries[layer], size, scoring, query_dims)  # [H_kv, C]
+        else:
+            scores = score_prompt(first_query, self._prompt_keys(layer), size, scoring, query_dims)
         scores[:, 0] = float("inf")  # the sink chunk is always kept
         scores[:, whole_chunks - math.ceil(self.config.recent / size) :] = float("inf")  # and the recent ones
         best = scores.topk(chosen, dim=1).indices.sort(dim=1).values  # [H_kv, chosen]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cache import CacheLayout
-from cache.chunk_scoring import sparse_query_attention, summarize_chunks
+from cache.chunk_scoring import score_chunks, score_prompt, sparse_query_attention, summarize_chunks
 from cache.full import FullCache
 from cache.received_attention import received_attention
 from cache.retrieval import RetrievalCache, RetrievalCacheConfig
@@ -607,3 +607,18 @@ def test_as_settings_keeps_kind_and_what_differs_from_the_defaults():
     assert settings == {"kind": "retrieval", "budget": 64}
     _, config = load_config("self-spec", settings={"stages.0.cache": settings, "stages.0.cache.refresh.every": 16})
     assert config.stages[0].cache == RetrievalCacheConfig(budget=64, refresh={"every": 16})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_one_off_mean_key_selection_scores_keys_as_their_chunks_mean_would(dtype):
+    """Without a stored summary, mean_key scores every key against the summed group query and sums
+    per chunk: the mean key's score, up to the rounding of the products to the keys' dtype."""
+    generator = torch.Generator().manual_seed(0)
+    keys = torch.randn(2, 64 * 8, 16, generator=generator).to(dtype)  # [H_kv, C*size, D]
+    query = torch.randn(4, 1, 16, generator=generator).to(dtype)  # [H, 1, D], 2 per KV head
+    direct = score_prompt(query, keys, 8, "mean_key", query_dims=0)
+    by_means = score_chunks(query, summarize_chunks(keys, 8, "mean_key"), 8, "mean_key", query_dims=0)
+    assert direct.shape == (2, 64) and direct.dtype == torch.float32
+    tolerance = 1e-5 if dtype == torch.float32 else 0.05
+    torch.testing.assert_close(direct, by_means, atol=tolerance, rtol=tolerance)
+    assert direct.topk(8).indices.sort().values.tolist() == by_means.topk(8).indices.sort().values.tolist()
