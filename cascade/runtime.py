@@ -26,6 +26,8 @@ from cascade.quantise import is_quantised, quantise_int8
 from cascade.schedule import SCHEDULES, Schedule
 from cascade.stage import Stage
 from cascade.stop_strings import StopStrings
+from cascade.translated_stage import TranslatedStage
+from cascade.translation import Translation
 from cascade.tree import TokenTree
 from cascade.vocabulary import frequent_tokens
 from configs.schema import ModelConfig, PipelineConfig, SamplingConfig, StageConfig
@@ -96,6 +98,8 @@ class Runtime:
     """The last request's stages, kept for the next request their caches hold."""
     built_for: CacheRequest | None = None
     """The request ``stages`` were built for."""
+    translation: Translation | None = None
+    """The tokens a draft with another tokenizer shares with the target (``draft.cross_tokenizer``)."""
 
     @property
     def tokenizer(self):
@@ -176,11 +180,13 @@ class Runtime:
             stage = config.stages[index]
             model = (self.target if stage.model == "target" else self.draft).model
             source = config.source_of(index)
+            translated = stage.model == "draft" and self.translation is not None
+            spelled = TRANSLATED_TOKENS if translated else 1  # draft tokens per target token, at most
             stages[index] = Stage(
                 f"{index}:{stage.model}/{stage.cache.kind}",
                 model,
                 stage.cache,
-                model.cache_layout(request.capacity, request.max_pending),
+                model.cache_layout(request.capacity * spelled, request.max_pending * spelled),
                 schedule=schedules[index],
                 source=None if source is None else stages[source],
                 prompt_cache=self.prompt_caches.get(stage.model),
@@ -188,6 +194,8 @@ class Runtime:
                 tree=stage.tree and TokenTree.best_first(stage.tree.rank_acceptance, stage.tree.nodes, stage.gamma),
                 dynamic_tree=stage.tree is not None and stage.tree.dynamic,
             )
+            if translated:
+                stages[index] = TranslatedStage(stages[index], self.translation)
         return [stages[i] for i in range(last + 1)]
 
     def stop_rule(self, max_new_tokens: int, stop_at_eos: bool = True, **extra) -> StopRule:
@@ -219,6 +227,10 @@ class Runtime:
         return pipeline.generate(torch.tensor(prompt_ids, device=device), stop, generator, on_tokens=on_tokens)
 
 
+TRANSLATED_TOKENS = 2
+"""How many times the target's token count a cross-tokenizer draft's cache holds: its tokenizer may
+spell the same text in more tokens (SmolLM2's spells Qwen2.5's in ~1.1x as many on English prose)."""
+
 PREFILL_CHUNKS = {"cpu": 1024, "cuda": 4096}
 """``prefill_chunk`` where the config leaves it null, by device type (see ``PipelineConfig``)."""
 
@@ -231,10 +243,14 @@ def build_runtime(config: PipelineConfig) -> Runtime:
     options = pass_options(config.kernels, config.attention, device, dtype)
     target = load_model(config.target, "target", dtype, device, options)
     uses_draft = any(stage.model == "draft" for stage in config.stages)
-    draft = None
+    draft, translation = None, None
     if uses_draft or config.draft.path is not None:
         draft = load_model(config.draft, "draft", dtype, device, options, target=target.path)
-        check_same_vocabulary(target, draft)
+        if config.draft.cross_tokenizer:
+            translation = Translation.between(draft.tokenizer, target.tokenizer, target.model.spec.vocab_size)
+            translation.on(device)
+        else:
+            check_same_vocabulary(target, draft)
     for loaded in (target, draft):
         if loaded is not None and options.fused_tokens:
             warm_up(loaded.model)
@@ -245,7 +261,7 @@ def build_runtime(config: PipelineConfig) -> Runtime:
         if loaded and config.prompt_cache.dir
     }
     capture = cuda_graph if device.type == "cuda" and config.cuda_graphs else None
-    return Runtime(config, target, draft, prompt_caches, capture)
+    return Runtime(config, target, draft, prompt_caches, capture, translation=translation)
 
 
 def warm_up(model: CausalLM) -> None:
@@ -363,7 +379,8 @@ def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
         f"the draft ({draft.path}, {len(draft_vocab)} tokens, {draft.model.spec.vocab_size} logits) "
         f"and the target ({target.path}, {len(target_vocab)} tokens, "
         f"{target.model.spec.vocab_size} logits) have different vocabularies{example}; "
-        "the draft must use the target's tokenizer"
+        "use a draft with the target's tokenizer, or set draft.cross_tokenizer: true to draft among "
+        "the tokens both share"
     )
 
 

@@ -44,6 +44,11 @@ class ModelConfig(Strict):
     then reads fewer weights (Qwen2.5's 151,936-row projection is a quarter of its 0.5B model) and
     proposes only among these tokens; the target verifies every token, so the output is unchanged.
     null keeps every token."""
+    cross_tokenizer: bool = False
+    """Draft only: the draft's tokenizer differs from the target's (both byte-level BPE, sharing at
+    least a quarter of the draft's tokens). It then proposes among the tokens both vocabularies
+    hold (token-level intersection): lossless greedy and sampled; it must be the first stage, and
+    proposes chains, not token trees. Off: a draft with another vocabulary is refused."""
 
 
 MIN_TEMPERATURE = 1e-4
@@ -233,6 +238,20 @@ class PipelineConfig(Strict):
                 raise ValueError(
                     f"stages.{index}.tree: a {stage.cache.kind} cache cannot run token-tree "
                     f"passes; use one of {trees}, or tree: null"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _cross_tokenizer_draft_is_lowest(self) -> PipelineConfig:
+        if self.target.cross_tokenizer:
+            raise ValueError("target.cross_tokenizer: the target's tokenizer is the one; set it on the draft")
+        if not self.draft.cross_tokenizer:
+            return self
+        for index, stage in enumerate(self.stages):
+            if stage.model == "draft" and (index != 0 or stage.tree is not None):
+                raise ValueError(
+                    f"stages.{index}: a draft with another tokenizer (draft.cross_tokenizer) drafts as the "
+                    "first stage, in chains (tree: null): its proposals are verified in the target's tokens"
                 )
         return self
 

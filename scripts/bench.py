@@ -195,11 +195,11 @@ def cascade_config(args, impl: str, target: Path, draft: Path | None, prompt: to
         "prompt_cache.dir": args.prompt_cache,
         **{f"sampling.{key}": value for key, value in SAMPLING[mode].items()},
     }
-    if draft is not None:
-        settings["draft.path"] = str(draft)
+    preset, overrides = split_impl(impl)
+    if draft is not None and not any(item.startswith("draft.path=") for item in overrides):
+        settings["draft.path"] = str(draft)  # an impl naming its own draft keeps it (another family's, say)
     if scaling := yarn_scaling(target, prompt.numel() + args.new_tokens):
         settings["target.rope_scaling"] = scaling
-    preset, overrides = split_impl(impl)
     return load_config(preset, None, [*args.set, *overrides], settings)[1]
 
 
@@ -303,7 +303,7 @@ def run_transformers(
     continues from the prompt's K/V a cascade case stored (``prompt_files``; all but its last token, which
     generate() then feeds), so long prompts are not prefilled again; the assistant model (no stored
     cache) still prefills the whole prompt in its first call, within prefill time."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging
 
     from cascade.checkpoint import apply_rope_scaling
@@ -321,6 +321,9 @@ def run_transformers(
     extra = {}
     if impl == "transformers-assisted":
         extra["assistant_model"] = AutoModelForCausalLM.from_pretrained(draft, dtype=dtype).to(device).eval()
+        tokenizers = AutoTokenizer.from_pretrained(target), AutoTokenizer.from_pretrained(draft)
+        if tokenizers[0].get_vocab() != tokenizers[1].get_vocab():  # its universal assisted generation
+            extra.update(tokenizer=tokenizers[0], assistant_tokenizer=tokenizers[1])
     sampling = SAMPLING[mode]
     if sampling["temperature"]:
         extra.update(do_sample=True, temperature=sampling["temperature"], top_p=sampling["top_p"], top_k=0)

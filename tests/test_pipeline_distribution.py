@@ -23,6 +23,8 @@ from cascade.pipeline import Pipeline, StopRule
 from cascade.sampling import sample, token_probs
 from cascade.schedule import SCHEDULES, Schedule
 from cascade.stats import StageStats
+from cascade.translated_stage import TranslatedStage
+from cascade.translation import Translation
 from cascade.tree import TokenTree
 from cascade.verification import Verdict
 from configs.schema import SamplingConfig
@@ -160,6 +162,40 @@ def test_token_trees_emit_the_target_distribution(sampling, levels, dynamic):
     pipeline = Pipeline(stages, sampling, prefill_chunk=16)
     assert follows_target(emitted_transitions(pipeline), sampling) > P_FLOOR
     assert stages[0].stats.tree_nodes > stages[0].stats.proposed > stages[0].stats.accepted > 0
+
+
+SHARED = [(2, 0), (0, 1), (1, 2), (5, 3)]
+"""A draft vocabulary of 6 tokens beside the target's 5: (draft id, target id) of the tokens both hold;
+target 4 reads as draft 3 then 4, which alone mean nothing to the target."""
+
+
+class ToyTranslation(Translation):
+    """``SHARED``, the prompt spelled token by token (there is no text to encode)."""
+
+    def __init__(self) -> None:
+        draft_ids, target_ids = (torch.tensor(ids) for ids in zip(*SHARED, strict=True))
+        super().__init__(draft_ids, target_ids, VOCAB, None, None, {4: [3, 4]})
+
+    def prompt(self, prompt_ids: list[int]) -> list[int]:
+        return [draft for token in prompt_ids for draft in self.draft_tokens(token)]
+
+
+OTHER_TOKENIZER = torch.randn(6, 6, generator=torch.Generator().manual_seed(3)) * 0.5  # [6, 6]
+for draft_before, target_before in SHARED:  # near the target's chain among the shared tokens
+    for draft_next, target_next in SHARED:
+        OTHER_TOKENIZER[draft_before, draft_next] += CLOSE[target_before, target_next]
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["plain", "transformed"])
+def test_a_draft_with_another_tokenizer_emits_the_target_distribution(sampling):
+    """Its proposals are the shared tokens its chain draws; the toy stage below checks that every
+    context it is fed extends what it holds, so the spelling of target token 4 as two draft tokens
+    and the rollbacks across it stay consistent."""
+    draft = TranslatedStage(ToyStage("other", OTHER_TOKENIZER, SCHEDULES["fixed"](3)), ToyTranslation())
+    pipeline = Pipeline([draft, ToyStage("target", TARGET)], sampling, prefill_chunk=16)
+    assert follows_target(emitted_transitions(pipeline), sampling) > P_FLOOR
+    assert 0 < draft.stats.accepted < draft.stats.proposed
+    assert draft.inner.length >= draft.length  # target 4 is spelled in two draft tokens
 
 
 class MiddleTierResamplesTarget(Pipeline):
