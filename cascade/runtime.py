@@ -245,12 +245,15 @@ def build_runtime(config: PipelineConfig) -> Runtime:
     uses_draft = any(stage.model == "draft" for stage in config.stages)
     draft, translation = None, None
     if uses_draft or config.draft.path is not None:
-        draft = load_model(config.draft, "draft", dtype, device, options, target=target.path)
+        draft = read_model(config.draft, "draft", dtype, device, options, target=target.path)
+        proposable = None
         if config.draft.cross_tokenizer:
             translation = Translation.between(draft.tokenizer, target.tokenizer, target.model.spec.vocab_size)
             translation.on(device)
+            proposable = translation.draft_ids
         else:
             check_same_vocabulary(target, draft)
+        prepare_weights(draft, config.draft, "draft", dtype, device, proposable)
     for loaded in (target, draft):
         if loaded is not None and options.fused_tokens:
             warm_up(loaded.model)
@@ -298,6 +301,7 @@ def prompt_cache(config: PipelineConfig, loaded: LoadedModel, model_config: Mode
         "rope_scaling": model_config.rope_scaling.model_dump() if model_config.rope_scaling else None,
         "quantise": "int8" if is_quantised(model) else "none",
         "frequent_tokens": model_config.frequent_tokens,  # the stored last logits are the kept tokens'
+        **({"cross_tokenizer": True} if model_config.cross_tokenizer else {}),  # (keys stored before stay)
     }
     return PromptCache(
         Path(config.prompt_cache.dir).expanduser(),
@@ -338,27 +342,58 @@ def load_model(
     options: PassOptions,
     target: Path | None = None,
 ) -> LoadedModel:
-    """``config``'s checkpoint, or the role's default (for a draft: the default for ``target``)."""
-    path = checkpoint_path(config.path) if config.path else default_model(role, target=target)
-    scaling = config.rope_scaling.model_dump() if config.rope_scaling else None
-    loaded = load_checkpoint(path, dtype, device, scaling, options)
-    if config.frequent_tokens is not None:
-        keep_frequent_tokens(loaded, config.frequent_tokens, role)
-    if int8_weights(config.quantise, dtype, device):
-        quantise_int8(loaded.model)
-    move_to_huge_pages(loaded.model)
+    """``config``'s checkpoint, or the role's default (for a draft: the default for ``target``),
+    its weights as the config has them."""
+    loaded = read_model(config, role, dtype, device, options, target)
+    prepare_weights(loaded, config, role, dtype, device)
     return loaded
 
 
-def keep_frequent_tokens(loaded: LoadedModel, count: int, role: str) -> None:
-    """``loaded``'s output projection cut to the ``count`` most frequent tokens (``frequent_tokens``)."""
+def read_model(
+    config: ModelConfig,
+    role: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    options: PassOptions,
+    target: Path | None = None,
+) -> LoadedModel:
+    """``config``'s checkpoint as stored (``load_model`` without ``prepare_weights``)."""
+    path = checkpoint_path(config.path) if config.path else default_model(role, target=target)
+    scaling = config.rope_scaling.model_dump() if config.rope_scaling else None
+    return load_checkpoint(path, dtype, device, scaling, options)
+
+
+def prepare_weights(
+    loaded: LoadedModel,
+    config: ModelConfig,
+    role: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    proposable: torch.Tensor | None = None,
+) -> None:
+    """The output projection cut to the tokens the model may propose (its ``frequent_tokens``, of
+    the ``proposable`` ones [K] if given: a cross-tokenizer draft's shared tokens), int8 weights if
+    the config asks, and the weights moved into huge pages."""
+    kept = None if config.frequent_tokens is None else frequent_output(loaded, config.frequent_tokens, role)
+    if proposable is not None:
+        proposable = proposable.to(loaded.model.device)
+        kept = proposable if kept is None else kept[torch.isin(kept, proposable)]
+    if kept is not None:
+        loaded.model.keep_output_tokens(kept)
+    if int8_weights(config.quantise, dtype, device):
+        quantise_int8(loaded.model)
+    move_to_huge_pages(loaded.model)
+
+
+def frequent_output(loaded: LoadedModel, count: int, role: str) -> torch.Tensor:
+    """The ``count`` most frequent tokens of ``loaded``'s vocabulary (``frequent_tokens``) [count]."""
     vocab_size = loaded.model.spec.vocab_size
     if count > vocab_size:
         raise CascadeError(
             f"{role}.frequent_tokens: {count} is more than the {vocab_size} tokens of {loaded.path}; "
             f"use at most {vocab_size}, or null to keep every token"
         )
-    loaded.model.keep_output_tokens(frequent_tokens(loaded.tokenizer, vocab_size, count))
+    return frequent_tokens(loaded.tokenizer, vocab_size, count).to(loaded.model.device)
 
 
 def int8_weights(setting: str, dtype: torch.dtype, device: torch.device) -> bool:

@@ -153,3 +153,14 @@ def test_drafting_across_tokenizers_refuses_what_it_cannot_do(tiny_dir, other_dr
     words = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
     with pytest.raises(CascadeError, match="takes byte-level BPE tokenizers"):
         Translation.between(PreTrainedTokenizerFast(tokenizer_object=words), tokenizers[1], 49152)
+
+
+def test_a_cross_tokenizer_drafts_output_projection_keeps_the_shared_tokens_alone(tiny_dir, other_draft_dir):
+    """Its other rows could never be proposed; with ``frequent_tokens`` too, the tokens in both."""
+    runtime = runtime_for("speculative", tiny_dir, other_draft_dir, ["draft.cross_tokenizer=true"])
+    assert runtime.draft.model.output_ids.tolist() == sorted(runtime.translation.draft_ids.tolist())
+    both = runtime_for(
+        "speculative", tiny_dir, other_draft_dir, ["draft.cross_tokenizer=true", "draft.frequent_tokens=400"]
+    )
+    kept = set(both.draft.model.output_ids.tolist())
+    assert kept < set(runtime.translation.draft_ids.tolist()) and 0 < len(kept) <= 400
