@@ -15,6 +15,7 @@ from bisect import bisect_right
 
 import torch
 
+from cascade.schedule import Schedule
 from cascade.stage import Stage, device_ids
 from cascade.translation import Translation
 
@@ -45,7 +46,7 @@ class TranslatedStage:
     device = property(lambda self: self.inner.device)
     captured_passes = property(lambda self: self.inner.captured_passes)
 
-    def restart(self, schedule) -> None:
+    def restart(self, schedule: Schedule | None) -> None:
         self.inner.restart(schedule)
 
     @property

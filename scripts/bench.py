@@ -77,7 +77,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="IMPL",
         help=f"what to measure, from {', '.join(IMPLS)}; a preset may carry its own "
         "config overrides, PRESET+KEY=VALUE[+KEY=VALUE] (e.g. self-spec+stages.0.schedule=cost_model, "
-        "to compare settings side by side); the first is the baseline of the ratios",
+        "to compare settings side by side; a draft.path there wins over --draft, e.g. "
+        "speculative+draft.path=smollm2-135m-instruct+draft.cross_tokenizer=true); the first is the baseline "
+        "of the ratios",
     )
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 8000], help="prompt lengths in tokens")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per run")
