@@ -241,7 +241,8 @@ def build_runtime(config: PipelineConfig) -> Runtime:
         config = config.model_copy(update={"prefill_chunk": PREFILL_CHUNKS[device.type]})
     dtype = resolve_dtype(config.dtype, device)
     options = pass_options(config.kernels, config.attention, device, dtype)
-    target = load_model(config.target, "target", dtype, device, options)
+    target = read_model(config.target, "target", dtype, device, options)
+    prepare_weights(target, config.target, "target", dtype, device)
     uses_draft = any(stage.model == "draft" for stage in config.stages)
     draft, translation = None, None
     if uses_draft or config.draft.path is not None:
@@ -334,21 +335,6 @@ def fused_tokens_for(device: torch.device, dtype: torch.dtype) -> int:
     return MAX_GRAPH_TOKENS if dtype == torch.bfloat16 and fused.use_cpu_kernels() else 1
 
 
-def load_model(
-    config: ModelConfig,
-    role: str,
-    dtype: torch.dtype,
-    device: torch.device,
-    options: PassOptions,
-    target: Path | None = None,
-) -> LoadedModel:
-    """``config``'s checkpoint, or the role's default (for a draft: the default for ``target``),
-    its weights as the config has them."""
-    loaded = read_model(config, role, dtype, device, options, target)
-    prepare_weights(loaded, config, role, dtype, device)
-    return loaded
-
-
 def read_model(
     config: ModelConfig,
     role: str,
@@ -357,7 +343,8 @@ def read_model(
     options: PassOptions,
     target: Path | None = None,
 ) -> LoadedModel:
-    """``config``'s checkpoint as stored (``load_model`` without ``prepare_weights``)."""
+    """``config``'s checkpoint, or the role's default (for a draft: the default for ``target``), as
+    stored: ``prepare_weights`` then makes its weights what the config asks."""
     path = checkpoint_path(config.path) if config.path else default_model(role, target=target)
     scaling = config.rope_scaling.model_dump() if config.rope_scaling else None
     return load_checkpoint(path, dtype, device, scaling, options)
