@@ -21,12 +21,16 @@
   rounds (Qwen2.5 0.5B drafting for 1.5B on prose at 8K agreed on 0.12 of its tokens; warming up
   at 8, 4, 2, 1 cost about 4 of the 64 steps). Gamma 0 bypasses the stage (the verifier
   decodes by itself) when no gamma pays; the stage is probed again after ``PROBE_EVERY`` bypassed
-  rounds, and after twice as many each time a probe finds it still does not pay: a probe costs more
-  than its round (a retrieval stage re-selects its chunks when it resumes), and SmolLM2's `self-spec`
-  at 8K ran at 0.90x autoregressive with a probe every 16 tokens.
+  rounds, and after twice as many each time a probe finds it still does not pay (or more, so that
+  what the probe cost beyond its round stays ``PROBE_SHARE`` of the time bypassed): a probe costs
+  more than its round (a retrieval stage re-selects its chunks when it resumes, a full-cache draft
+  catches up on what it skipped), and SmolLM2's `self-spec` at 8K ran at 0.90x autoregressive with
+  a probe every 16 tokens.
 """
 
 from __future__ import annotations
+
+import math
 
 from cascade.costs import acceptance_upper_bound
 from cascade.stats import StageStats
@@ -34,6 +38,10 @@ from cascade.stats import StageStats
 PROBE_EVERY = 16
 """Bypassed rounds after which the cost model first lets a stage propose again to re-measure it
 (doubled after each probe that leaves it bypassed)."""
+PROBE_SHARE = 0.05
+"""The most of the time decoding alone that probing a bypassed stage may cost: a probe that took
+2 plain steps more than its round's proposal (the Qwen2.5 0.5B draft at 16K catching up on 16-32
+skipped tokens: 156-305 ms against 113 ms steps) comes again after at least 40 bypassed rounds."""
 PLAIN_STEPS_FIRST = 3
 """Plain steps of the verifier timed before the stage first proposes: their median is the cost every
 speed-up is measured against, so one slow first pass cannot make speculation look like a 50x win."""
@@ -101,12 +109,19 @@ class CostModelSchedule(Schedule):
         if rounds >= WARMUP_ROUNDS:
             self.current = best_gamma(stats, self.gamma)
             if self.probing:  # back off while probes keep finding that the stage does not pay
-                self.probe_after = PROBE_EVERY if self.current else 2 * self.probe_after
+                self.probe_after = PROBE_EVERY if self.current else max(2 * self.probe_after, repaying_rounds(stats))
                 self.probing = False
         elif rounds <= 1:  # one round's proposals may include a retrieval stage's selection: go on
             self.current = warmup_gammas(self.gamma)[rounds]
         else:
             self.current = hopeful_gamma(stats, warmup_gammas(self.gamma)[rounds])
+
+
+def repaying_rounds(stats: StageStats) -> int:
+    """Bypassed rounds over which the last probe's extra time (its proposal beyond a proposal's
+    median: the stage catching up on what it skipped) is ``PROBE_SHARE`` of decoding alone."""
+    extra = stats.proposal_samples[-1] - stats.proposal_s if stats.proposal_samples else 0.0
+    return math.ceil(max(extra, 0.0) / (PROBE_SHARE * stats.step_s)) if stats.step_s else 0
 
 
 def warmup_gammas(largest: int) -> list[int]:

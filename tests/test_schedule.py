@@ -21,6 +21,7 @@ from cascade.schedule import (
     HeuristicSchedule,
     Schedule,
     best_gamma,
+    repaying_rounds,
     warmup_gammas,
 )
 from cascade.stats import PLAIN_SAMPLES_KEPT, StageStats
@@ -114,6 +115,19 @@ def test_probes_that_keep_failing_come_twice_as_late_each_time_and_a_paying_one_
     assert gammas[-1] == 1
     schedule.observe(paying, 1, 1)
     assert schedule.current > 0 and schedule.probe_after == PROBE_EVERY
+
+
+def test_a_dear_probe_comes_again_only_once_the_bypassed_rounds_repay_it():
+    """The Qwen2.5 0.5B draft at 16K: a probe's proposal took 305 ms (catching up on what it skipped)
+    against 30 ms for the others, with 113 ms plain steps: it cost 2.4 steps more than its round,
+    so the next probe waits for 49 bypassed rounds (5% of them), not 32."""
+    schedule = CostModelSchedule(8)
+    useless = measured([(1, 0)] * WARMUP_ROUNDS, propose_s=0.030, verify_s=0.12, step_s=0.113)
+    schedule.observe(useless, 1, 0)
+    assert [schedule.next_gamma(useless, room=100) for _ in range(PROBE_EVERY + 1)][-1] == 1
+    useless.record_proposals(1, 0.305)  # the probe's round
+    schedule.observe(useless, 1, 0)
+    assert schedule.current == 0 and schedule.probe_after == repaying_rounds(useless) == 49 > 2 * PROBE_EVERY
 
 
 def test_a_slow_first_plain_step_does_not_set_the_cost_speculation_is_measured_against():
