@@ -207,25 +207,31 @@ def decoder_layers_apply(x: torch.Tensor, head_dim: int, quantised: bool) -> boo
     return attention_kernel and ours and _on_cpu_layers(x)
 
 
+PlainPass = tuple[torch.Tensor, torch.Tensor, int]
+"""A cache's ``plain_pass``: keys, values [L, 1, H_kv, slots, D] and the pass's first slot."""
+
+
 def decoder_layers(
     x: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
     operands: LayerOperands,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    start: int,
+    passes: list[PlainPass],
+    tokens: list[int],
     eps: float,
     num_heads: int,
     num_kv_heads: int,
     scale: float,
 ) -> torch.Tensor:
-    """Every layer of a pass over a plain KV cache (``CachePolicy.plain_pass``) in one C++ call:
-    residual stream x [T, C] -> the last layer's output [T, C], the pass's K/V written into
-    keys / values [L, 1, H_kv, slots, D] from slot ``start``. What each layer's ``pre_attention``,
-    cache update, ``attend`` and ``post_attention`` compute, without Python between them."""
+    """Every layer of a pass over plain KV caches (``CachePolicy.plain_pass``) in one C++ call:
+    residual stream x [N, C] of one or more sequences, ``tokens[b]`` rows of sequence b after those
+    of the sequences before it -> the last layer's output [N, C], each sequence's K/V written into
+    its ``passes[b]``' keys / values from its first slot. What each layer's ``pre_attention``, cache
+    update, ``attend`` and ``post_attention`` compute, without Python between them; the sequences
+    share each read of the weights, and each row's result is the same as in a pass of its own."""
+    keys, values, starts = (list(column) for column in zip(*passes, strict=True))
     return torch.ops.cascade_kernels.decoder_layers(
-        x, *operands, keys, values, start, cos, sin, eps, num_heads, num_kv_heads, scale
+        x, *operands, keys, values, starts, tokens, cos, sin, eps, num_heads, num_kv_heads, scale
     )
 
 

@@ -10,9 +10,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from cascade.batch import BatchRequest, generate_batch
 from cascade.completion import FINISH_REASONS, Completion, IncrementalText, Stream, TextCallback
 from cascade.errors import CascadeError
 from cascade.home import prompt_cache_dir
+from cascade.pipeline import GenerationResult
 from cascade.runtime import Runtime, build_runtime
 from cascade.stop_strings import StopStrings
 from configs import PipelineConfig, SamplingConfig, StageConfig, load_config
@@ -98,14 +100,18 @@ class LLM:
         twin._load(name, config, Runtime(config, loaded.target, loaded.draft, loaded.prompt_caches, loaded.capture))
         return twin
 
-    def generate(self, prompt: Prompt | Sequence[Prompt], **params: Any) -> Completion | list[Completion]:
-        """Complete ``prompt``, or each of a list of prompts (a list of Completions).
+    def generate(
+        self, prompt: Prompt | Sequence[Prompt], *, batch_size: int | None = None, **params: Any
+    ) -> Completion | list[Completion]:
+        """Complete ``prompt``, or each of a list of prompts (a list of Completions, in order).
 
         ``params``: ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed`` (each
         defaulting to the config's), ``stop`` (strings that end the generation where its text
-        completes one; the text stops before it) and ``ignore_eos`` (go on past end-of-sequence)."""
+        completes one; the text stops before it) and ``ignore_eos`` (go on past end-of-sequence).
+        A list is decoded as batches of ``batch_size`` prompts (all of them by default) where this
+        LLM decodes autoregressively (``run_batch``), one prompt after another otherwise."""
         if is_prompt_list(prompt):
-            return [self.run(self.prepare(one, **params)) for one in prompt]
+            return self.run_batch([self.prepare(one, **params) for one in prompt], batch_size)
         return self.run(self.prepare(prompt, **params))
 
     def stream(self, prompt: Prompt, **params: Any) -> Stream:
@@ -174,8 +180,43 @@ class LLM:
             )
         if (delta := text.finish()) and on_text:
             on_text(delta)
-        reason = FINISH_REASONS[result.stats.stop_reason]
-        return Completion(text.text, result.token_ids, request.prompt_ids, reason, result.stats.to_dict())
+        return completion_of(request, text, result)
+
+    def run_batch(self, requests: Sequence[Request], batch_size: int | None = None) -> list[Completion]:
+        """Generate ``requests`` -> their Completions, in order. Where this LLM decodes
+        autoregressively (a single stage), ``batch_size`` of them at a time (all by default) decode
+        together, each step one pass of every unfinished one (``cascade.batch``); otherwise one after
+        another. Each gets the tokens it would alone."""
+        if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+            raise CascadeError(f"batch_size: must be a whole number of at least 1; got {batch_size!r}")
+        if len(self.runtime.config.stages) > 1:
+            return [self.run(request) for request in requests]
+        size = batch_size or max(len(requests), 1)
+        return [
+            done
+            for first in range(0, len(requests), size)
+            for done in self._decode_together(requests[first : first + size])
+        ]
+
+    def _decode_together(self, requests: Sequence[Request]) -> list[Completion]:
+        texts = [IncrementalText(self.tokenizer, request.stop_strings) for request in requests]
+        batch = [
+            BatchRequest(
+                request.prompt_ids,
+                self.runtime.stop_rule(
+                    request.max_new_tokens, not request.ignore_eos, stop_strings=request.stop_strings
+                ),
+                request.sampling,
+                request.seed,
+                text.add,
+            )
+            for request, text in zip(requests, texts, strict=True)
+        ]
+        with self._turn:
+            results = generate_batch(self.runtime, batch)
+        for text in texts:
+            text.finish()
+        return [completion_of(*done) for done in zip(requests, texts, results, strict=True)]
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of ``prompt`` (text, or ids checked against the vocabulary)."""
@@ -205,6 +246,12 @@ class LLM:
                 raise CascadeError(f"messages[{index}].content: must be text; got {message.get('content')!r}")
         text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+def completion_of(request: Request, text: IncrementalText, result: GenerationResult) -> Completion:
+    """The Completion of ``request``'s finished generation (``text``: its decoded tokens)."""
+    reason = FINISH_REASONS[result.stats.stop_reason]
+    return Completion(text.text, result.token_ids, request.prompt_ids, reason, result.stats.to_dict())
 
 
 def with_prompt_cache(config: PipelineConfig) -> PipelineConfig:

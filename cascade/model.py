@@ -266,6 +266,31 @@ class CausalLM(nn.Module):
             x = x[:, -num_logits:]
         return self._every_token(self.lm_head(self.norm(x)))  # [B, N, V]
 
+    @torch.inference_mode()
+    def forward_batch(self, token_ids: list[torch.Tensor], caches: list[CachePolicy]) -> torch.Tensor:
+        """One pass of several sequences, each its ids [T_b] after what its own cache holds -> logits
+        [B, V] at each one's last token, equal to what its own ``forward`` gives. Where cascade's CPU
+        kernels take every cache's pass (``fused.decoder_layers``; at most ``fused_tokens`` rows in
+        all) the sequences share each read of the weights; elsewhere each runs a pass of its own."""
+        tokens = [ids.numel() for ids in token_ids]
+        positions = [cache.allocate(count) for cache, count in zip(caches, tokens, strict=True)]
+        x = self.embed_tokens(torch.cat(token_ids))  # [N, C]
+        fits = sum(tokens) <= self.fused_tokens and fused.decoder_layers_apply(
+            x, self.spec.head_dim, is_quantised(self)
+        )
+        plains = [cache.plain_pass() for cache in caches] if fits else [None]
+        if any(plain is None for plain in plains):
+            passes = zip(token_ids, positions, caches, strict=True)
+            return torch.cat([self.forward_at(ids[None], at, cache, 1)[0] for ids, at, cache in passes])
+        spec, scale = self.spec, self.layers[0].self_attn.scale
+        cos, sin = self.rotary.cos_sin(torch.cat(positions), self.dtype)  # [N, D] each
+        operands = self._kernel_operands()
+        x = fused.decoder_layers(
+            x, cos, sin, operands, plains, tokens, spec.rms_norm_eps, spec.num_heads, spec.num_kv_heads, scale
+        )
+        last = torch.tensor(tokens, device=x.device).cumsum(0) - 1  # [B]: each sequence's last row
+        return self._every_token(fused.logits(x[last], self.norm.weight, projection(self.lm_head), self.norm.eps))
+
     def _forward_fused(
         self, x, cos, sin, cache: CachePolicy, attend: AttentionKernel, num_logits: int | None
     ) -> torch.Tensor:
@@ -277,7 +302,9 @@ class CausalLM(nn.Module):
         plain = cache.plain_pass() if fused.decoder_layers_apply(x, spec.head_dim, is_quantised(self)) else None
         if plain is not None:
             eps, scale, operands = spec.rms_norm_eps, self.layers[0].self_attn.scale, self._kernel_operands()
-            x = fused.decoder_layers(x, cos, sin, operands, *plain, eps, spec.num_heads, spec.num_kv_heads, scale)
+            x = fused.decoder_layers(
+                x, cos, sin, operands, [plain], [len(x)], eps, spec.num_heads, spec.num_kv_heads, scale
+            )
         else:
             for block in self.layers:
                 x = block.forward_fused(x, cos, sin, cache, attend)

@@ -10,8 +10,9 @@
 //                   -> SiLU(gate) * up -> down product -> + residual
 //   logits:         x [N, C] -> RMSNorm -> head product -> [N, V]
 //
-// and decoder_layers runs every layer of a pass over a plain KV cache (its K/V written at
-// consecutive slots, attention over every slot up to them) in one call: no Python per layer.
+// and decoder_layers runs every layer of a pass over plain KV caches (its K/V written at consecutive
+// slots, attention over every slot up to them) in one call: no Python per layer. A pass may hold
+// several sequences, each with its own cache, which share each read of the weights (a batch).
 //
 // The products are cascade's kernels (products.h): bf16 weights, or int8 ones packed by
 // cascade.quantise where a scales tensor comes with them. Elementwise work runs in float32 and
@@ -28,6 +29,7 @@
 #include <cstdint>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "products.h"
 #include "vector_math.h"
@@ -175,43 +177,74 @@ at::Tensor logits(const at::Tensor& x, const at::Tensor& norm_weight, const at::
   return product(rms_norm(x, norm_weight, eps), head_weight, head_scales).to(at::kBFloat16);
 }
 
-// rows [H_kv, T, D] (contiguous) -> slots [start, start + T) of buffer [H_kv, slots, D] (rows contiguous):
-// a copy per head, without the set-up of a tensor copy (a few microseconds each, twice per layer).
-void write_slots(const at::Tensor& rows, const at::Tensor& buffer, int64_t start) {
-  const int64_t heads = rows.size(0), span = rows.size(1) * rows.size(2);
-  const auto* source = rows.data_ptr<BFloat16>();
+// rows [first, first + count) of each head of rows [H_kv, N, D] (contiguous) -> slots [start, start + count)
+// of buffer [H_kv, slots, D] (rows contiguous): a copy per head, without the set-up of a tensor copy
+// (a few microseconds each, twice per layer).
+void write_slots(const at::Tensor& rows, int64_t first, int64_t count, const at::Tensor& buffer, int64_t start) {
+  const int64_t heads = rows.size(0), dim = rows.size(2);
+  const auto* source = rows.data_ptr<BFloat16>() + first * dim;
   auto* target = buffer.data_ptr<BFloat16>() + start * buffer.stride(1);
-  for (int64_t h = 0; h < heads; ++h) std::copy_n(source + h * span, span, target + h * buffer.stride(0));
+  for (int64_t h = 0; h < heads; ++h) {
+    std::copy_n(source + h * rows.size(1) * dim, count * dim, target + h * buffer.stride(0));
+  }
 }
 
-// Every decoder layer of a pass: for layer l, pre_attention; the pass's keys and values written
-// into slots [start, start + T) of keys / values [L, 1, H_kv, slots, D]; attention over slots
-// [0, start + T), the pass causal among itself; post_attention. Operands per layer: norms (input,
-// post-attention), weights and their int8 scales (qkv, o, gate/up, down), the qkv bias.
+void check_caches(const at::Tensor& x, at::TensorList keys, at::TensorList values, at::IntArrayRef starts,
+                  at::IntArrayRef tokens) {
+  const auto sequences = static_cast<int64_t>(keys.size());
+  TORCH_CHECK(sequences >= 1 && static_cast<int64_t>(values.size()) == sequences &&
+                  static_cast<int64_t>(starts.size()) == sequences && static_cast<int64_t>(tokens.size()) == sequences,
+              "decoder_layers: keys, values, starts and tokens for each of the pass's sequences; got ", keys.size(),
+              ", ", values.size(), ", ", starts.size(), " and ", tokens.size());
+  int64_t rows = 0;
+  for (int64_t b = 0; b < sequences; ++b) {
+    const int64_t end = starts[b] + tokens[b];
+    TORCH_CHECK(keys[b].dim() == 5 && keys[b].size(1) == 1 && keys[b].sizes() == values[b].sizes() &&
+                    keys[b].size(0) == keys[0].size(0) && tokens[b] >= 1 && end <= keys[b].size(3) &&
+                    keys[b].is_contiguous() && values[b].is_contiguous(),
+                "decoder_layers: sequence ", b, ": contiguous K/V buffers [L, 1, H_kv, slots, D] with room for slots [",
+                starts[b], ", ", end, "); got ", keys[b].sizes(), " and ", values[b].sizes());
+    rows += tokens[b];
+  }
+  TORCH_CHECK(rows == x.size(0), "decoder_layers: the sequences' tokens (", rows, ") are the pass's rows (",
+              x.size(0), ")");
+}
+
+// Every decoder layer of a pass of one or more sequences, each over its own plain KV cache: the
+// pass's rows are the sequences' tokens one after another (tokens[b] of sequence b). For layer l,
+// pre_attention over every row (each weight read once for all the sequences); each sequence's keys
+// and values written into slots [starts[b], starts[b] + tokens[b]) of its keys / values
+// [L, 1, H_kv, slots, D] and its rows' attention over slots [0, starts[b] + tokens[b]), causal among
+// themselves; post_attention over every row. A row's result does not depend on the other rows (the
+// products' sums do not depend on how many rows a block holds), so a sequence gets the same bits in
+// a batch as alone. Operands per layer: norms (input, post-attention), weights and their int8 scales
+// (qkv, o, gate/up, down), the qkv bias.
 at::Tensor decoder_layers(const at::Tensor& x, at::TensorList norms, at::TensorList weights,
                           const c10::List<std::optional<at::Tensor>>& scales,
-                          const c10::List<std::optional<at::Tensor>>& biases, const at::Tensor& keys,
-                          const at::Tensor& values, int64_t start, const at::Tensor& cos, const at::Tensor& sin,
-                          double eps, int64_t heads, int64_t kv_heads, double scale) {
-  const int64_t layers = keys.size(0), tokens = x.size(0), end = start + tokens;
-  TORCH_CHECK(keys.dim() == 5 && keys.size(1) == 1 && keys.sizes() == values.sizes() && end <= keys.size(3) &&
-                  keys.is_contiguous() && values.is_contiguous(),
-              "decoder_layers: contiguous K/V buffers [L, 1, H_kv, slots, D] with room for slots [", start, ", ", end,
-              "); got ", keys.sizes(), " and ", values.sizes());
+                          const c10::List<std::optional<at::Tensor>>& biases, at::TensorList keys,
+                          at::TensorList values, at::IntArrayRef starts, at::IntArrayRef tokens, const at::Tensor& cos,
+                          const at::Tensor& sin, double eps, int64_t heads, int64_t kv_heads, double scale) {
+  check_caches(x, keys, values, starts, tokens);
+  const int64_t layers = keys[0].size(0), sequences = static_cast<int64_t>(keys.size());
   TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * layers && static_cast<int64_t>(weights.size()) == 4 * layers &&
                   static_cast<int64_t>(scales.size()) == 4 * layers && static_cast<int64_t>(biases.size()) == layers,
               "decoder_layers: per layer 2 norms, 4 weights, 4 scales and 1 bias for ", layers, " layers; got ",
               norms.size(), ", ", weights.size(), ", ", scales.size(), " and ", biases.size());
   at::Tensor stream = x;
+  std::vector<at::Tensor> attended(sequences);
   for (int64_t l = 0; l < layers; ++l) {
     const auto [query, key, value] = pre_attention(stream, norms[2 * l], weights[4 * l], scales.get(4 * l),
                                                    biases.get(l), cos, sin, eps, heads, kv_heads);
-    const at::Tensor layer_keys = keys[l][0], layer_values = values[l][0];  // [H_kv, slots, D]
-    write_slots(key[0], layer_keys, start);
-    write_slots(value[0], layer_values, start);
-    const at::Tensor attended = cascade_kernels::decode_attention(
-        query[0], layer_keys.narrow(1, 0, end), layer_values.narrow(1, 0, end), scale, tokens > 1);  // [H, T, D]
-    stream = post_attention(stream, attended.unsqueeze(0), weights[4 * l + 1], scales.get(4 * l + 1), norms[2 * l + 1],
+    for (int64_t b = 0, row = 0; b < sequences; row += tokens[b], ++b) {
+      const at::Tensor layer_keys = keys[b][l][0], layer_values = values[b][l][0];  // [H_kv, slots, D]
+      const int64_t end = starts[b] + tokens[b];
+      write_slots(key[0], row, tokens[b], layer_keys, starts[b]);
+      write_slots(value[0], row, tokens[b], layer_values, starts[b]);
+      attended[b] = cascade_kernels::decode_attention(query[0].narrow(1, row, tokens[b]), layer_keys.narrow(1, 0, end),
+                                                      layer_values.narrow(1, 0, end), scale, tokens[b] > 1);  // [H, T_b, D]
+    }
+    const at::Tensor rows = sequences == 1 ? attended[0] : at::cat(attended, 1);  // [H, N, D]
+    stream = post_attention(stream, rows.unsqueeze(0), weights[4 * l + 1], scales.get(4 * l + 1), norms[2 * l + 1],
                             weights[4 * l + 2], scales.get(4 * l + 2), weights[4 * l + 3], scales.get(4 * l + 3), eps);
   }
   return stream;
@@ -226,8 +259,8 @@ TORCH_LIBRARY_FRAGMENT(cascade_kernels, m) {
         "Tensor gate_up_weight, Tensor? gate_up_scales, Tensor down_weight, Tensor? down_scales, float eps) -> Tensor");
   m.def("logits(Tensor x, Tensor norm_weight, Tensor head_weight, Tensor? head_scales, float eps) -> Tensor");
   m.def("decoder_layers(Tensor x, Tensor[] norms, Tensor[] weights, Tensor?[] scales, Tensor?[] biases, "
-        "Tensor(a!) keys, Tensor(b!) values, int start, Tensor cos, Tensor sin, float eps, int heads, int kv_heads, "
-        "float scale) -> Tensor");
+        "Tensor(a!)[] keys, Tensor(b!)[] values, int[] starts, int[] tokens, Tensor cos, Tensor sin, float eps, "
+        "int heads, int kv_heads, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(cascade_kernels, CPU, m) {

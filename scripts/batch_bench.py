@@ -1,0 +1,139 @@
+"""Batched autoregressive decoding: decode tokens/s at several batch sizes, side by side in one process.
+
+A batch of B decodes B prompts of ``--context`` tokens each (windows of the document, one after
+another) together, greedy, ``--new-tokens`` each without stopping at end-of-sequence; its rate is
+every row's decoded tokens over the batch's decode time (its first step to its last row's end).
+Each round runs every batch size once, in order on even rounds and in reverse on odd ones (this
+machine's speed drifts); the report has each size's median rate, its median ratio to batch 1
+within a round, the peak memory, and whether the first row's tokens were batch 1's in every run
+(they must be: a row of a batch computes what it would alone). Prompts are stored in the prompt
+cache (``--prompt-cache``, by default a fresh one) by an untimed first pass, so a batch's prefill
+loads them.
+
+    python scripts/batch_bench.py [--target NAME] [--document plrabn12] [--contexts 2000 8000]
+        [--batch-sizes 1 4 8] [--new-tokens 64] [--repeats 3] [--prompt-cache DIR] [--set KEY=VALUE ...]
+
+The report goes to a new run directory under ``$CASCADE_HOME/runs/batch_bench/`` with a manifest,
+or to ``--out FILE``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from cascade.checkpoint import checkpoint_option, yarn_scaling
+from cascade.data import DOCUMENT_NAMES, document_ids
+from cascade.errors import CascadeError, entry_point
+from cascade.limits import memory_bandwidth
+from cascade.llm import LLM
+from cascade.models import default_model
+from cascade.runs import run_files
+from configs import load_config
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", type=checkpoint_option, help="target checkpoint (default: SmolLM2)")
+    parser.add_argument("--document", default="plrabn12", choices=DOCUMENT_NAMES)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[2000, 8000], help="prompt tokens per row")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8])
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", default="bfloat16", choices=["auto", "bfloat16", "float32"])
+    parser.add_argument("--prompt-cache", help="where prompts are stored (default: a fresh temporary one)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    parser.add_argument("--out", type=Path, help="write the report here (default: a new run directory)")
+    args = parser.parse_args(argv)
+    if min(args.contexts) < 16 or min(args.batch_sizes) < 1 or args.new_tokens < 2 or args.repeats < 1:
+        raise CascadeError(
+            "--contexts at least 16, --batch-sizes at least 1, --new-tokens at least 2, --repeats at least 1"
+        )
+    if 1 not in args.batch_sizes:
+        raise CascadeError("--batch-sizes must include 1: every rate is reported against it")
+    return args
+
+
+def build_llm(args: argparse.Namespace, target: Path, context: int, store: str) -> LLM:
+    settings = {"dtype": args.dtype, "target.path": str(target), "prompt_cache.dir": store}
+    if scaling := yarn_scaling(target, context + args.new_tokens):
+        settings["target.rope_scaling"] = scaling
+    name, config = load_config("autoregressive", None, args.set, settings)
+    return LLM.from_config(config, name)
+
+
+def decode(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
+    """One batch of ``prompts`` -> its decode rate, time and first row's tokens."""
+    completions = llm.run_batch([llm.prepare(prompt, max_new_tokens=new_tokens, ignore_eos=True) for prompt in prompts])
+    decode_s = max(completion.stats["decode_s"] for completion in completions)
+    decoded = sum(len(completion.token_ids) - 1 for completion in completions)
+    return {"decode_s": decode_s, "tokens_per_s": decoded / decode_s, "first_row": completions[0].token_ids}
+
+
+def measure_context(args: argparse.Namespace, target: Path, context: int, store: str) -> dict:
+    """Every batch size at ``context``, ``--repeats`` interleaved rounds."""
+    llm = build_llm(args, target, context, store)
+    document = document_ids(target, args.document, context * max(args.batch_sizes))
+    prompts = [document[row * context : (row + 1) * context] for row in range(max(args.batch_sizes))]
+    llm.run_batch([llm.prepare(prompt, max_new_tokens=2, ignore_eos=True) for prompt in prompts])  # store: untimed
+    runs: dict[int, list[dict]] = {size: [] for size in args.batch_sizes}
+    for index in range(args.repeats):
+        bandwidth = memory_bandwidth()
+        for size in args.batch_sizes if index % 2 == 0 else args.batch_sizes[::-1]:
+            run = decode(llm, prompts[:size], args.new_tokens) | {"round": index, "bandwidth_bytes_per_s": bandwidth}
+            runs[size].append(run)
+            print(f"[ctx {context} round {index + 1}] batch {size}: {run['tokens_per_s']:.1f} tok/s", file=sys.stderr)
+    single = {run["round"]: run for run in runs[1]}
+    return {
+        "context": context,
+        "batches": [
+            {
+                "batch_size": size,
+                "tokens_per_s": statistics.median(run["tokens_per_s"] for run in runs[size]),
+                "over_batch_1": statistics.median(
+                    run["tokens_per_s"] / single[run["round"]]["tokens_per_s"] for run in runs[size]
+                ),
+                "first_row_as_batch_1": all(
+                    run["first_row"] == single[run["round"]]["first_row"] for run in runs[size]
+                ),
+                "runs": runs[size],
+            }
+            for size in args.batch_sizes
+        ],
+    }
+
+
+@entry_point
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    files = run_files("batch_bench", args.out, "batch_bench.json")
+    target = args.target or default_model("target")
+    with tempfile.TemporaryDirectory(prefix="cascade-batch-bench-") as fresh:
+        store = args.prompt_cache or fresh
+        contexts = [measure_context(args, target, context, store) for context in args.contexts]
+    report = {
+        "settings": {
+            key: getattr(args, key)
+            for key in ("document", "contexts", "batch_sizes", "new_tokens", "repeats", "dtype", "set")
+        },
+        "target": str(target),
+        "contexts": contexts,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+    files.write(report, vars(args))
+    for measured in contexts:
+        for row in measured["batches"]:
+            print(
+                f"context {measured['context']:>6} batch {row['batch_size']:>2}: {row['tokens_per_s']:7.1f} tok/s, "
+                f"{row['over_batch_1']:.2f}x batch 1, first row as batch 1: {row['first_row_as_batch_1']}"
+            )
+    print(f"wrote {files.report} (manifest: {files.manifest})", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

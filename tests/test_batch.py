@@ -1,0 +1,118 @@
+"""Batched autoregressive decoding: each sequence of a batch gets what it would alone, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cache.full import FullCache
+from cascade import batch, fused, kernels
+from cascade.checkpoint import load_model
+from cascade.errors import CascadeError
+from cascade.llm import LLM
+from cascade.model import PassOptions
+from tests.conftest import make_checkpoint
+from tests.test_fused import layer_op_calls
+
+CPU = torch.device("cpu")
+PROMPTS = (
+    "It was the best of times, it was the worst of times, it was the age of wisdom,",
+    "Call me Ishmael.",
+    "In the beginning God created the heaven and the earth. And the earth was without form, and void;"
+    " and darkness was upon the face of the deep.",
+)
+NEW = 12
+needs_layer_kernels = pytest.mark.skipif(
+    not kernels.attention_kernel_available(), reason="cascade's CPU layer and attention ops do not run here"
+)
+
+
+def prefilled(model, lengths: list[int]) -> list[FullCache]:
+    """A full cache per length, holding that many tokens of its own random prompt."""
+    caches = []
+    for seed, length in enumerate(lengths):
+        cache = FullCache(model.cache_layout(length + 8))
+        prompt = torch.randint(0, model.spec.vocab_size, (1, length), generator=torch.Generator().manual_seed(seed))
+        model(prompt, cache)
+        cache.commit(length)
+        caches.append(cache)
+    return caches
+
+
+@needs_layer_kernels
+@pytest.mark.parametrize("widths", [(1, 1, 1), (1, 3, 2)], ids=["steps", "mixed-widths"])
+def test_a_batched_pass_gives_each_sequence_the_bits_of_its_own_pass(tmp_path, widths):
+    """One ``decoder_layers`` call for the whole batch; each sequence's logits equal its own pass's."""
+    model = load_model(make_checkpoint(tmp_path / "m", "qwen2-bias"), torch.bfloat16, CPU)
+    fused.use_cpu_kernels()
+    model.options = PassOptions(kernels.MAX_KERNEL_ROWS)
+    lengths = [23, 7, 40]
+    fed = [torch.randint(0, model.spec.vocab_size, (width,)) for width in widths]
+    alone = [model(ids[None], cache, 1)[0, -1] for ids, cache in zip(fed, prefilled(model, lengths), strict=True)]
+    together_caches = prefilled(model, lengths)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        together = model.forward_batch(fed, together_caches)  # [B, V]
+    assert layer_op_calls(profile)["decoder_layers"] == 1
+    assert torch.equal(together, torch.stack(alone))
+    assert [cache.length for cache in together_caches] == [n + w for n, w in zip(lengths, widths, strict=True)]
+
+
+def test_a_pass_the_kernels_do_not_take_runs_each_sequence_alone_with_the_same_logits(tmp_path):
+    model = load_model(make_checkpoint(tmp_path / "m", "llama-gqa-tied"), torch.float32, CPU)
+    fed = [torch.tensor([5]), torch.tensor([9, 2])]
+    alone = [model(ids[None], cache, 1)[0, -1] for ids, cache in zip(fed, prefilled(model, [6, 11]), strict=True)]
+    assert torch.equal(model.forward_batch(fed, prefilled(model, [6, 11])), torch.stack(alone))
+
+
+@pytest.fixture(scope="module", params=["float32", pytest.param("bfloat16", marks=needs_layer_kernels)])
+def llm(request, tiny_dir):
+    return LLM("autoregressive", target=tiny_dir, dtype=request.param, reuse_prompts=False)
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_p": 0.9}], ids=["greedy", "sampled"])
+def test_each_prompt_of_a_batch_gets_the_tokens_it_gets_alone(llm, sampling):
+    alone = [llm.generate(prompt, max_new_tokens=NEW, seed=3, **sampling) for prompt in PROMPTS]
+    together = llm.generate(list(PROMPTS), max_new_tokens=NEW, seed=3, **sampling)
+    assert [c.token_ids for c in together] == [c.token_ids for c in alone]
+    assert [c.text for c in together] == [c.text for c in alone]
+    assert all(c.stats["new_tokens"] == len(c.token_ids) and c.stats["decode_s"] > 0 for c in together)
+    in_pairs = llm.generate(list(PROMPTS), max_new_tokens=NEW, seed=3, batch_size=2, **sampling)
+    assert [c.token_ids for c in in_pairs] == [c.token_ids for c in alone]
+
+
+def test_rows_stop_by_their_own_rules_and_the_others_go_on(llm):
+    """Different lengths, seeds and stop strings in one batch: the finished leave, the rest decode on."""
+    reference = llm.generate(PROMPTS[0], max_new_tokens=NEW)
+    stop = reference.text[len(reference.text) // 2 :][:3]
+    requests = [
+        llm.prepare(PROMPTS[0], max_new_tokens=NEW, stop=stop),
+        llm.prepare(PROMPTS[1], max_new_tokens=3),
+        llm.prepare(PROMPTS[2], max_new_tokens=NEW, temperature=0.8, seed=11),
+    ]
+    together = llm.run_batch(requests)
+    alone = [llm.run(request) for request in requests]
+    assert [(c.token_ids, c.text, c.finish_reason) for c in together] == [
+        (c.token_ids, c.text, c.finish_reason) for c in alone
+    ]
+    assert together[0].finish_reason == "stop" and stop not in together[0].text
+    assert len(together[1].token_ids) == 3 and together[1].finish_reason == "length"
+    assert len(together[2].token_ids) == NEW
+
+
+def test_a_batch_whose_caches_do_not_fit_in_memory_is_refused_before_it_starts(llm, monkeypatch):
+    monkeypatch.setattr(batch, "available_memory", lambda device: 1000)
+    with pytest.raises(CascadeError, match=r"a batch of 3 sequences needs .* GiB of KV cache, and 0.00 GiB"):
+        llm.generate(list(PROMPTS), max_new_tokens=NEW)
+
+
+@pytest.mark.parametrize("batch_size", [0, -2, 1.5])
+def test_a_batch_size_that_is_not_a_positive_whole_number_is_refused(llm, batch_size):
+    with pytest.raises(CascadeError, match=f"batch_size: must be a whole number of at least 1; got {batch_size}"):
+        llm.generate(list(PROMPTS), max_new_tokens=NEW, batch_size=batch_size)
+
+
+def test_a_speculative_preset_decodes_a_list_one_prompt_after_another(tiny_dir, tiny_draft_dir):
+    llm = LLM("speculative", target=tiny_dir, draft=tiny_draft_dir, dtype="float32", reuse_prompts=False)
+    together = llm.generate(list(PROMPTS[:2]), max_new_tokens=NEW)
+    assert [c.token_ids for c in together] == [llm.generate(p, max_new_tokens=NEW).token_ids for p in PROMPTS[:2]]
+    assert all(len(c.stats["stages"]) == 2 for c in together)
