@@ -400,9 +400,9 @@ void merge_row(int64_t blocks, int64_t dim, Block block, at::BFloat16* out) {
 // sums [tasks, R, D], maxima and totals [tasks, R].
 struct BlockResults {
   at::Tensor storage;
-  const float* partial;
-  const float* maxima;
-  const float* totals;
+  float* partial;
+  float* maxima;
+  float* totals;
   int64_t blocks, rows, dim;
 
   std::tuple<const float*, float, float> at(int64_t head, int64_t block, int64_t row) const {
@@ -434,46 +434,99 @@ Scratch thread_scratch(int64_t rows) {
           reinterpret_cast<__m512i*>(base + score_bytes + weight_bytes)};
 }
 
+// The last key each of `rows` rows (token t = r % tokens of a pass of `tokens` tokens) sees of
+// `num_keys`: every key, or (causal) those up to its own, the pass's tokens being the last keys.
+std::vector<int32_t> last_visible_keys(int64_t rows, int64_t tokens, int64_t num_keys, bool causal) {
+  std::vector<int32_t> last_visible(rows);
+  for (int64_t r = 0; r < rows; ++r) last_visible[r] = causal ? num_keys - tokens + r % tokens : num_keys - 1;
+  return last_visible;
+}
+
+// A pass's (KV head, key block) tasks, task = head * blocks + block: rows `grouped` [H_kv, R, D] over
+// keys / values [H_kv, S, D], row r seeing keys up to last_visible[r]; each task's partial sums,
+// maximum and total go to its own part of `results`, so the tasks may run on any threads in any order.
+template <int D>
+struct KeyBlocks {
+  const at::Tensor& grouped;
+  const at::Tensor& keys;
+  const at::Tensor& values;
+  float scale;
+  std::vector<int32_t> last_visible;
+  std::vector<at::Tensor> tiles;
+  BlockResults results;
+  int64_t tasks;
+
+  KeyBlocks(const at::Tensor& grouped_, const at::Tensor& keys_, const at::Tensor& values_, float scale_,
+            std::vector<int32_t> last_visible_)
+      : grouped(grouped_), keys(keys_), values(values_), scale(scale_), last_visible(std::move(last_visible_)),
+        tiles(tile_operands(grouped_, D)) {
+    const int64_t kv_heads = grouped.size(0), rows = grouped.size(1), num_keys = keys.size(1);
+    const int64_t blocks = (num_keys + kBlockKeys - 1) / kBlockKeys;
+    tasks = kv_heads * blocks;
+    const at::Tensor storage = at::empty({tasks * rows * (D + 2)}, grouped.options().dtype(at::kFloat));
+    float* partial = storage.data_ptr<float>();
+    results = {storage, partial, partial + tasks * rows * D, partial + tasks * rows * (D + 1), blocks, rows, D};
+  }
+
+  void run(int64_t task, const Scratch& scratch) const {
+    const int64_t rows = results.rows, head = task / results.blocks, block = task % results.blocks;
+    const int64_t k0 = block * kBlockKeys, k1 = std::min(keys.size(1), k0 + kBlockKeys);
+    const auto* query_pairs = reinterpret_cast<const int32_t*>(grouped.data_ptr<at::BFloat16>());
+    const Operands op{keys.data_ptr<at::BFloat16>() + head * keys.stride(0),
+                      values.data_ptr<at::BFloat16>() + head * values.stride(0), keys.stride(1), values.stride(1),
+                      scale};
+    block_scores<D>(op, query_pairs + head * rows * D / 2, tiles, head, rows, k0, k1, scratch.scores);
+    block_weights(op, last_visible.data(), rows, k0, k1, scratch.scores, scratch.weights, results.maxima + task * rows,
+                  results.totals + task * rows);
+    block_values<D>(op, scratch.weights, rows, k0, k1, scratch.value_pairs, results.partial + task * rows * D);
+  }
+};
+
+// Every task of `jobs` (one pass each, of as many sequences) on the threads in one parallel region:
+// a batch's passes share its fork and join, and its threads' work evens out across the sequences.
+template <int D>
+void run_key_blocks(const std::vector<KeyBlocks<D>>& jobs) {
+  std::vector<int64_t> first_task{0};
+  int64_t rows = 0;
+  for (const auto& job : jobs) {
+    first_task.push_back(first_task.back() + job.tasks);
+    rows = std::max(rows, job.results.rows);
+  }
+  at::parallel_for(0, first_task.back(), 1, [&](int64_t begin, int64_t end) {
+    const Scratch scratch = thread_scratch<D>(rows);
+    for (int64_t task = begin; task < end; ++task) {
+      const auto job = std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1;
+      jobs[job].run(task - first_task[job], scratch);
+    }
+  });
+}
+
 // Every (KV head, key block) task of rows `grouped` [H_kv, R, D] over keys / values [H_kv, S, D] on the
 // threads; row r sees keys up to last_visible[r].
 template <int D>
 BlockResults key_blocks(const at::Tensor& grouped, const at::Tensor& keys, const at::Tensor& values, float scale,
                         const std::vector<int32_t>& last_visible) {
-  const int64_t kv_heads = grouped.size(0), rows = grouped.size(1), num_keys = keys.size(1);
-  const auto* query_pairs = reinterpret_cast<const int32_t*>(grouped.data_ptr<at::BFloat16>());
-  const std::vector<at::Tensor> tiles = tile_operands(grouped, D);
-  const int64_t blocks = (num_keys + kBlockKeys - 1) / kBlockKeys, tasks = kv_heads * blocks;
-  const at::Tensor storage = at::empty({tasks * rows * (D + 2)}, grouped.options().dtype(at::kFloat));
-  float* partial = storage.data_ptr<float>();
-  float* maxima = partial + tasks * rows * D;
-  float* totals = maxima + tasks * rows;
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    const Scratch scratch = thread_scratch<D>(rows);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t head = task / blocks, block = task % blocks;
-      const int64_t k0 = block * kBlockKeys, k1 = std::min(num_keys, k0 + kBlockKeys);
-      const Operands op{keys.data_ptr<at::BFloat16>() + head * keys.stride(0),
-                        values.data_ptr<at::BFloat16>() + head * values.stride(0), keys.stride(1), values.stride(1),
-                        scale};
-      block_scores<D>(op, query_pairs + head * rows * D / 2, tiles, head, rows, k0, k1, scratch.scores);
-      block_weights(op, last_visible.data(), rows, k0, k1, scratch.scores, scratch.weights, maxima + task * rows,
-                    totals + task * rows);
-      block_values<D>(op, scratch.weights, rows, k0, k1, scratch.value_pairs, partial + task * rows * D);
+  std::vector<KeyBlocks<D>> jobs;
+  jobs.emplace_back(grouped, keys, values, scale, last_visible);
+  run_key_blocks<D>(jobs);
+  return jobs[0].results;
+}
+
+// Each row's output [D] of `results`, merged from its blocks, into out [H_kv, R, D].
+void merge_rows(const BlockResults& results, int64_t kv_heads, at::BFloat16* out) {
+  for (int64_t head = 0; head < kv_heads; ++head) {
+    for (int64_t r = 0; r < results.rows; ++r) {
+      merge_row(results.blocks, results.dim, [&](int64_t b) { return results.at(head, b, r); },
+                out + (head * results.rows + r) * results.dim);
     }
-  });
-  return {storage, partial, maxima, totals, blocks, rows, D};
+  }
 }
 
 // The pass's attention for head size D into `out` [H_kv, R, D]: its key blocks, then each row's merged.
 template <int D>
 void attend(const at::Tensor& grouped, const at::Tensor& keys, const at::Tensor& values, float scale,
             const std::vector<int32_t>& last_visible, at::BFloat16* out) {
-  const BlockResults results = key_blocks<D>(grouped, keys, values, scale, last_visible);
-  for (int64_t head = 0; head < grouped.size(0); ++head) {
-    for (int64_t r = 0; r < results.rows; ++r) {
-      merge_row(results.blocks, D, [&](int64_t b) { return results.at(head, b, r); }, out + (head * results.rows + r) * D);
-    }
-  }
+  merge_rows(key_blocks<D>(grouped, keys, values, scale, last_visible), grouped.size(0), out);
 }
 
 // The positions of the keys a decode step of a tree pass's token reads from key `first_key` on: the
@@ -519,17 +572,30 @@ template <int D>
 void attend_pass(const at::Tensor& grouped, const at::Tensor& keys, const at::Tensor& values, float scale,
                  int64_t tokens, bool causal, const std::optional<at::Tensor>& tail_mask, at::BFloat16* out) {
   if (tail_mask.has_value()) return attend_masked_tail<D>(grouped, keys, values, scale, *tail_mask, out);
-  const int64_t rows = grouped.size(1), num_keys = keys.size(1);
-  std::vector<int32_t> last_visible(rows);
-  for (int64_t r = 0; r < rows; ++r) last_visible[r] = causal ? num_keys - tokens + r % tokens : num_keys - 1;
-  attend<D>(grouped, keys, values, scale, last_visible, out);
+  attend<D>(grouped, keys, values, scale, last_visible_keys(grouped.size(1), tokens, keys.size(1), causal), out);
+}
+
+// Each sequence's pass (grouped[b] [H_kv, R_b, D] of tokens[b] tokens over keys[b] / values[b]
+// [H_kv, S_b, D], causal among its tokens) into outs[b], every key block of every sequence on the
+// threads in one parallel region.
+template <int D>
+void attend_sequences(const std::vector<at::Tensor>& grouped, at::TensorList keys, at::TensorList values, float scale,
+                      const std::vector<int64_t>& tokens, const std::vector<at::Tensor>& outs) {
+  std::vector<KeyBlocks<D>> jobs;
+  jobs.reserve(grouped.size());
+  for (size_t b = 0; b < grouped.size(); ++b) {
+    jobs.emplace_back(grouped[b], keys[b], values[b], scale,
+                      last_visible_keys(grouped[b].size(1), tokens[b], keys[b].size(1), true));
+  }
+  run_key_blocks<D>(jobs);
+  for (size_t b = 0; b < grouped.size(); ++b) merge_rows(jobs[b].results, grouped[b].size(0), outs[b].data_ptr<at::BFloat16>());
 }
 
 #endif  // __AVX512BF16__
 
-// query [H, T, D] over keys / values [H_kv, S, D] -> [H, T, D] (see attend_pass).
-at::Tensor attention_pass(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, double scale,
-                          bool causal, const std::optional<at::Tensor>& tail_mask) {
+// Fails unless query [H, T, D] may attend over keys / values [H_kv, S, D] (and tail_mask [T, M]).
+void check_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
+                     const std::optional<at::Tensor>& tail_mask) {
   TORCH_CHECK(query.dim() == 3 && keys.dim() == 3 && values.dim() == 3,
               "decode_attention: query [H, T, D], keys and values [H_kv, S, D]; got ", query.sizes(), ", ",
               keys.sizes(), ", ", values.sizes());
@@ -548,19 +614,36 @@ at::Tensor attention_pass(const at::Tensor& query, const at::Tensor& keys, const
                    tail_mask->size(1) >= tokens && tail_mask->size(1) <= num_keys),
               "decode_attention_tree: a bool tail mask [T, M] with T = ", tokens, " <= M <= ", num_keys, "; got ",
               tail_mask.has_value() ? tail_mask->sizes() : at::IntArrayRef{});
+}
+
+// query [H, T, D] -> its rows [H_kv, G T, D] by KV head: head k * G + g, token t is row g * T + t (the
+// order of out [H, T, D] too).
+at::Tensor grouped_rows(const at::Tensor& query, int64_t kv_heads) {
+  return query.contiguous().view({kv_heads, query.size(0) / kv_heads * query.size(1), query.size(2)});
+}
+
+// Calls run(std::integral_constant<int, D>) for head size `dim` (16, 32, 64 or 128).
+template <typename Run>
+void with_head_size(int64_t dim, Run run) {
+  switch (dim) {
+    case 16: return run(std::integral_constant<int, 16>{});
+    case 32: return run(std::integral_constant<int, 32>{});
+    case 64: return run(std::integral_constant<int, 64>{});
+    default: return run(std::integral_constant<int, 128>{});
+  }
+}
+
+// query [H, T, D] over keys / values [H_kv, S, D] -> [H, T, D] (see attend_pass).
+at::Tensor attention_pass(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, double scale,
+                          bool causal, const std::optional<at::Tensor>& tail_mask) {
+  check_attention(query, keys, values, tail_mask);
   at::Tensor out = at::empty_like(query, query.options().memory_format(at::MemoryFormat::Contiguous));
 #if defined(__AVX512BF16__)
-  const at::Tensor grouped = query.contiguous().view({kv_heads, heads / kv_heads * tokens, dim});  // row g * T + t
+  const at::Tensor grouped = grouped_rows(query, keys.size(0));
   const std::optional<at::Tensor> mask = tail_mask.has_value() ? std::optional(tail_mask->contiguous()) : std::nullopt;
-  // out [H, T, D] holds the rows [H_kv, R, D] in the same order: head k * G + g, token t is row g * T + t
-  auto* rows_out = out.data_ptr<at::BFloat16>();
-  const auto run = [&](auto attend_d) { attend_d(grouped, keys, values, (float)scale, tokens, causal, mask, rows_out); };
-  switch (dim) {
-    case 16: run(attend_pass<16>); break;
-    case 32: run(attend_pass<32>); break;
-    case 64: run(attend_pass<64>); break;
-    default: run(attend_pass<128>); break;
-  }
+  with_head_size(query.size(2), [&](auto dim) {
+    attend_pass<decltype(dim)::value>(grouped, keys, values, (float)scale, query.size(1), causal, mask, out.data_ptr<at::BFloat16>());
+  });
 #else
   TORCH_CHECK(false, "decode_attention: this build has no AVX512-BF16 (see features())");
 #endif
@@ -574,6 +657,30 @@ namespace cascade_kernels {
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, double scale,
                             bool causal) {
   return attention_pass(query, keys, values, scale, causal, std::nullopt);
+}
+
+std::vector<at::Tensor> decode_attention_sequences(const std::vector<at::Tensor>& queries, at::TensorList keys,
+                                                   at::TensorList values, double scale) {
+  TORCH_CHECK(!queries.empty() && keys.size() == queries.size() && values.size() == queries.size(),
+              "decode_attention: keys and values for each of ", queries.size(), " sequences; got ", keys.size(),
+              " and ", values.size());
+  std::vector<at::Tensor> grouped, outs;
+  std::vector<int64_t> tokens;
+  for (size_t b = 0; b < queries.size(); ++b) {
+    check_attention(queries[b], keys[b], values[b], std::nullopt);
+    TORCH_CHECK(queries[b].size(2) == queries[0].size(2), "decode_attention: one head size for every sequence");
+    grouped.push_back(grouped_rows(queries[b], keys[b].size(0)));
+    outs.push_back(at::empty_like(queries[b], queries[b].options().memory_format(at::MemoryFormat::Contiguous)));
+    tokens.push_back(queries[b].size(1));
+  }
+#if defined(__AVX512BF16__)
+  with_head_size(queries[0].size(2), [&](auto dim) {
+    attend_sequences<decltype(dim)::value>(grouped, keys, values, (float)scale, tokens, outs);
+  });
+#else
+  TORCH_CHECK(false, "decode_attention: this build has no AVX512-BF16 (see features())");
+#endif
+  return outs;
 }
 
 }  // namespace cascade_kernels

@@ -231,18 +231,20 @@ at::Tensor decoder_layers(const at::Tensor& x, at::TensorList norms, at::TensorL
               "decoder_layers: per layer 2 norms, 4 weights, 4 scales and 1 bias for ", layers, " layers; got ",
               norms.size(), ", ", weights.size(), ", ", scales.size(), " and ", biases.size());
   at::Tensor stream = x;
-  std::vector<at::Tensor> attended(sequences);
+  std::vector<at::Tensor> queries(sequences), layer_keys(sequences), layer_values(sequences);
   for (int64_t l = 0; l < layers; ++l) {
     const auto [query, key, value] = pre_attention(stream, norms[2 * l], weights[4 * l], scales.get(4 * l),
                                                    biases.get(l), cos, sin, eps, heads, kv_heads);
     for (int64_t b = 0, row = 0; b < sequences; row += tokens[b], ++b) {
-      const at::Tensor layer_keys = keys[b][l][0], layer_values = values[b][l][0];  // [H_kv, slots, D]
-      const int64_t end = starts[b] + tokens[b];
-      write_slots(key[0], row, tokens[b], layer_keys, starts[b]);
-      write_slots(value[0], row, tokens[b], layer_values, starts[b]);
-      attended[b] = cascade_kernels::decode_attention(query[0].narrow(1, row, tokens[b]), layer_keys.narrow(1, 0, end),
-                                                      layer_values.narrow(1, 0, end), scale, tokens[b] > 1);  // [H, T_b, D]
+      const at::Tensor slot_keys = keys[b][l][0], slot_values = values[b][l][0];  // [H_kv, slots, D]
+      write_slots(key[0], row, tokens[b], slot_keys, starts[b]);
+      write_slots(value[0], row, tokens[b], slot_values, starts[b]);
+      queries[b] = query[0].narrow(1, row, tokens[b]);  // [H, T_b, D]
+      layer_keys[b] = slot_keys.narrow(1, 0, starts[b] + tokens[b]);
+      layer_values[b] = slot_values.narrow(1, 0, starts[b] + tokens[b]);
     }
+    const std::vector<at::Tensor> attended =
+        cascade_kernels::decode_attention_sequences(queries, layer_keys, layer_values, scale);  // [H, T_b, D] each
     const at::Tensor rows = sequences == 1 ? attended[0] : at::cat(attended, 1);  // [H, N, D]
     stream = post_attention(stream, rows.unsqueeze(0), weights[4 * l + 1], scales.get(4 * l + 1), norms[2 * l + 1],
                             weights[4 * l + 2], scales.get(4 * l + 2), weights[4 * l + 3], scales.get(4 * l + 3), eps);

@@ -3,6 +3,8 @@
 
 #include <ATen/ATen.h>
 
+#include <vector>
+
 namespace cascade_kernels {
 
 // rows [T, I] bf16 (T <= 16) x weight [O, I] bf16 -> [T, O] float32 (rows_times_weight.cpp).
@@ -16,5 +18,11 @@ at::Tensor rows_times_int8(const at::Tensor& rows, const at::Tensor& packed, con
 // pass's T tokens are the last T keys and read one another causally (attention.cpp).
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, double scale,
                             bool causal);
+
+// decode_attention of several sequences' queries [H, T_b, D], each over its own keys and values
+// [H_kv, S_b, D], causal among its own tokens -> each one's [H, T_b, D], the same bits as alone: every
+// sequence's key blocks run on the threads in one parallel region (attention.cpp).
+std::vector<at::Tensor> decode_attention_sequences(const std::vector<at::Tensor>& queries, at::TensorList keys,
+                                                   at::TensorList values, double scale);
 
 }  // namespace cascade_kernels
