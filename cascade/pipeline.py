@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cascade.sampling import draw, token_probs
+from cascade.sampling import draw, greedy_tokens, token_probs
 from cascade.stage import Stage, device_ids
 from cascade.stats import GenerationStats, StageStats
 from cascade.stop_strings import StopStrings
@@ -280,7 +280,7 @@ class Pipeline:
         """Stage ``level``'s verdict on ``proposal`` given its logits [G + 1, V] -> (verdict, probs)."""
         draft_tokens = proposal.ids  # [G]
         if self.greedy:
-            return verify_greedy(draft_tokens, logits.argmax(-1)), None
+            return verify_greedy(draft_tokens, greedy_tokens(logits)), None
         target_probs = token_probs(logits, self.sampling)  # [G + 1, V]
         uniforms = torch.rand(len(draft_tokens), generator=self.generator, device=logits.device)
         return verify(draft_tokens, proposal.probs, target_probs, uniforms, self.generator), target_probs

