@@ -10,6 +10,7 @@ from typing import Any
 
 from cache import describe_policies
 from cascade import atomic
+from cascade.completion import Completion
 from cascade.errors import CascadeError, entry_point
 from cascade.llm import LLM
 from cascade.logs import show_logs
@@ -46,7 +47,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     prompt = parser.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help="prompt text (raw, tokenized with the target's tokenizer)")
-    prompt.add_argument("--prompt-file", type=Path, help="read the prompt from a UTF-8 text file")
+    prompt.add_argument(
+        "--prompt-file",
+        type=Path,
+        action="append",
+        help="read the prompt from a UTF-8 text file; repeat it to generate for several prompts, decoded "
+        "together where the preset decodes autoregressively",
+    )
+    parser.add_argument("--batch-size", type=int, help="with several --prompt-file: at most this many decode together")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
     parser.add_argument("--max-new-tokens", type=int)
     parser.add_argument("--temperature", type=float)
@@ -73,36 +81,67 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def read_prompt(args: argparse.Namespace) -> str:
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    """The prompt texts: --prompt's, each --prompt-file's, or the default prompt."""
     if args.prompt_file is None:
-        return DEFAULT_PROMPT.read_text(encoding="utf-8") if args.prompt is None else args.prompt
+        return [DEFAULT_PROMPT.read_text(encoding="utf-8") if args.prompt is None else args.prompt]
+    return [read_prompt_file(path) for path in args.prompt_file]
+
+
+def read_prompt_file(path: Path) -> str:
     try:
-        return args.prompt_file.read_bytes().decode("utf-8")
+        text = path.read_bytes().decode("utf-8")
     except OSError as exc:
-        raise CascadeError(f"cannot read prompt file {args.prompt_file}: {exc.strerror}") from None
+        raise CascadeError(f"cannot read prompt file {path}: {exc.strerror}") from None
     except UnicodeDecodeError as exc:
-        raise CascadeError(
-            f"prompt file {args.prompt_file} is not UTF-8 text ({exc.reason} at byte {exc.start})"
-        ) from None
+        raise CascadeError(f"prompt file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    if not text.strip():
+        raise CascadeError(f"prompt file {path} is empty: give some text")
+    return text
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     settings = {key: getattr(args, flag) for flag, key in FLAG_SETTINGS.items() if getattr(args, flag) is not None}
     preset, config = load_config(args.preset, args.config, args.set, settings)
-    text = read_prompt(args)
-    if not text.strip():
+    texts = read_prompts(args)
+    if not texts[0].strip():
         raise CascadeError("the prompt is empty: give some text with --prompt or --prompt-file")
     llm = LLM.from_config(config, preset)
-    request = llm.prepare([{"role": "user", "content": text}], chat=True) if args.chat else llm.prepare(text)
+    requests = [
+        llm.prepare([{"role": "user", "content": text}], chat=True) if args.chat else llm.prepare(text)
+        for text in texts
+    ]
+    run_info = {"preset": preset, "config": config.model_dump(mode="json")}
+    if len(requests) == 1:
+        return output_of(generate_one(args, llm, requests[0])) | run_info
+    return {"completions": generate_many(args, llm, requests), **run_info}
+
+
+def generate_one(args: argparse.Namespace, llm: LLM, request) -> Completion:
+    """One prompt's completion, its text streamed to stdout as it grows (unless --quiet)."""
     completion = llm.run(request, on_text=None if args.quiet else print_text)
     if not args.quiet:
         print(flush=True)
+    return completion
+
+
+def generate_many(args: argparse.Namespace, llm: LLM, requests: list) -> list[dict[str, Any]]:
+    """Several prompt files' completions (decoded in batches where the preset allows), each printed
+    under its file's name once done (unless --quiet) -> their reports, in order."""
+    reports = []
+    for path, completion in zip(args.prompt_file, llm.run_batch(requests, args.batch_size), strict=True):
+        if not args.quiet:
+            print(f"==> {path} <==\n{completion.text}\n", flush=True)
+        reports.append(output_of(completion) | {"prompt_file": str(path)})
+    return reports
+
+
+def output_of(completion: Completion) -> dict[str, Any]:
+    """A completion as the --json report holds it."""
     return {
         "text": completion.text,
         "token_ids": completion.token_ids,
         "prompt_token_ids": completion.prompt_token_ids,
-        "preset": preset,
-        "config": config.model_dump(mode="json"),
         "stats": completion.stats,
     }
 
@@ -193,13 +232,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.json:
         check_writable(args.json)
+    if args.batch_size is not None and args.batch_size < 1:
+        raise CascadeError(f"--batch-size must be at least 1; got {args.batch_size}")
     output = run(args)
     if args.json:
         write_json(args.json, output)
-    if args.verbose:
-        print_stats(output["stats"])
-    elif not args.quiet:
-        print(f"\n{summary(output['stats'])}", file=sys.stderr)
+    for completion in output.get("completions", [output]):
+        if args.verbose:
+            print_stats(completion["stats"])
+        elif not args.quiet:
+            print(f"\n{summary(completion['stats'])}", file=sys.stderr)
     return 0
 
 

@@ -73,6 +73,26 @@ def test_json_output(tiny_dir, tmp_path):
     assert stats["prompt_tokens"] == len(data["prompt_token_ids"]) and stats["stages"][0]["forward_calls"] > 0
 
 
+def test_several_prompt_files_are_decoded_together_each_as_it_would_be_alone(tiny_dir, tmp_path):
+    texts = ["It was the best of times, it was the worst of times,", "Call me Ishmael.", "In the beginning"]
+    paths = [tmp_path / f"prompt-{index}.txt" for index in range(len(texts))]
+    for path, text in zip(paths, texts, strict=True):
+        path.write_text(text)
+    flags = ["--target", str(tiny_dir), "--preset", "autoregressive", "--max-new-tokens", "6", "--dtype", "float32"]
+    files = [arg for path in paths for arg in ("--prompt-file", str(path))]
+    result = run("-m", "cascade.generate", *flags, *files, "--batch-size", "2", "--json", str(tmp_path / "out.json"))
+    assert result.returncode == 0, result.stderr
+    completions = json.loads((tmp_path / "out.json").read_text())["completions"]
+    assert [c["prompt_file"] for c in completions] == [str(path) for path in paths]
+    for path, completion in zip(paths, completions, strict=True):
+        assert f"==> {path} <==\n{completion['text']}\n" in result.stdout
+        alone = generate(*flags, "--prompt-file", str(path), "--json", str(tmp_path / "alone.json"))
+        assert alone.returncode == 0, alone.stderr
+        assert json.loads((tmp_path / "alone.json").read_text())["token_ids"] == completion["token_ids"]
+    assert result.stderr.count(" prompt tokens, 6 new at ") == len(paths)  # a summary line per prompt
+    assert_fails_with(generate(*flags, *files, "--batch-size", "0"), "--batch-size must be at least 1; got 0")
+
+
 def test_streams_text_and_applies_the_chat_template(tiny_dir, tmp_path):
     out = tmp_path / "chat.json"
     result = run(
