@@ -183,6 +183,28 @@ def test_map_reduce_summarizes_parts_then_their_summaries(tiny_dir, tmp_path):
     assert record["stats"]["generations"] == 6 and record["stats"]["new_tokens"] == 6 * 8
 
 
+def without_timings(output: Path) -> list[dict]:
+    """The records of ``output`` without what differs from run to run (times)."""
+    kept = []
+    for line in output.read_text().splitlines():
+        record = json.loads(line)
+        record["stats"] = {k: v for k, v in record["stats"].items() if not k.endswith("_s") and k != "tokens_per_s"}
+        kept.append(record)
+    return kept
+
+
+@pytest.mark.parametrize("strategy", ["truncate", "map_reduce"])
+def test_a_batched_job_writes_what_one_document_at_a_time_writes(inputs, tiny_dir, tmp_path, strategy):
+    """Documents (good, unreadable, too long) three at a time, their generations decoded together:
+    the same lines, in the same order, as one document at a time."""
+    settings = [*tiny_settings(tiny_dir), "--set", f"long_documents.strategy={strategy}"]
+    alone, together = tmp_path / "alone.jsonl", tmp_path / "together.jsonl"
+    assert summarize_main([str(inputs), "--output", str(alone), *settings]) == 1
+    assert summarize_main([str(inputs), "--output", str(together), *settings, "--batch-size", "3"]) == 1
+    assert without_timings(together) == without_timings(alone)
+    assert sum("summary" in record for record in without_timings(together)) == 3
+
+
 def test_a_template_without_the_placeholder_is_refused(tiny_dir, tmp_path, capsys):
     template = tmp_path / "t.txt"
     template.write_text("Summarize:")
@@ -220,6 +242,19 @@ def test_fewer_than_one_ray_worker_is_refused(tmp_path, capsys, workers, message
     with pytest.raises(SystemExit) as exit_info:
         summarize_main([str(tmp_path), "--output", str(tmp_path / "o.jsonl"), "--backend", "ray", "--workers", workers])
     assert exit_info.value.code == 2 and f"argument --workers: {message}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--batch-size", "0"], "argument --batch-size: must be at least 1, not 0"),
+        (["--batch-size", "4", "--backend", "ray"], "--batch-size: the ray backend summarizes one document per"),
+    ],
+)
+def test_a_batch_size_the_job_cannot_run_is_refused(tmp_path, capsys, flags, message):
+    with pytest.raises(SystemExit) as exit_info:
+        summarize_main([str(tmp_path), "--output", str(tmp_path / "o.jsonl"), *flags])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
 def start_six_documents(tiny_dir: Path, tmp_path: Path, **popen) -> tuple[list[str], Path, Path, subprocess.Popen]:
@@ -286,16 +321,16 @@ CRASH_MARKER_ENV = "CASCADE_TEST_CRASH_MARKER"
 def crashing_once_summarizer(job: Job):
     """A worker that dies (as if killed) the first time it meets the document named crash.txt."""
     summarizer = summarizer_for(job)
-    summarize = summarizer.summarize
+    summarize_many = summarizer.summarize_many
 
-    def maybe_crash(text: str):
+    def maybe_crash(texts: list[str]):
         marker = Path(os.environ[CRASH_MARKER_ENV])
-        if "CRASH HERE" in text and not marker.exists():
+        if any("CRASH HERE" in text for text in texts) and not marker.exists():
             marker.touch()
             os._exit(1)
-        return summarize(text)
+        return summarize_many(texts)
 
-    summarizer.summarize = maybe_crash
+    summarizer.summarize_many = maybe_crash
     return summarizer
 
 

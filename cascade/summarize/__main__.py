@@ -34,11 +34,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--max-new-tokens", type=int, help="summary length limit (default: the config's)")
     parser.add_argument("--template", type=Path, help="prompt template file with one {document} placeholder")
+    parser.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=1,
+        help="local: documents summarized together, their generations decoded as one batch where the preset "
+        "decodes autoregressively (default: 1)",
+    )
     parser.add_argument("--backend", choices=["local", "ray"], default="local")
     parser.add_argument("--workers", type=positive_int, default=2, help="ray: summarizing workers")
     parser.add_argument("--ray-address", help="ray: an existing cluster (default: start one on this machine)")
     parser.add_argument("--quiet", action="store_true", help="log lines instead of a progress bar")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.backend == "ray" and args.batch_size > 1:
+        parser.error("--batch-size: the ray backend summarizes one document per worker call; use --backend local")
+    return args
 
 
 def positive_int(text: str) -> int:
@@ -66,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = {"max_new_tokens": args.max_new_tokens} if args.max_new_tokens is not None else {}
         _, config = load_config(args.preset, args.config, args.set, settings)
-        job = Job(tuple(args.inputs), args.output, config, read_template(args.template), args.quiet)
+        job = Job(tuple(args.inputs), args.output, config, read_template(args.template), args.quiet, args.batch_size)
         if args.backend == "ray":
             from cascade.summarize.distributed import run_ray
 

@@ -15,7 +15,7 @@ from tqdm import tqdm
 from cascade.errors import CascadeError
 from cascade.summarize.documents import Document, read_inputs
 from cascade.summarize.results import ResultLog
-from cascade.summarize.summarizer import Summarizer
+from cascade.summarize.summarizer import Summarizer, Summary
 from configs import PipelineConfig
 
 
@@ -26,6 +26,8 @@ class Job:
     config: PipelineConfig
     template: str
     quiet: bool = False
+    batch_size: int = 1
+    """Documents summarized together (their generations decoded as one batch where the preset allows)."""
 
     @property
     def config_hash(self) -> str:
@@ -62,10 +64,8 @@ def pending_documents(job: Job, log: ResultLog) -> tuple[list[Document], int]:
     return pending, skipped
 
 
-def summary_record(document: Document, summarizer: Summarizer, config_hash: str) -> dict:
-    started = time.perf_counter()
-    summary = summarizer.summarize(document.text)
-    stats = {**summary.stats.to_dict(), "wall_s": round(time.perf_counter() - started, 3), "config_hash": config_hash}
+def summary_record(document: Document, summary: Summary, wall_s: float, config_hash: str) -> dict:
+    stats = {**summary.stats.to_dict(), "wall_s": round(wall_s, 3), "config_hash": config_hash}
     return {
         "id": document.id,
         "summary": summary.text,
@@ -79,14 +79,31 @@ def error_record(document_id: str, error: str, config_hash: str) -> dict:
 
 
 def record_for(document: Document, summarizer: Callable[[], Summarizer], config_hash: str) -> dict:
-    """The output line of ``document``: its summary, or why it has none. ``summarizer()`` is called
-    only for a readable document (loading the models is left until one needs them)."""
-    if document.error is not None:
-        return error_record(document.id, document.error, config_hash)
+    """The output line of ``document``: its summary, or why it has none."""
+    [record] = records_for([document], summarizer, config_hash)
+    return record
+
+
+def records_for(documents: list[Document], summarizer: Callable[[], Summarizer], config_hash: str) -> list[dict]:
+    """The output lines of ``documents``, in order, their summaries made together (``wall_s``: the
+    time of the whole group): each its summary, or why it has none. ``summarizer()`` is called only
+    if a document is readable (loading the models is left until one needs them)."""
+    readable = [document for document in documents if document.error is None]
+    started = time.perf_counter()
     try:
-        return summary_record(document, summarizer(), config_hash)
-    except CascadeError as exc:
-        return error_record(document.id, str(exc), config_hash)
+        summaries = summarizer().summarize_many([document.text for document in readable]) if readable else []
+    except CascadeError as exc:  # the whole group (its caches would not fit, say)
+        summaries = [exc] * len(readable)
+    wall_s = time.perf_counter() - started
+    made = dict(zip((document.id for document in readable), summaries, strict=True))
+    records = []
+    for document in documents:
+        outcome = made.get(document.id) if document.error is None else CascadeError(document.error)
+        if isinstance(outcome, CascadeError):
+            records.append(error_record(document.id, str(outcome), config_hash))
+        else:
+            records.append(summary_record(document, outcome, wall_s, config_hash))
+    return records
 
 
 class Progress:

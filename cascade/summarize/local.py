@@ -1,17 +1,17 @@
-"""The default backend: documents one after another in this process."""
+"""The default backend: documents one after another in this process (``batch_size`` at a time)."""
 
 from __future__ import annotations
 
 import functools
 
 from cascade.llm import LLM
-from cascade.summarize.job import Job, Outcome, Progress, pending_documents, record_for
+from cascade.summarize.job import Job, Outcome, Progress, pending_documents, records_for
 from cascade.summarize.results import ResultLog
 from cascade.summarize.summarizer import Summarizer
 
 
 def summarizer_for(job: Job) -> Summarizer:
-    return Summarizer(LLM.from_config(job.config), job.template, job.config.max_new_tokens)
+    return Summarizer(LLM.from_config(job.config), job.template, job.config.max_new_tokens, job.batch_size)
 
 
 def run_local(job: Job) -> Outcome:
@@ -22,11 +22,11 @@ def run_local(job: Job) -> Outcome:
 
     summarizer = functools.cache(lambda: summarizer_for(job))
     try:
-        for document in pending:
-            record = record_for(document, summarizer, job.config_hash)
-            log.append(record)
-            outcome.count(record)
-            progress(record)
+        for first in range(0, len(pending), job.batch_size):
+            for record in records_for(pending[first : first + job.batch_size], summarizer, job.config_hash):
+                log.append(record)
+                outcome.count(record)
+                progress(record)
     finally:
         progress.close()
     return outcome
