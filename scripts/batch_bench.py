@@ -8,10 +8,14 @@ machine's speed drifts); the report has each size's median rate, its median rati
 within a round, the peak memory, and whether the first row's tokens were batch 1's in every run
 (they must be: a row of a batch computes what it would alone). Prompts are stored in the prompt
 cache (``--prompt-cache``, by default a fresh one) by an untimed first pass, so a batch's prefill
-loads them.
+loads them. With ``--documents DIR``, a summarization job over the documents there (``python -m
+cascade.summarize``, autoregressive, ``--summary-tokens`` at most per summary) also runs at each
+batch size, its wall time (the model's load included) reported per round, with whether its
+summaries were batch 1's.
 
     python scripts/batch_bench.py [--target NAME] [--document plrabn12] [--contexts 2000 8000]
         [--batch-sizes 1 4 8] [--new-tokens 64] [--repeats 3] [--prompt-cache DIR] [--set KEY=VALUE ...]
+        [--documents DIR [--summary-tokens 128]]
 
 The report goes to a new run directory under ``$CASCADE_HOME/runs/batch_bench/`` with a manifest,
 or to ``--out FILE``.
@@ -20,10 +24,12 @@ or to ``--out FILE``.
 from __future__ import annotations
 
 import argparse
+import json
 import resource
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from cascade.checkpoint import checkpoint_option, yarn_scaling
@@ -33,6 +39,7 @@ from cascade.limits import memory_bandwidth
 from cascade.llm import LLM
 from cascade.models import default_model
 from cascade.runs import run_files
+from cascade.summarize.__main__ import main as summarize_main
 from configs import load_config
 
 
@@ -47,6 +54,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="bfloat16", choices=["auto", "bfloat16", "float32"])
     parser.add_argument("--prompt-cache", help="where prompts are stored (default: a fresh temporary one)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    parser.add_argument("--documents", type=Path, help="also time a summarization job over the documents here")
+    parser.add_argument("--summary-tokens", type=int, default=128, help="the job's --max-new-tokens")
     parser.add_argument("--out", type=Path, help="write the report here (default: a new run directory)")
     args = parser.parse_args(argv)
     if min(args.contexts) < 16 or min(args.batch_sizes) < 1 or args.new_tokens < 2 or args.repeats < 1:
@@ -107,6 +116,52 @@ def measure_context(args: argparse.Namespace, target: Path, context: int, store:
     }
 
 
+def measure_summaries(args: argparse.Namespace, target: Path) -> dict:
+    """The summarization job over ``--documents`` at every batch size, ``--repeats`` interleaved rounds."""
+    runs: dict[int, list[dict]] = {size: [] for size in args.batch_sizes}
+    for index in range(args.repeats):
+        for size in args.batch_sizes if index % 2 == 0 else args.batch_sizes[::-1]:
+            runs[size].append(summary_job(args, target, size) | {"round": index})
+            print(f"[summaries round {index + 1}] batch {size}: {runs[size][-1]['wall_s']:.1f} s", file=sys.stderr)
+    single = {run["round"]: run for run in runs[1]}
+    return {
+        "documents": str(args.documents),
+        "batches": [
+            {
+                "batch_size": size,
+                "wall_s": statistics.median(run["wall_s"] for run in runs[size]),
+                "speedup_over_batch_1": statistics.median(
+                    single[run["round"]]["wall_s"] / run["wall_s"] for run in runs[size]
+                ),
+                "summaries_as_batch_1": all(
+                    run["summaries"] == single[run["round"]]["summaries"] for run in runs[size]
+                ),
+                "runs": runs[size],
+            }
+            for size in args.batch_sizes
+        ],
+    }
+
+
+def summary_job(args: argparse.Namespace, target: Path, batch_size: int) -> dict:
+    """One run of the summarization job at ``batch_size`` into a fresh output -> its wall time, its
+    documents' prefill and decode totals, and its summaries."""
+    with tempfile.TemporaryDirectory(prefix="cascade-batch-bench-") as scratch:
+        output = Path(scratch) / "summaries.jsonl"
+        flags = ["--preset", "autoregressive", "--max-new-tokens", str(args.summary_tokens), "--quiet"]
+        flags += ["--batch-size", str(batch_size), "--set", f"target.path={target}", "--set", f"dtype={args.dtype}"]
+        started = time.perf_counter()
+        summarize_main([str(args.documents), "--output", str(output), *flags])
+        wall_s = time.perf_counter() - started
+        records = [json.loads(line) for line in output.read_text().splitlines()]
+    return {
+        "wall_s": wall_s,
+        "prefill_s": sum(record["stats"].get("prefill_s", 0.0) for record in records),
+        "new_tokens": sum(record["stats"].get("new_tokens", 0) for record in records),
+        "summaries": [record.get("summary") for record in records],
+    }
+
+
 @entry_point
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
@@ -115,13 +170,25 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="cascade-batch-bench-") as fresh:
         store = args.prompt_cache or fresh
         contexts = [measure_context(args, target, context, store) for context in args.contexts]
+    summaries = measure_summaries(args, target) if args.documents else None
     report = {
         "settings": {
             key: getattr(args, key)
-            for key in ("document", "contexts", "batch_sizes", "new_tokens", "repeats", "dtype", "set")
+            for key in (
+                "document",
+                "contexts",
+                "batch_sizes",
+                "new_tokens",
+                "repeats",
+                "dtype",
+                "set",
+                "documents",
+                "summary_tokens",
+            )
         },
         "target": str(target),
         "contexts": contexts,
+        "summaries": summaries,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
     files.write(report, vars(args))
@@ -131,6 +198,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"context {measured['context']:>6} batch {row['batch_size']:>2}: {row['tokens_per_s']:7.1f} tok/s, "
                 f"{row['over_batch_1']:.2f}x batch 1, first row as batch 1: {row['first_row_as_batch_1']}"
             )
+    for row in summaries["batches"] if summaries else []:
+        print(
+            f"summarization job, batch {row['batch_size']:>2}: {row['wall_s']:6.1f} s, "
+            f"{row['speedup_over_batch_1']:.2f}x batch 1, summaries as batch 1: {row['summaries_as_batch_1']}"
+        )
     print(f"wrote {files.report} (manifest: {files.manifest})", file=sys.stderr)
     return 0
 

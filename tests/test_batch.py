@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -12,8 +17,10 @@ from cascade.errors import CascadeError
 from cascade.llm import LLM
 from cascade.model import PassOptions
 from tests.conftest import make_checkpoint
+from tests.scripts import linked_home, run_script
 from tests.test_fused import layer_op_calls
 
+REPO = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
 PROMPTS = (
     "It was the best of times, it was the worst of times, it was the age of wisdom,",
@@ -116,3 +123,30 @@ def test_a_speculative_preset_decodes_a_list_one_prompt_after_another(tiny_dir, 
     together = llm.generate(list(PROMPTS[:2]), max_new_tokens=NEW)
     assert [c.token_ids for c in together] == [llm.generate(p, max_new_tokens=NEW).token_ids for p in PROMPTS[:2]]
     assert all(len(c.stats["stages"]) == 2 for c in together)
+
+
+def test_the_batch_benchmark_reports_every_size_and_a_summarization_job(tiny_dir, tmp_path):
+    """Run outside the tree (its run directory in a fresh home), on the tiny model: every batch size's
+    rate and ratio, rows that are batch 1's, and the job's wall times with the same summaries."""
+    documents = tmp_path / "documents"
+    documents.mkdir()
+    for index, prompt in enumerate(PROMPTS):
+        (documents / f"{index}.txt").write_text(prompt)
+    home = linked_home(tmp_path / "home")
+    flags = ["--target", str(tiny_dir), "--contexts", "40", "--batch-sizes", "1", "2", "--new-tokens", "4"]
+    flags += ["--repeats", "2", "--dtype", "float32", "--documents", str(documents), "--summary-tokens", "4"]
+    run_script(
+        [sys.executable, str(REPO / "scripts" / "batch_bench.py"), *flags],
+        cwd=tmp_path,
+        env={**os.environ, "CASCADE_HOME": str(home)},
+    )
+    [run_dir] = (home / "runs" / "batch_bench").iterdir()
+    report = json.loads((run_dir / "batch_bench.json").read_text())
+    [context] = report["contexts"]
+    assert context["context"] == 40 and [row["batch_size"] for row in context["batches"]] == [1, 2]
+    assert all(row["first_row_as_batch_1"] and row["tokens_per_s"] > 0 for row in context["batches"])
+    assert context["batches"][0]["over_batch_1"] == 1.0 and len(context["batches"][1]["runs"]) == 2
+    jobs = report["summaries"]["batches"]
+    assert all(row["summaries_as_batch_1"] and row["wall_s"] > 0 for row in jobs)
+    assert len(jobs[1]["runs"][0]["summaries"]) == len(PROMPTS) and jobs[0]["speedup_over_batch_1"] == 1.0
+    assert json.loads((run_dir / "manifest.json").read_text())["command"][1].endswith("batch_bench.py")
