@@ -28,9 +28,17 @@ class Completion:
     """The new tokens (the prompt's excluded), up to the one that ended the generation."""
     prompt_token_ids: list[int]
     finish_reason: str
-    """``stop`` (end of sequence or a stop string), ``length`` (``max_new_tokens``) or ``cancelled``."""
+    """``stop`` (end of sequence or a stop string), ``length`` (``max_new_tokens``), ``cancelled``,
+    or ``error`` (a prompt of a list that could not run: ``error`` says why)."""
     stats: dict[str, Any]
     """``GenerationStats.to_dict()``: timings, and acceptance and costs per stage."""
+    error: str | None = None
+    """Why a prompt of a list generated nothing (``finish_reason`` ``error``); None otherwise."""
+
+    @classmethod
+    def failed(cls, error: str) -> Completion:
+        """The completion of a prompt of a list that could not run, and why."""
+        return cls("", [], [], "error", {}, error)
 
 
 class IncrementalText:

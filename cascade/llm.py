@@ -109,10 +109,23 @@ class LLM:
         defaulting to the config's), ``stop`` (strings that end the generation where its text
         completes one; the text stops before it) and ``ignore_eos`` (go on past end-of-sequence).
         A list is decoded as batches of ``batch_size`` prompts (all of them by default) where this
-        LLM decodes autoregressively (``run_batch``), one prompt after another otherwise."""
+        LLM decodes autoregressively (``run_batch``), one prompt after another otherwise; a prompt of
+        it that cannot run (empty, too long, bad ids) gets a Completion with ``finish_reason``
+        ``error`` saying why, and the others run. Settings that are wrong for every prompt raise."""
         if is_prompt_list(prompt):
-            return self.run_batch([self.prepare(one, **params) for one in prompt], batch_size)
+            return self._generate_list(prompt, batch_size, params)
         return self.run(self.prepare(prompt, **params))
+
+    def _generate_list(self, prompts: Sequence[Prompt], batch_size: int | None, params: dict) -> list[Completion]:
+        self.prepare([0], **params)  # the settings every prompt shares, checked once: they raise
+        requests: list[Request | Completion] = []
+        for prompt in prompts:
+            try:
+                requests.append(self.prepare(prompt, **params))
+            except CascadeError as exc:
+                requests.append(Completion.failed(str(exc)))
+        done = iter(self.run_batch([r for r in requests if isinstance(r, Request)], batch_size))
+        return [next(done) if isinstance(r, Request) else r for r in requests]
 
     def stream(self, prompt: Prompt, **params: Any) -> Stream:
         """Generate in the background; iterate the Stream for text deltas as tokens are accepted."""

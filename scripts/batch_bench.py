@@ -162,6 +162,21 @@ def summary_job(args: argparse.Namespace, target: Path, batch_size: int) -> dict
     }
 
 
+def print_table(report: dict) -> None:
+    """One line per context and batch size, and per batch size of the summarization job."""
+    for measured in report["contexts"]:
+        for row in measured["batches"]:
+            print(
+                f"context {measured['context']:>6} batch {row['batch_size']:>2}: {row['tokens_per_s']:7.1f} tok/s, "
+                f"{row['over_batch_1']:.2f}x batch 1, first row as batch 1: {row['first_row_as_batch_1']}"
+            )
+    for row in report["summaries"]["batches"] if report["summaries"] else []:
+        print(
+            f"summarization job, batch {row['batch_size']:>2}: {row['wall_s']:6.1f} s, "
+            f"{row['speedup_over_batch_1']:.2f}x batch 1, summaries as batch 1: {row['summaries_as_batch_1']}"
+        )
+
+
 @entry_point
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
@@ -192,17 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
     files.write(report, vars(args))
-    for measured in contexts:
-        for row in measured["batches"]:
-            print(
-                f"context {measured['context']:>6} batch {row['batch_size']:>2}: {row['tokens_per_s']:7.1f} tok/s, "
-                f"{row['over_batch_1']:.2f}x batch 1, first row as batch 1: {row['first_row_as_batch_1']}"
-            )
-    for row in summaries["batches"] if summaries else []:
-        print(
-            f"summarization job, batch {row['batch_size']:>2}: {row['wall_s']:6.1f} s, "
-            f"{row['speedup_over_batch_1']:.2f}x batch 1, summaries as batch 1: {row['summaries_as_batch_1']}"
-        )
+    print_table(report)
     print(f"wrote {files.report} (manifest: {files.manifest})", file=sys.stderr)
     return 0
 

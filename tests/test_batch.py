@@ -106,6 +106,19 @@ def test_rows_stop_by_their_own_rules_and_the_others_go_on(llm):
     assert len(together[2].token_ids) == NEW
 
 
+def test_a_prompt_of_a_list_that_cannot_run_fails_alone_and_the_others_complete(llm):
+    too_long = "word " * 5000  # past the tiny model's context with the new tokens
+    together = llm.generate([PROMPTS[0], "   ", too_long, PROMPTS[1]], max_new_tokens=NEW)
+    assert [c.finish_reason for c in together] == ["length", "error", "error", "length"]
+    assert together[1].error == "the prompt is empty: give some text" and together[1].token_ids == []
+    assert "exceeds the context limit" in together[2].error
+    alone = [llm.generate(prompt, max_new_tokens=NEW) for prompt in PROMPTS[:2]]
+    assert [together[0].token_ids, together[3].token_ids] == [c.token_ids for c in alone]
+    assert all(c.error is None for c in alone)
+    with pytest.raises(CascadeError, match="temperature"):  # a setting every prompt shares
+        llm.generate(list(PROMPTS), max_new_tokens=NEW, temperature=-1)
+
+
 def test_a_batch_whose_caches_do_not_fit_in_memory_is_refused_before_it_starts(llm, monkeypatch):
     monkeypatch.setattr(batch, "available_memory", lambda device: 1000)
     with pytest.raises(CascadeError, match=r"a batch of 3 sequences needs .* GiB of KV cache, and 0.00 GiB"):
