@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from cascade.errors import CascadeError
-from cascade.pipeline import Draw, GenerationResult, StopRule, TokenCallback
+from cascade.pipeline import GenerationResult, StopRule, TokenCallback, read_together
 from cascade.runtime import CacheRequest, Runtime
 from cascade.sampling import draw
 from cascade.stage import Stage
@@ -108,8 +108,8 @@ class BatchRow:
     generator: torch.Generator
     on_tokens: TokenCallback | None = None
     emitted: list[int] = field(default_factory=list)
-    drawn: Draw | None = None
-    """The token drawn last, not yet fed (on the device)."""
+    drawn: torch.Tensor | None = None
+    """[1] int64 on the model's device: the token drawn last, not yet fed."""
     stats: GenerationStats = field(default_factory=GenerationStats)
 
     @property
@@ -132,8 +132,9 @@ def decode_batch(rows: list[BatchRow], prefill_chunk: int, pass_rows: int) -> li
     while active := [row for row in rows if not row.finished]:
         for first in range(0, len(active), pass_rows):
             step(active[first : first + pass_rows])
-        for row in active:  # the host reads each drawn token
-            emit(row, started)
+        drawn = read_together([row.drawn for row in active])  # the host's one wait per step
+        for row, tokens in zip(active, drawn, strict=True):
+            emit(row, tokens, started)
     return [GenerationResult(row.emitted, row.stats) for row in rows]
 
 
@@ -143,28 +144,29 @@ def prefill(row: BatchRow, chunk: int) -> None:
     row.stats.prompt_tokens = row.prompt_ids.numel()
     row.stats.stages = [row.stage.stats]
     logits = row.stage.prefill(row.prompt_ids, chunk)  # [V]
-    row.drawn = Draw(*draw(logits[None], row.sampling, row.generator))
-    emit(row, started)
+    row.drawn = draw(logits[None], row.sampling, row.generator)[0]
     row.stats.prefill_s = time.perf_counter() - started
+    emit(row, row.drawn.tolist(), time.perf_counter())
 
 
 def step(rows: list[BatchRow]) -> None:
     """One pass of ``rows``' last drawn tokens, and each row's next token drawn from its logits."""
     stage_stats = [row.stage.stats for row in rows]
     started = time.perf_counter()
-    logits = rows[0].stage.model.forward_batch([row.drawn.ids for row in rows], [row.stage.cache for row in rows])
-    seconds = time.perf_counter() - started  # [B, V] ready: CPU passes, or CUDA's logits drawn from below
+    logits = rows[0].stage.model.forward_batch([row.drawn for row in rows], [row.stage.cache for row in rows])
+    seconds = time.perf_counter() - started  # on CUDA: until the pass is queued
     for row, row_logits, stats in zip(rows, logits, stage_stats, strict=True):
-        row.drawn = Draw(*draw(row_logits[None], row.sampling, row.generator))
+        row.drawn = draw(row_logits[None], row.sampling, row.generator)[0]
         stats.forward_calls += 1
         stats.tokens_processed += 1
         stats.time_s += seconds
         stats.kv_bytes_read += row.stage.cache.read_bytes()
 
 
-def emit(row: BatchRow, started: float) -> None:
-    """Emit the row's drawn token unless its stop rule ends it first; commit its cache."""
-    kept, reason = row.stop.cut(row.emitted, row.drawn.tokens)
+def emit(row: BatchRow, drawn: list[int], started: float) -> None:
+    """Emit the row's ``drawn`` token unless its stop rule ends it first; commit its cache
+    (``started``: when its decoding began)."""
+    kept, reason = row.stop.cut(row.emitted, drawn)
     row.emitted += kept
     row.stage.commit(row.length)  # every token but the one just drawn is in the cache: final
     if row.on_tokens:

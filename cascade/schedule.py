@@ -23,9 +23,8 @@
   decodes by itself) when no gamma pays; the stage is probed again after ``PROBE_EVERY`` bypassed
   rounds, and after twice as many each time a probe finds it still does not pay (or more, so that
   what the probe cost beyond its round stays ``PROBE_SHARE`` of the time bypassed): a probe costs
-  more than its round (a retrieval stage re-selects its chunks when it resumes, a full-cache draft
-  catches up on what it skipped), and SmolLM2's `self-spec` at 8K ran at 0.90x autoregressive with
-  a probe every 16 tokens.
+  more than its round (a full-cache draft catches up on what it skipped), and SmolLM2's `self-spec`
+  at 8K ran at 0.90x autoregressive with a probe every 16 tokens.
 """
 
 from __future__ import annotations
