@@ -143,6 +143,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="llama.cpp cases: time decode at the context's depth only, without llama-bench's separate "
         "prefill test (which prefills the context once more; no llama.cpp prefill figure then)",
     )
+    parser.add_argument(
+        "--llama-repetitions",
+        type=int,
+        default=1,
+        metavar="N",
+        help="llama.cpp cases: repetitions within each round's run, their median reported; llama-bench "
+        "prefills the context once for all of them (at 16K-32K a 1.5B model's prefill takes 15-40 min)",
+    )
     parser.add_argument("--case", help=argparse.SUPPRESS)  # "impl:context": run one case, print JSON
     parser.add_argument("--store-only", action="store_true", help=argparse.SUPPRESS)  # 2 tokens: store the prompt
     parser.add_argument("--prompt-file", nargs="+", help=argparse.SUPPRESS)  # a transformers case continues from these
@@ -152,6 +160,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--repeats": (args.repeats, 1),
         "--warmups": (args.warmups, 0),
         "--contexts": (min(args.contexts), 1),
+        "--llama-repetitions": (args.llama_repetitions, 1),
     }
     for flag, (value, least) in least_allowed.items():
         if value < least:
@@ -398,7 +407,14 @@ def run_llamacpp(
         flash_attn = FLASH_ATTN if args.llama_flash_attn == "both" else (args.llama_flash_attn,)
         tool, threads = llama.tool("llama-bench"), torch.get_num_threads()
         run = context_case(
-            tool, model, prompt.numel(), args.new_tokens, threads, flash_attn, prefill=not args.llama_decode_only
+            tool,
+            model,
+            prompt.numel(),
+            args.new_tokens,
+            threads,
+            flash_attn,
+            prefill=not args.llama_decode_only,
+            repetitions=args.llama_repetitions,
         )
     run["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     return run, []
@@ -464,6 +480,8 @@ def spawn_case(args: argparse.Namespace, impl: str, context: int, mode: str) -> 
         "--llama-flash-attn",
         args.llama_flash_attn,
         *(["--llama-decode-only"] if args.llama_decode_only else []),
+        "--llama-repetitions",
+        str(args.llama_repetitions),
         *(["--store-only"] if args.store_only else []),
         *(["--target", str(args.target)] if args.target else []),
         *(["--draft", str(args.draft)] if args.draft else []),

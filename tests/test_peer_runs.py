@@ -104,18 +104,27 @@ def test_unexpected_llama_bench_output_is_an_error_naming_the_problem(text, mess
 
 
 def recorded_tests_at(
-    context: int, new_tokens: int, prefill: dict[str, float], decode: dict[str, float], flash_attn=("off", "on")
+    context: int,
+    new_tokens: int,
+    prefill: dict[str, float],
+    decode: dict[str, float],
+    flash_attn=("off", "on"),
+    repetitions: int = 1,
 ):
-    """A fake run_llama_bench: the recorded tests with this case's sizes, settings and the given rates."""
+    """A fake run_llama_bench: the recorded tests with this case's sizes, settings and the given rates
+    (each the median of ``repetitions`` samples, one of them half and one four times the median)."""
+
+    def samples(rate: float) -> list[float]:
+        return [rate] if repetitions == 1 else [rate / 2, rate, *[rate * 4] * (repetitions - 2)]
 
     def run(tool, model, settings):
         kind, rates = ("pp", prefill) if settings.prompt_tokens else ("tg", decode)
-        assert settings.repetitions == 1 and settings.flash_attn == flash_attn
+        assert settings.repetitions == repetitions and settings.flash_attn == flash_attn
         expected = ((context,), ()) if kind == "pp" else ((), (new_tokens,))
         assert (settings.prompt_tokens, settings.gen_tokens) == expected
         assert settings.depths == ((0,) if kind == "pp" else (context,))
         return [
-            {**test, "tokens_per_s": rates[test["flash_attn"]]}
+            {**test, "samples_tokens_per_s": samples(rates[test["flash_attn"]])}
             for test in parse_bench_json(BENCH_JSON)
             if test["test"] == kind and test["flash_attn"] in flash_attn
         ]
@@ -144,6 +153,14 @@ def test_a_context_case_asked_for_one_flash_attention_setting_runs_and_reports_o
         "prefill_tokens_per_s": "on",
         "decode_tokens_per_s": "on",
     }
+
+
+def test_a_context_case_of_several_repetitions_reports_their_median(monkeypatch):
+    fake = recorded_tests_at(1024, 16, prefill={"on": 1000.0}, decode={"on": 40.0}, flash_attn=("on",), repetitions=3)
+    monkeypatch.setattr(bench_case, "run_llama_bench", fake)
+    run = context_case(Path("llama-bench"), Path("m.gguf"), 1024, 16, threads=2, flash_attn=("on",), repetitions=3)
+    assert [test["samples_tokens_per_s"] for test in run["tests"]] == [[500.0, 1000.0, 4000.0], [20.0, 40.0, 160.0]]
+    assert (run["prefill_tokens_per_s"], run["decode_tokens_per_s"]) == (1000.0, 40.0)
 
 
 def test_a_decode_only_context_case_runs_no_prefill_test_and_reports_no_prefill_rate(monkeypatch):

@@ -8,7 +8,9 @@ setting gives ``prefill_tokens_per_s`` and ``decode_tokens_per_s``, so cascade i
 llama.cpp at its best. Each setting prefills the context for both tests (llama-bench fills the
 decode test's depth untimed): at 32K tokens that is most of a case's time, so a case may be asked
 for one setting only (the one earlier runs found faster), and for decode alone (no prefill test:
-half the prefilling; its prefill rate is then None).
+half the prefilling; its prefill rate is then None), and for several repetitions in one run:
+llama-bench prefills a depth once and restores it for each further repetition, and the case
+reports the median of the repetitions.
 """
 
 from __future__ import annotations
@@ -29,18 +31,23 @@ def context_case(
     threads: int,
     flash_attn: tuple[str, ...] = FLASH_ATTN,
     prefill: bool = True,
+    repetitions: int = 1,
 ) -> dict:
     """One measurement of llama-bench (``tool``) on ``model`` at ``context`` with each ``flash_attn``
     setting -> ``prefill_tokens_per_s`` (None without ``prefill``), ``decode_tokens_per_s`` (the best
-    setting's), ``flash_attn`` ({setting: the rates measured}), ``best_flash_attn`` ({rate: setting}),
-    ``build_commit`` and the parsed ``tests``."""
-    common = {"threads": threads, "repetitions": 1, "flash_attn": flash_attn}
+    setting's; each rate the median of ``repetitions``), ``flash_attn`` ({setting: the rates
+    measured}), ``best_flash_attn`` ({rate: setting}), ``build_commit`` and the parsed ``tests``."""
+    common = {"threads": threads, "repetitions": repetitions, "flash_attn": flash_attn}
     runs = [BenchSettings(gen_tokens=(new_tokens,), depths=(context,), **common)]
     if prefill:
         runs.insert(0, BenchSettings(prompt_tokens=(context,), **common))
     tests = [test for settings in runs for test in run_llama_bench(tool, model, settings)]
     by_setting = {
-        setting: {RATES[test["test"]]: test["tokens_per_s"] for test in tests if test["flash_attn"] == setting}
+        setting: {
+            RATES[test["test"]]: statistics.median(test["samples_tokens_per_s"])
+            for test in tests
+            if test["flash_attn"] == setting
+        }
         for setting in flash_attn
     }
     rates = list(by_setting[flash_attn[0]])
