@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from cascade.errors import CascadeError
+from cascade.model import SequencePass
 from cascade.pipeline import GenerationResult, StopRule, TokenCallback, read_together
 from cascade.runtime import CacheRequest, Runtime
 from cascade.sampling import draw
@@ -40,8 +41,8 @@ class BatchRequest:
 
 def generate_batch(runtime: Runtime, requests: list[BatchRequest]) -> list[GenerationResult]:
     """``requests`` decoded autoregressively together on ``runtime``'s target (whatever its preset:
-    each one's tokens are the target's own), at most ``fused_tokens`` sequences per pass -> each
-    one's result, in order. Refused up front if their caches would not fit in memory."""
+    each one's tokens are the target's own) -> each one's result, in order. Refused up front if
+    their caches would not fit in memory."""
     device = runtime.target.model.device
     rows = [
         BatchRow(
@@ -54,7 +55,7 @@ def generate_batch(runtime: Runtime, requests: list[BatchRequest]) -> list[Gener
         )
         for stage, request in zip(batch_stages(runtime, requests), requests, strict=True)
     ]
-    return decode_batch(rows, runtime.config.prefill_chunk, runtime.target.model.fused_tokens)
+    return decode_batch(rows, runtime.config.prefill_chunk)
 
 
 def batch_stages(runtime: Runtime, requests: list[BatchRequest]) -> list[Stage]:
@@ -122,16 +123,13 @@ class BatchRow:
         return self.prompt_ids.numel() + len(self.emitted)
 
 
-def decode_batch(rows: list[BatchRow], prefill_chunk: int, pass_rows: int) -> list[GenerationResult]:
-    """Prefill each row, then decode every unfinished row together, at most ``pass_rows`` sequences
-    per pass (at least one) -> each row's result, in order."""
+def decode_batch(rows: list[BatchRow], prefill_chunk: int) -> list[GenerationResult]:
+    """Prefill each row, then decode every unfinished row together -> each row's result, in order."""
     for row in rows:
         prefill(row, prefill_chunk)
     started = time.perf_counter()
-    pass_rows = max(pass_rows, 1)
     while active := [row for row in rows if not row.finished]:
-        for first in range(0, len(active), pass_rows):
-            step(active[first : first + pass_rows])
+        step(active)
         drawn = read_together([row.drawn for row in active])  # the host's one wait per step
         for row, tokens in zip(active, drawn, strict=True):
             emit(row, tokens, started)
@@ -153,10 +151,10 @@ def step(rows: list[BatchRow]) -> None:
     """One pass of ``rows``' last drawn tokens, and each row's next token drawn from its logits."""
     stage_stats = [row.stage.stats for row in rows]
     started = time.perf_counter()
-    logits = rows[0].stage.model.forward_batch([row.drawn for row in rows], [row.stage.cache for row in rows])
+    logits = rows[0].stage.model.forward_batch([SequencePass(row.drawn, row.stage.cache) for row in rows])
     seconds = time.perf_counter() - started  # on CUDA: until the pass is queued
     for row, row_logits, stats in zip(rows, logits, stage_stats, strict=True):
-        row.drawn = draw(row_logits[None], row.sampling, row.generator)[0]
+        row.drawn = draw(row_logits, row.sampling, row.generator)[0]
         stats.forward_calls += 1
         stats.tokens_processed += 1
         stats.time_s += seconds

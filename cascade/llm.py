@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,6 +14,7 @@ from cascade.batch import BatchRequest, generate_batch
 from cascade.completion import FINISH_REASONS, Completion, IncrementalText, Stream, TextCallback
 from cascade.errors import CascadeError
 from cascade.home import prompt_cache_dir
+from cascade.lockstep import generate_together
 from cascade.pipeline import GenerationResult
 from cascade.runtime import Runtime, build_runtime
 from cascade.stop_strings import StopStrings
@@ -25,6 +26,9 @@ Messages = Sequence[Mapping[str, Any]]
 """A chat: ``{"role": ..., "content": ...}`` dicts, put into the target's chat template."""
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+BatchGenerator = Callable[[Runtime, list[BatchRequest]], list[GenerationResult]]
+"""``cascade.batch.generate_batch`` or ``cascade.lockstep.generate_together``."""
 
 
 @dataclass(frozen=True)
@@ -108,10 +112,10 @@ class LLM:
         ``params``: ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed`` (each
         defaulting to the config's), ``stop`` (strings that end the generation where its text
         completes one; the text stops before it) and ``ignore_eos`` (go on past end-of-sequence).
-        A list is decoded as batches of ``batch_size`` prompts (all of them by default) where this
-        LLM decodes autoregressively (``run_batch``), one prompt after another otherwise; a prompt of
-        it that cannot run (empty, too long, bad ids) gets a Completion with ``finish_reason``
-        ``error`` saying why, and the others run. Settings that are wrong for every prompt raise."""
+        A list is decoded as batches of ``batch_size`` prompts (all of them by default; see
+        ``run_batch``); a prompt of it that cannot run (empty, too long, bad ids) gets a Completion
+        with ``finish_reason`` ``error`` saying why, and the others run. Settings that are wrong for
+        every prompt raise."""
         if is_prompt_list(prompt):
             return self._generate_list(prompt, batch_size, params)
         return self.run(self.prepare(prompt, **params))
@@ -196,22 +200,26 @@ class LLM:
         return completion_of(request, text, result)
 
     def run_batch(self, requests: Sequence[Request], batch_size: int | None = None) -> list[Completion]:
-        """Generate ``requests`` -> their Completions, in order. Where this LLM decodes
-        autoregressively (a single stage), ``batch_size`` of them at a time (all by default) decode
-        together, each step one pass of every unfinished one (``cascade.batch``); otherwise one after
-        another. Each gets the tokens it would alone."""
+        """Generate ``requests`` -> their Completions, in order, ``batch_size`` of them at a time (all
+        by default) together: autoregressively, each step one pass of every unfinished one
+        (``cascade.batch``); speculating, each runs its own pipeline and the passes they run at the
+        same time share each read of a model's weights (``cascade.lockstep``), where the target's
+        passes can (cascade's CPU kernels; elsewhere one request after another). Each gets the tokens
+        it would alone."""
         if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
             raise CascadeError(f"batch_size: must be a whole number of at least 1; got {batch_size!r}")
-        if len(self.runtime.config.stages) > 1:
+        speculating = len(self.runtime.config.stages) > 1
+        if speculating and not self.runtime.target.model.shares_passes:
             return [self.run(request) for request in requests]
         size = batch_size or max(len(requests), 1)
+        generate = generate_together if speculating else generate_batch
         return [
             done
             for first in range(0, len(requests), size)
-            for done in self._decode_together(requests[first : first + size])
+            for done in self._decode_together(requests[first : first + size], generate)
         ]
 
-    def _decode_together(self, requests: Sequence[Request]) -> list[Completion]:
+    def _decode_together(self, requests: Sequence[Request], generate: BatchGenerator) -> list[Completion]:
         texts = [IncrementalText(self.tokenizer, request.stop_strings) for request in requests]
         batch = [
             BatchRequest(
@@ -226,7 +234,7 @@ class LLM:
             for request, text in zip(requests, texts, strict=True)
         ]
         with self._turn:
-            results = generate_batch(self.runtime, batch)
+            results = generate(self.runtime, batch)
         for text in texts:
             text.finish()
         return [completion_of(*done) for done in zip(requests, texts, results, strict=True)]

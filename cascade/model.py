@@ -7,6 +7,7 @@ the caller asks for (the output projection dominates a small model at a 49K voca
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
 
 import torch
@@ -16,6 +17,7 @@ from torch import nn
 
 from cache.base import CacheLayout, CachePolicy, TreePass
 from cascade import fused
+from cascade import kernels as compiled_kernels
 from cascade.attention import KERNELS, AttentionKernel, resolve_kernels
 from cascade.quantise import is_quantised, projection
 from cascade.rope import Rotary, apply_rotary
@@ -134,6 +136,36 @@ class Block(nn.Module):
         weights, scales = zip(*(projection(linear) for linear in linears), strict=True)
         norms = [self.input_layernorm.weight, self.post_attention_layernorm.weight]
         return norms, list(weights), list(scales), [attn.qkv_proj.bias]
+
+
+@dataclass(frozen=True)
+class SequencePass:
+    """One sequence's part of ``CausalLM.forward_batch``: its ids after what its cache holds, and
+    what its own ``forward`` would be asked for."""
+
+    token_ids: torch.Tensor
+    """[T] int64 on the model's device."""
+    cache: CachePolicy
+    num_logits: int | None = 1
+    """Logits of the last this many positions (all if None)."""
+    tree: TreePass | None = None
+    """The last tokens are token-tree nodes (see ``TreePass``)."""
+
+
+def shared_groups(rows: list[int]) -> list[list[int]]:
+    """Rows per sequence (0: it runs alone) -> indices of the sequences that share a call, in order,
+    each group at most ``MAX_KERNEL_ROWS`` rows."""
+    groups: list[list[int]] = []
+    total = compiled_kernels.MAX_KERNEL_ROWS
+    for index, count in enumerate(rows):
+        if not count:
+            continue
+        if total + count > compiled_kernels.MAX_KERNEL_ROWS:
+            groups.append([])
+            total = 0
+        groups[-1].append(index)
+        total += count
+    return groups
 
 
 @dataclass(frozen=True)
@@ -267,29 +299,59 @@ class CausalLM(nn.Module):
         return self._every_token(self.lm_head(self.norm(x)))  # [B, N, V]
 
     @torch.inference_mode()
-    def forward_batch(self, token_ids: list[torch.Tensor], caches: list[CachePolicy]) -> torch.Tensor:
-        """One pass of several sequences, each its ids [T_b] after what its own cache holds -> logits
-        [B, V] at each one's last token, equal to what its own ``forward`` gives. Where cascade's CPU
-        kernels take every cache's pass (``fused.decoder_layers``; at most ``fused_tokens`` rows in
-        all) the sequences share each read of the weights; elsewhere each runs a pass of its own."""
-        tokens = [ids.numel() for ids in token_ids]
-        positions = [cache.allocate(count) for cache, count in zip(caches, tokens, strict=True)]
-        x = self.embed_tokens(torch.cat(token_ids))  # [N, C]
-        fits = sum(tokens) <= self.fused_tokens and fused.decoder_layers_apply(
-            x, self.spec.head_dim, is_quantised(self)
-        )
-        plains = [cache.plain_pass() for cache in caches] if fits else [None]
-        if any(plain is None for plain in plains):
-            passes = zip(token_ids, positions, caches, strict=True)
-            return torch.cat([self.forward_at(ids[None], at, cache, 1)[0] for ids, at, cache in passes])
+    def forward_batch(self, passes: list[SequencePass]) -> list[torch.Tensor]:
+        """One pass of several sequences, each over its own cache -> each one's logits [N_b, V],
+        equal bit for bit to what its own ``forward`` gives. The passes cascade's CPU kernels would
+        take alone (over a plain cache, at most ``fused_tokens`` rows) run in ``decoder_layers`` calls
+        of at most ``MAX_KERNEL_ROWS`` rows, whose sequences share each read of the weights; every
+        other pass runs as it would alone."""
+        positions = [self._allocate(sequence) for sequence in passes]
+        plains = [self._plain_pass(sequence) for sequence in passes]
+        logits: list[torch.Tensor | None] = [None] * len(passes)
+        rows = [len(sequence.token_ids) if plain else 0 for sequence, plain in zip(passes, plains, strict=True)]
+        for group in shared_groups(rows):
+            chosen = ([passes[i] for i in group], [positions[i] for i in group], [plains[i] for i in group])
+            for index, row_logits in zip(group, self._forward_shared(*chosen), strict=True):
+                logits[index] = row_logits
+        for index, sequence in enumerate(passes):
+            if plains[index] is None:
+                ids, cache = sequence.token_ids[None], sequence.cache
+                logits[index] = self.forward_at(ids, positions[index], cache, sequence.num_logits)[0]
+        return logits
+
+    def _allocate(self, sequence: SequencePass) -> torch.Tensor:
+        """Positions [T] of the sequence's pass, allocated in its cache as ``forward`` allocates them."""
+        count, cache, tree = len(sequence.token_ids), sequence.cache, sequence.tree
+        return cache.allocate(count) if tree is None else cache.allocate_tree(count, tree)
+
+    @property
+    def shares_passes(self) -> bool:
+        """Whether ``forward_batch`` runs sequences' short passes together (cascade's CPU kernels)."""
+        x = self.embed_tokens.weight[:1]  # [1, C]: the residual stream's dtype and device
+        return self.fused_tokens > 0 and fused.decoder_layers_apply(x, self.spec.head_dim, is_quantised(self))
+
+    def _plain_pass(self, sequence: SequencePass) -> fused.PlainPass | None:
+        """The sequence's ``plain_pass`` where its pass alone would run in one ``decoder_layers`` call."""
+        takes = len(sequence.token_ids) <= self.fused_tokens and self.shares_passes
+        return sequence.cache.plain_pass() if takes else None
+
+    def _forward_shared(
+        self, passes: list[SequencePass], positions: list[torch.Tensor], plains: list[fused.PlainPass]
+    ) -> list[torch.Tensor]:
+        """``forward_batch`` of passes over plain caches, in one ``decoder_layers`` call."""
+        tokens = [len(sequence.token_ids) for sequence in passes]
+        x = self.embed_tokens(torch.cat([sequence.token_ids for sequence in passes]))  # [N, C]
         spec, scale = self.spec, self.layers[0].self_attn.scale
         cos, sin = self.rotary.cos_sin(torch.cat(positions), self.dtype)  # [N, D] each
         operands = self._kernel_operands()
         x = fused.decoder_layers(
             x, cos, sin, operands, plains, tokens, spec.rms_norm_eps, spec.num_heads, spec.num_kv_heads, scale
         )
-        last = torch.tensor(tokens, device=x.device).cumsum(0) - 1  # [B]: each sequence's last row
-        return self._every_token(fused.logits(x[last], self.norm.weight, projection(self.lm_head), self.norm.eps))
+        ends = list(itertools.accumulate(tokens))
+        wanted = [min(sequence.num_logits or count, count) for sequence, count in zip(passes, tokens, strict=True)]
+        rows = torch.cat([torch.arange(end - n, end) for end, n in zip(ends, wanted, strict=True)])  # [R]
+        logits = fused.logits(x[rows.to(x.device)], self.norm.weight, projection(self.lm_head), self.norm.eps)
+        return list(self._every_token(logits).split(wanted))  # [N_b, V] each
 
     def _forward_fused(
         self, x, cos, sin, cache: CachePolicy, attend: AttentionKernel, num_logits: int | None

@@ -105,6 +105,11 @@ class Runtime:
     def tokenizer(self):
         return self.target.tokenizer
 
+    @property
+    def models(self) -> dict[str, CausalLM]:
+        """The loaded models by role ("target", and "draft" where the config has one)."""
+        return {"target": self.target.model, **({"draft": self.draft.model} if self.draft else {})}
+
     def context_limit(self) -> int:
         limit = self.target.model.spec.max_context
         return min(limit, self.config.max_context) if self.config.max_context else limit
@@ -152,15 +157,8 @@ class Runtime:
         """Stages with caches sized for this request (checked against the context limit): the
         last request's, restarted, where their caches hold this one too (so are their graphs).
         ``sampling`` replaces the config's for this request."""
-        config = self.check_request(prompt_tokens, max_new_tokens)
-        speculation = sum(stage.speculative_tokens for stage in config.stages[:-1])
-        request = CacheRequest(
-            tuple(config.stages),
-            prompt_tokens + max_new_tokens + speculation,
-            max_new_tokens + speculation,
-            config.prefill_chunk + speculation + 1,
-        )
-        schedules = [SCHEDULES[stage.schedule](stage.gamma) for stage in config.stages[:-1]] + [None]
+        config, request = self.cache_request(prompt_tokens, max_new_tokens)
+        schedules = schedules_for(config)
         if self.built_for is not None and self.built_for.holds(request):
             for stage, schedule in zip(self.stages, schedules, strict=True):
                 stage.restart(schedule)
@@ -170,15 +168,35 @@ class Runtime:
             self.built_for = request
         return Pipeline(self.stages, sampling or config.sampling, config.prefill_chunk)
 
+    def cache_request(self, prompt_tokens: int, max_new_tokens: int) -> tuple[PipelineConfig, CacheRequest]:
+        """The config this request runs (``check_request``) and what it asks of its caches."""
+        config = self.check_request(prompt_tokens, max_new_tokens)
+        speculation = sum(stage.speculative_tokens for stage in config.stages[:-1])
+        request = CacheRequest(
+            tuple(config.stages),
+            prompt_tokens + max_new_tokens + speculation,
+            max_new_tokens + speculation,
+            config.prefill_chunk + speculation + 1,
+        )
+        return config, request
+
     def build_stages(
-        self, config: PipelineConfig, request: CacheRequest, schedules: list[Schedule | None]
+        self,
+        config: PipelineConfig,
+        request: CacheRequest,
+        schedules: list[Schedule | None],
+        models: dict[str, CausalLM] | None = None,
     ) -> list[Stage]:
-        """New stages (and caches) for ``request``, with ``schedules`` per stage (None for the last)."""
+        """New stages (and caches) for ``request``, with ``schedules`` per stage (None for the last),
+        running ``models`` by role (default: the runtime's, passes captured as graphs where it
+        captures them; given models run every pass eagerly)."""
+        models = models or self.models
+        capture = self.capture if models.get("target") is self.target.model else None
         last = len(config.stages) - 1
         stages: dict[int, Stage] = {}
         for index in range(last, -1, -1):  # sources (full-cache stages) come after their readers
             stage = config.stages[index]
-            model = (self.target if stage.model == "target" else self.draft).model
+            model = models[stage.model]
             source = config.source_of(index)
             translated = stage.model == "draft" and self.translation is not None
             spelled = TRANSLATED_TOKENS if translated else 1  # draft tokens per target token, at most
@@ -190,7 +208,7 @@ class Runtime:
                 schedule=schedules[index],
                 source=None if source is None else stages[source],
                 prompt_cache=self.prompt_caches.get(stage.model),
-                capture=self.capture,
+                capture=capture,
                 tree=stage.tree and TokenTree.best_first(stage.tree.rank_acceptance, stage.tree.nodes, stage.gamma),
                 dynamic_tree=stage.tree is not None and stage.tree.dynamic,
             )
@@ -225,6 +243,11 @@ class Runtime:
         generator = torch.Generator(device=device).manual_seed(self.config.seed if seed is None else seed)
         stop = self.stop_rule(max_new_tokens, stop_at_eos, stop_strings=stop_strings, cancelled=cancelled)
         return pipeline.generate(torch.tensor(prompt_ids, device=device), stop, generator, on_tokens=on_tokens)
+
+
+def schedules_for(config: PipelineConfig) -> list[Schedule | None]:
+    """Fresh gamma schedules of the config's stages (None for the last, which proposes nothing)."""
+    return [SCHEDULES[stage.schedule](stage.gamma) for stage in config.stages[:-1]] + [None]
 
 
 TRANSLATED_TOKENS = 2

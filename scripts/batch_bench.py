@@ -1,19 +1,23 @@
-"""Batched autoregressive decoding: decode tokens/s at several batch sizes, side by side in one process.
+"""Batched decoding: decode tokens/s at several batch sizes, side by side in one process.
 
 A batch of B decodes B prompts of ``--context`` tokens each (windows of the document, one after
 another) together, greedy, ``--new-tokens`` each without stopping at end-of-sequence; its rate is
 every row's decoded tokens over the batch's decode time (its first step to its last row's end).
-Each round runs every batch size once, in order on even rounds and in reverse on odd ones (this
-machine's speed drifts); the report has each size's median rate, its median ratio to batch 1
-within a round, the peak memory, and whether the first row's tokens were batch 1's in every run
-(they must be: a row of a batch computes what it would alone). Prompts are stored in the prompt
+Batched autoregressive decoding always runs; ``--preset`` (a speculating one) runs beside it on the
+same loaded models, each batch size of it right after autoregressive decoding's. Each round runs
+every batch size once, in order on even rounds and in reverse on odd ones (this machine's speed
+drifts); the report has, per preset and size, the median rate, its median ratio to batch 1 within
+a round (and the preset's to autoregressive decoding at the same size), the peak memory, and
+whether the first row's tokens were autoregressive batch 1's in every run (they must be: a row of a
+batch computes what it would alone, and a preset's greedy tokens are the target's). Prompts are stored in the prompt
 cache (``--prompt-cache``, by default a fresh one) by an untimed first pass, so a batch's prefill
 loads them. With ``--documents DIR``, a summarization job over the documents there (``python -m
 cascade.summarize``, autoregressive, ``--summary-tokens`` at most per summary) also runs at each
 batch size, its wall time (the model's load included) reported per round, with whether its
 summaries were batch 1's.
 
-    python scripts/batch_bench.py [--target NAME] [--document plrabn12] [--contexts 2000 8000]
+    python scripts/batch_bench.py [--target NAME] [--preset self-spec [--draft NAME]]
+        [--document plrabn12] [--contexts 2000 8000]
         [--batch-sizes 1 4 8] [--new-tokens 64] [--repeats 3] [--prompt-cache DIR] [--set KEY=VALUE ...]
         [--documents DIR [--summary-tokens 128]]
 
@@ -41,11 +45,16 @@ from cascade.models import default_model
 from cascade.runs import run_files
 from cascade.summarize.__main__ import main as summarize_main
 from configs import load_config
+from configs.loading import preset_data, preset_names
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", type=checkpoint_option, help="target checkpoint (default: SmolLM2)")
+    parser.add_argument(
+        "--preset", default="autoregressive", choices=preset_names(), help="run beside autoregressive decoding"
+    )
+    parser.add_argument("--draft", type=checkpoint_option, help="draft checkpoint (default: the target's)")
     parser.add_argument("--document", default="plrabn12", choices=DOCUMENT_NAMES)
     parser.add_argument("--contexts", type=int, nargs="+", default=[2000, 8000], help="prompt tokens per row")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8])
@@ -67,52 +76,85 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def build_llm(args: argparse.Namespace, target: Path, context: int, store: str) -> LLM:
+def build_llms(args: argparse.Namespace, target: Path, context: int, store: str) -> dict[str, LLM]:
+    """Autoregressive decoding and ``--preset`` (if another) on one set of loaded models."""
     settings = {"dtype": args.dtype, "target.path": str(target), "prompt_cache.dir": store}
     if scaling := yarn_scaling(target, context + args.new_tokens):
         settings["target.rope_scaling"] = scaling
-    name, config = load_config("autoregressive", None, args.set, settings)
-    return LLM.from_config(config, name)
+    if "draft" in {stage["model"] for stage in preset_data(args.preset)["stages"]}:
+        settings["draft.path"] = str(args.draft or default_model("draft", target=target))
+    name, config = load_config(args.preset, None, args.set, settings)
+    llm = LLM.from_config(config, name)
+    autoregressive = llm.on_stages(config.stages[-1:], "autoregressive")
+    return {"autoregressive": autoregressive, **({name: llm} if name != "autoregressive" else {})}
 
 
 def decode(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
-    """One batch of ``prompts`` -> its decode rate, time and first row's tokens."""
+    """One batch of ``prompts`` -> its decode rate, time, first row's tokens and, per proposing
+    stage, the share of its proposals accepted over all rows."""
     completions = llm.run_batch([llm.prepare(prompt, max_new_tokens=new_tokens, ignore_eos=True) for prompt in prompts])
     decode_s = max(completion.stats["decode_s"] for completion in completions)
     decoded = sum(len(completion.token_ids) - 1 for completion in completions)
-    return {"decode_s": decode_s, "tokens_per_s": decoded / decode_s, "first_row": completions[0].token_ids}
+    stages = [stage for completion in completions for stage in completion.stats["stages"][:-1]]
+    proposed = {stage["name"]: 0 for stage in stages}
+    accepted = dict(proposed)
+    for stage in stages:
+        proposed[stage["name"]] += stage["proposed"]
+        accepted[stage["name"]] += stage["accepted"]
+    return {
+        "decode_s": decode_s,
+        "tokens_per_s": decoded / decode_s,
+        "first_row": completions[0].token_ids,
+        "acceptance": {name: accepted[name] / proposed[name] if proposed[name] else None for name in proposed},
+        "proposed": proposed,
+    }
 
 
 def measure_context(args: argparse.Namespace, target: Path, context: int, store: str) -> dict:
-    """Every batch size at ``context``, ``--repeats`` interleaved rounds."""
-    llm = build_llm(args, target, context, store)
+    """Every preset and batch size at ``context``, ``--repeats`` interleaved rounds."""
+    llms = build_llms(args, target, context, store)
     document = document_ids(target, args.document, context * max(args.batch_sizes))
     prompts = [document[row * context : (row + 1) * context] for row in range(max(args.batch_sizes))]
-    llm.run_batch([llm.prepare(prompt, max_new_tokens=2, ignore_eos=True) for prompt in prompts])  # store: untimed
-    runs: dict[int, list[dict]] = {size: [] for size in args.batch_sizes}
+    for llm in llms.values():  # untimed: every model's prompts stored
+        llm.run_batch([llm.prepare(prompt, max_new_tokens=2, ignore_eos=True) for prompt in prompts])
+    runs: dict[tuple[str, int], list[dict]] = {(name, size): [] for name in llms for size in args.batch_sizes}
     for index in range(args.repeats):
         bandwidth = memory_bandwidth()
         for size in args.batch_sizes if index % 2 == 0 else args.batch_sizes[::-1]:
-            run = decode(llm, prompts[:size], args.new_tokens) | {"round": index, "bandwidth_bytes_per_s": bandwidth}
-            runs[size].append(run)
-            print(f"[ctx {context} round {index + 1}] batch {size}: {run['tokens_per_s']:.1f} tok/s", file=sys.stderr)
-    single = {run["round"]: run for run in runs[1]}
+            for name, llm in llms.items():
+                run = decode(llm, prompts[:size], args.new_tokens)
+                runs[name, size].append(run | {"round": index, "bandwidth_bytes_per_s": bandwidth})
+                rate = f"{run['tokens_per_s']:.1f} tok/s"
+                print(f"[ctx {context} round {index + 1}] {name} batch {size}: {rate}", file=sys.stderr)
+    reference = {run["round"]: run for run in runs["autoregressive", 1]}
     return {
         "context": context,
-        "batches": [
-            {
-                "batch_size": size,
-                "tokens_per_s": statistics.median(run["tokens_per_s"] for run in runs[size]),
-                "over_batch_1": statistics.median(
-                    run["tokens_per_s"] / single[run["round"]]["tokens_per_s"] for run in runs[size]
-                ),
-                "first_row_as_batch_1": all(
-                    run["first_row"] == single[run["round"]]["first_row"] for run in runs[size]
-                ),
-                "runs": runs[size],
-            }
-            for size in args.batch_sizes
-        ],
+        **{
+            "batches" if name == "autoregressive" else "preset": [
+                batch_row(runs, name, size, reference) for size in args.batch_sizes
+            ]
+            for name in llms
+        },
+    }
+
+
+def batch_row(runs: dict[tuple[str, int], list[dict]], name: str, size: int, reference: dict[int, dict]) -> dict:
+    """One preset at one batch size: median rate, median per-round ratios, exactness, its runs."""
+
+    def median_over(other: str, other_size: int) -> float:
+        by_round = {run["round"]: run["tokens_per_s"] for run in runs[other, other_size]}
+        return statistics.median(run["tokens_per_s"] / by_round[run["round"]] for run in runs[name, size])
+
+    return {
+        "preset": name,
+        "batch_size": size,
+        "tokens_per_s": statistics.median(run["tokens_per_s"] for run in runs[name, size]),
+        "over_batch_1": median_over(name, 1),
+        "over_autoregressive": median_over("autoregressive", size),
+        "first_row_as_batch_1": all(
+            run["first_row"] == reference[run["round"]]["first_row"] for run in runs[name, size]
+        ),
+        "runs": runs[name, size],
     }
 
 
@@ -163,12 +205,13 @@ def summary_job(args: argparse.Namespace, target: Path, batch_size: int) -> dict
 
 
 def print_table(report: dict) -> None:
-    """One line per context and batch size, and per batch size of the summarization job."""
+    """One line per context, preset and batch size, and per batch size of the summarization job."""
     for measured in report["contexts"]:
-        for row in measured["batches"]:
+        for row in measured["batches"] + measured.get("preset", []):
             print(
-                f"context {measured['context']:>6} batch {row['batch_size']:>2}: {row['tokens_per_s']:7.1f} tok/s, "
-                f"{row['over_batch_1']:.2f}x batch 1, first row as batch 1: {row['first_row_as_batch_1']}"
+                f"context {measured['context']:>6} {row['preset']:>14} batch {row['batch_size']:>2}: "
+                f"{row['tokens_per_s']:7.1f} tok/s, {row['over_batch_1']:.2f}x batch 1, "
+                f"{row['over_autoregressive']:.2f}x autoregressive, first row as batch 1: {row['first_row_as_batch_1']}"
             )
     for row in report["summaries"]["batches"] if report["summaries"] else []:
         print(
@@ -190,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {
             key: getattr(args, key)
             for key in (
+                "preset",
+                "draft",
                 "document",
                 "contexts",
                 "batch_sizes",

@@ -15,7 +15,7 @@ from cascade import batch, fused, kernels
 from cascade.checkpoint import load_model
 from cascade.errors import CascadeError
 from cascade.llm import LLM
-from cascade.model import PassOptions
+from cascade.model import PassOptions, SequencePass
 from tests.conftest import make_checkpoint
 from tests.scripts import linked_home, run_script
 from tests.test_fused import layer_op_calls
@@ -58,9 +58,9 @@ def test_a_batched_pass_gives_each_sequence_the_bits_of_its_own_pass(tmp_path, w
     alone = [model(ids[None], cache, 1)[0, -1] for ids, cache in zip(fed, prefilled(model, lengths), strict=True)]
     together_caches = prefilled(model, lengths)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-        together = model.forward_batch(fed, together_caches)  # [B, V]
+        together = model.forward_batch([SequencePass(ids, cache) for ids, cache in zip(fed, together_caches)])
     assert layer_op_calls(profile)["decoder_layers"] == 1
-    assert torch.equal(together, torch.stack(alone))
+    assert torch.equal(torch.cat(together), torch.stack(alone))
     assert [cache.length for cache in together_caches] == [n + w for n, w in zip(lengths, widths, strict=True)]
 
 
@@ -68,7 +68,8 @@ def test_a_pass_the_kernels_do_not_take_runs_each_sequence_alone_with_the_same_l
     model = load_model(make_checkpoint(tmp_path / "m", "llama-gqa-tied"), torch.float32, CPU)
     fed = [torch.tensor([5]), torch.tensor([9, 2])]
     alone = [model(ids[None], cache, 1)[0, -1] for ids, cache in zip(fed, prefilled(model, [6, 11]), strict=True)]
-    assert torch.equal(model.forward_batch(fed, prefilled(model, [6, 11])), torch.stack(alone))
+    passes = [SequencePass(ids, cache) for ids, cache in zip(fed, prefilled(model, [6, 11]), strict=True)]
+    assert torch.equal(torch.cat(model.forward_batch(passes)), torch.stack(alone))
 
 
 @pytest.fixture(scope="module", params=["float32", pytest.param("bfloat16", marks=needs_layer_kernels)])
@@ -140,7 +141,8 @@ def test_a_speculative_preset_decodes_a_list_one_prompt_after_another(tiny_dir, 
 
 def test_the_batch_benchmark_reports_every_size_and_a_summarization_job(tiny_dir, tmp_path):
     """Run outside the tree (its run directory in a fresh home), on the tiny model: every batch size's
-    rate and ratio, rows that are batch 1's, and the job's wall times with the same summaries."""
+    rate and ratios for autoregressive decoding and a speculating preset beside it, rows that are
+    autoregressive batch 1's, and the job's wall times with the same summaries."""
     documents = tmp_path / "documents"
     documents.mkdir()
     for index, prompt in enumerate(PROMPTS):
@@ -148,6 +150,7 @@ def test_the_batch_benchmark_reports_every_size_and_a_summarization_job(tiny_dir
     home = linked_home(tmp_path / "home")
     flags = ["--target", str(tiny_dir), "--contexts", "40", "--batch-sizes", "1", "2", "--new-tokens", "4"]
     flags += ["--repeats", "2", "--dtype", "float32", "--documents", str(documents), "--summary-tokens", "4"]
+    flags += ["--preset", "self-spec", "--set", "stages.0.cache.budget=16", "--set", "stages.0.schedule=fixed"]
     run_script(
         [sys.executable, str(REPO / "scripts" / "batch_bench.py"), *flags],
         cwd=tmp_path,
@@ -156,9 +159,13 @@ def test_the_batch_benchmark_reports_every_size_and_a_summarization_job(tiny_dir
     [run_dir] = (home / "runs" / "batch_bench").iterdir()
     report = json.loads((run_dir / "batch_bench.json").read_text())
     [context] = report["contexts"]
-    assert context["context"] == 40 and [row["batch_size"] for row in context["batches"]] == [1, 2]
-    assert all(row["first_row_as_batch_1"] and row["tokens_per_s"] > 0 for row in context["batches"])
-    assert context["batches"][0]["over_batch_1"] == 1.0 and len(context["batches"][1]["runs"]) == 2
+    assert context["context"] == 40
+    for name, rows in (("autoregressive", context["batches"]), ("self-spec", context["preset"])):
+        assert [(row["preset"], row["batch_size"]) for row in rows] == [(name, 1), (name, 2)]
+        assert all(row["first_row_as_batch_1"] and row["tokens_per_s"] > 0 for row in rows)
+        assert rows[0]["over_batch_1"] == 1.0 and len(rows[1]["runs"]) == 2
+    assert all(row["over_autoregressive"] == 1.0 for row in context["batches"])
+    assert all(run["proposed"]["0:target/retrieval"] > 0 for row in context["preset"] for run in row["runs"])
     jobs = report["summaries"]["batches"]
     assert all(row["summaries_as_batch_1"] and row["wall_s"] > 0 for row in jobs)
     assert len(jobs[1]["runs"][0]["summaries"]) == len(PROMPTS) and jobs[0]["speedup_over_batch_1"] == 1.0

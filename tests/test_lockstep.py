@@ -1,0 +1,137 @@
+"""Speculating presets on several sequences at once (``cascade.lockstep``): each sequence of a batch
+gets what it gets alone, bit for bit, while the passes its rows run at the same time share calls."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from cascade import batch, lockstep
+from cascade.batch import BatchRequest
+from cascade.errors import CascadeError
+from cascade.llm import LLM
+from cascade.model import CausalLM
+from cascade.pipeline import StopRule
+from configs.schema import SamplingConfig
+from tests.test_batch import needs_layer_kernels
+from tests.test_pipeline import SMALL_CACHES, generate, runtime_for
+
+LENGTHS = (300, 180, 240)
+PROMPTS = [
+    torch.randint(0, 49152, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+    for seed, length in enumerate(LENGTHS)
+]
+NEW_TOKENS = (24, 9, 17)
+SAMPLINGS = {"greedy": SamplingConfig(temperature=0.0), "sampled": SamplingConfig(temperature=0.8, top_p=0.9)}
+DTYPES = ["float32", pytest.param("bfloat16", marks=needs_layer_kernels)]
+
+
+def fixed_runtime(preset, tiny_dir, tiny_draft_dir, dtype):
+    """``preset`` with caches smaller than the prompts and fixed gammas: every stage proposes every
+    round, so a sequence draws the same random numbers alone and in a batch."""
+    proposers = 2 if preset == "triforce" else 1
+    fixed = [f"stages.{index}.schedule=fixed" for index in range(proposers)]
+    return runtime_for(preset, tiny_dir, tiny_draft_dir, [*SMALL_CACHES[preset], *fixed], dtype=dtype)
+
+
+def requests(sampling: SamplingConfig, eos=(frozenset(), frozenset(), frozenset())) -> list[BatchRequest]:
+    return [
+        BatchRequest(prompt, StopRule(stop, new), sampling, seed)
+        for seed, (prompt, new, stop) in enumerate(zip(PROMPTS, NEW_TOKENS, eos, strict=True))
+    ]
+
+
+def alone(runtime, request: BatchRequest):
+    stop, prompt = request.stop, request.prompt_ids
+    pipeline = runtime.pipeline_for(len(prompt), stop.max_new_tokens, request.sampling)
+    return generate(runtime, prompt, stop.max_new_tokens, stop.eos_token_ids, request.seed, pipeline)
+
+
+@pytest.fixture
+def shared_calls(monkeypatch) -> list[int]:
+    """Sequences per ``decoder_layers`` call that ``forward_batch`` shared among several."""
+    sizes: list[int] = []
+    forward_shared = CausalLM._forward_shared
+
+    def recorded(model, passes, *rest):
+        sizes.append(len(passes))
+        return forward_shared(model, passes, *rest)
+
+    monkeypatch.setattr(CausalLM, "_forward_shared", recorded)
+    return sizes
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLINGS))
+@pytest.mark.parametrize("preset", ["speculative", "self-spec", "triforce"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_each_sequence_of_a_batch_gets_the_tokens_and_rounds_it_gets_alone(
+    preset, sampling, dtype, tiny_dir, tiny_draft_dir, shared_calls
+):
+    """Prompts and budgets of different lengths, a seed each; in bf16 the rows share the kernels' calls."""
+    runtime = fixed_runtime(preset, tiny_dir, tiny_draft_dir, dtype)
+    batch_requests = requests(SAMPLINGS[sampling])
+    together = lockstep.generate_together(runtime, batch_requests)
+    if dtype == "bfloat16":
+        assert max(shared_calls) > 1
+    for request, result in zip(batch_requests, together, strict=True):
+        reference = alone(runtime, request)
+        assert result.token_ids == reference.token_ids
+        assert len(result.token_ids) == request.stop.max_new_tokens
+        rounds = [(stage.rounds, stage.proposed, stage.accepted) for stage in result.stats.stages]
+        assert rounds == [(stage.rounds, stage.proposed, stage.accepted) for stage in reference.stats.stages]
+        assert any(stage.rounds for stage in result.stats.stages)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_cost_model_schedules_each_sequence_and_greedy_tokens_stay_the_targets(tiny_dir, dtype):
+    """The presets' cost model (timed in the batch, so its gammas may differ from a lone run's)."""
+    runtime = runtime_for("self-spec", tiny_dir, tiny_dir, SMALL_CACHES["self-spec"], dtype=dtype)
+    batch_requests = requests(SAMPLINGS["greedy"])
+    together = lockstep.generate_together(runtime, batch_requests)
+    assert [r.token_ids for r in together] == [alone(runtime, request).token_ids for request in batch_requests]
+    assert all(result.stats.stages[0].schedule == "cost_model" for result in together)
+
+
+def test_a_sequence_that_stops_early_leaves_the_batch_and_the_others_go_on(tiny_dir, tiny_draft_dir):
+    runtime = fixed_runtime("self-spec", tiny_dir, tiny_draft_dir, "float32")
+    first = alone(runtime, requests(SAMPLINGS["greedy"])[0]).token_ids
+    eos = (frozenset({first[5]}), frozenset(), frozenset())
+    batch_requests = requests(SAMPLINGS["greedy"], eos)
+    together = lockstep.generate_together(runtime, batch_requests)
+    assert together[0].token_ids == first[: first.index(first[5]) + 1]
+    assert together[0].stats.stop_reason == "eos"
+    assert [len(result.token_ids) for result in together[1:]] == list(NEW_TOKENS[1:])
+    assert [r.token_ids for r in together] == [alone(runtime, request).token_ids for request in batch_requests]
+
+
+def test_a_failing_sequence_raises_its_error_after_the_others_finish(tiny_dir, tiny_draft_dir):
+    runtime = fixed_runtime("speculative", tiny_dir, tiny_draft_dir, "float32")
+    finished = []
+
+    def fail(tokens: list[int]) -> None:
+        raise ValueError("the receiver of sequence 1 broke")
+
+    batch_requests = requests(SAMPLINGS["greedy"])
+    batch_requests[0] = replace(batch_requests[0], on_tokens=finished.append)
+    batch_requests[1] = replace(batch_requests[1], on_tokens=fail)
+    with pytest.raises(ValueError, match="the receiver of sequence 1 broke"):
+        lockstep.generate_together(runtime, batch_requests)
+    assert len(finished) > 1  # sequence 0 went on emitting after sequence 1 failed
+
+
+def test_a_batch_whose_caches_may_not_fit_in_memory_is_refused_before_any_is_built(tiny_dir, monkeypatch):
+    runtime = runtime_for("self-spec", tiny_dir, tiny_dir, SMALL_CACHES["self-spec"])
+    monkeypatch.setattr(batch, "available_memory", lambda device: 1000)
+    with pytest.raises(CascadeError, match=r"a batch of 3 sequences needs .* GiB of KV cache, and 0.00 GiB"):
+        lockstep.generate_together(runtime, requests(SAMPLINGS["greedy"]))
+
+
+@needs_layer_kernels
+def test_a_speculating_llm_generates_a_list_together_with_each_prompts_own_tokens(tiny_dir, shared_calls):
+    llm = LLM("self-spec", target=tiny_dir, dtype="bfloat16", reuse_prompts=False, **{"stages.0.cache.budget": 64})
+    prompts = [prompt[:length] for prompt, length in zip(PROMPTS, (200, 120, 160), strict=True)]
+    together = llm.generate(prompts, max_new_tokens=12, batch_size=2)
+    assert [c.token_ids for c in together] == [llm.generate(p, max_new_tokens=12).token_ids for p in prompts]
+    assert all(len(c.stats["stages"]) == 2 for c in together) and max(shared_calls) > 1
