@@ -70,17 +70,19 @@ def batch_stages(runtime: Runtime, requests: list[BatchRequest]) -> list[Stage]:
         for request in requests
     ]
     layout = runtime.target.model.cache_layout(1)
-    check_memory(sum(size.capacity for size in sizes) * layout.bytes_per_token, len(requests), layout.device)
+    needed = sum(size.capacity for size in sizes) * layout.bytes_per_token
+    check_memory(needed, f"a batch of {len(requests)} sequences", layout.device)
     return [runtime.build_stages(config, size, [None])[0] for size in sizes]
 
 
-def check_memory(needed: int, sequences: int, device: torch.device) -> None:
-    """Refuse a batch whose caches need more than the memory available now, before any is built."""
+def check_memory(needed: int, what: str, device: torch.device) -> None:
+    """Refuse ``what`` (a batch, say) whose caches need more than the memory available now, before
+    any is built."""
     available = available_memory(device)
     if available is not None and needed > available:
         raise CascadeError(
-            f"a batch of {sequences} sequences needs {needed / 2**30:.2f} GiB of KV cache, and {available / 2**30:.2f} "
-            f"GiB of {device.type} memory is available: generate fewer sequences at once (batch_size) or shorter ones"
+            f"{what} needs {needed / 2**30:.2f} GiB of KV cache, and {available / 2**30:.2f} GiB of {device.type} "
+            "memory is available: generate fewer sequences at once (batch_size) or shorter ones"
         )
 
 

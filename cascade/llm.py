@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -14,8 +15,8 @@ from cascade.batch import BatchRequest, generate_batch
 from cascade.completion import FINISH_REASONS, Completion, IncrementalText, Stream, TextCallback
 from cascade.errors import CascadeError
 from cascade.home import prompt_cache_dir
-from cascade.lockstep import generate_together
-from cascade.pipeline import GenerationResult
+from cascade.lockstep import JoiningBatch, generate_together
+from cascade.pipeline import GenerationResult, TokenCallback
 from cascade.runtime import Runtime, build_runtime
 from cascade.stop_strings import StopStrings
 from configs import PipelineConfig, SamplingConfig, StageConfig, load_config
@@ -26,6 +27,8 @@ Messages = Sequence[Mapping[str, Any]]
 """A chat: ``{"role": ..., "content": ...}`` dicts, put into the target's chat template."""
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+logger = logging.getLogger(__name__)
 
 BatchGenerator = Callable[[Runtime, list[BatchRequest]], list[GenerationResult]]
 """``cascade.batch.generate_batch`` or ``cascade.lockstep.generate_together``."""
@@ -90,6 +93,7 @@ class LLM:
         self.config = config
         self.runtime = runtime or build_runtime(config)
         self._turn = FifoLock()
+        self._joining: JoiningBatch | None = None
 
     @property
     def tokenizer(self):
@@ -173,28 +177,42 @@ class LLM:
         self.runtime.check_request(len(prompt_ids), max_new_tokens, log_skips=False)  # logged as it runs
         return Request(prompt_ids, max_new_tokens, sampling, seed, stop_strings, ignore_eos)
 
+    def join_concurrent(self, max_sequences: int) -> None:
+        """From now on a generation asked for (``run``, from any thread) while others run joins their
+        batch (``cascade.lockstep.JoiningBatch``), at most ``max_sequences`` at once; 1: each waits for
+        the ones before it (the default). Each still gets the tokens it would alone."""
+        if not isinstance(max_sequences, int) or max_sequences < 1:
+            raise CascadeError(f"max_sequences: must be a whole number of at least 1; got {max_sequences!r}")
+        if max_sequences > 1 and not self.runtime.target.model.shares_passes:
+            logger.warning("joined generations share no passes here (no CPU kernels): they only take turns")
+        self._joining = JoiningBatch(self.runtime, self._turn, max_sequences) if max_sequences > 1 else None
+
     def run(
         self, request: Request, on_text: TextCallback | None = None, cancelled: threading.Event | None = None
     ) -> Completion:
-        """Generate ``request`` (after the generations that asked first); ``on_text`` receives each
-        text delta; setting ``cancelled`` stops the generation after its current round."""
+        """Generate ``request`` (after the generations that asked first, or in their batch after
+        ``join_concurrent``); ``on_text`` receives each text delta; setting ``cancelled`` stops the
+        generation after its current round."""
         text = IncrementalText(self.tokenizer, request.stop_strings)
 
         def on_tokens(tokens: list[int]) -> None:
             if (delta := text.add(tokens)) and on_text:
                 on_text(delta)
 
-        with self._turn:
-            result = self.runtime.generate(
-                request.prompt_ids,
-                request.max_new_tokens,
-                on_tokens,
-                stop_at_eos=not request.ignore_eos,
-                sampling=request.sampling,
-                seed=request.seed,
-                stop_strings=request.stop_strings,
-                cancelled=cancelled,
-            )
+        if self._joining is not None:
+            result = self._joining.generate(self._batch_request(request, on_tokens, cancelled))
+        else:
+            with self._turn:
+                result = self.runtime.generate(
+                    request.prompt_ids,
+                    request.max_new_tokens,
+                    on_tokens,
+                    stop_at_eos=not request.ignore_eos,
+                    sampling=request.sampling,
+                    seed=request.seed,
+                    stop_strings=request.stop_strings,
+                    cancelled=cancelled,
+                )
         if (delta := text.finish()) and on_text:
             on_text(delta)
         return completion_of(request, text, result)
@@ -221,23 +239,20 @@ class LLM:
 
     def _decode_together(self, requests: Sequence[Request], generate: BatchGenerator) -> list[Completion]:
         texts = [IncrementalText(self.tokenizer, request.stop_strings) for request in requests]
-        batch = [
-            BatchRequest(
-                request.prompt_ids,
-                self.runtime.stop_rule(
-                    request.max_new_tokens, not request.ignore_eos, stop_strings=request.stop_strings
-                ),
-                request.sampling,
-                request.seed,
-                text.add,
-            )
-            for request, text in zip(requests, texts, strict=True)
-        ]
+        batch = [self._batch_request(request, text.add) for request, text in zip(requests, texts, strict=True)]
         with self._turn:
             results = generate(self.runtime, batch)
         for text in texts:
             text.finish()
         return [completion_of(*done) for done in zip(requests, texts, results, strict=True)]
+
+    def _batch_request(
+        self, request: Request, on_tokens: TokenCallback, cancelled: threading.Event | None = None
+    ) -> BatchRequest:
+        stop = self.runtime.stop_rule(
+            request.max_new_tokens, not request.ignore_eos, stop_strings=request.stop_strings, cancelled=cancelled
+        )
+        return BatchRequest(request.prompt_ids, stop, request.sampling, request.seed, on_tokens)
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of ``prompt`` (text, or ids checked against the vocabulary)."""

@@ -1,15 +1,17 @@
 """Several generations of any preset at once, each exactly what it would be alone.
 
 Each sequence runs a pipeline of its own (its stages and caches, gamma schedules, generator and stop
-rule) in a thread of its own, and the threads take turns: in its turn a sequence runs until it
-hands over its next model pass (``SharedModel``) or finishes. Once every unfinished sequence has
-handed one over, the batch runs them: the passes of one model in one ``CausalLM.forward_batch``,
-where those its CPU kernels take share each read of its weights. Then each sequence takes its
-logits in its next turn. One thread runs at a time and a row of a shared pass computes what the
+rule) as a greenlet, and the sequences take turns in the one thread that drives the batch: in its
+turn a sequence runs until it hands over its next model pass (``SharedModel``) or finishes. Once
+every unfinished sequence has handed one over, the batch runs them: the passes of one model in one
+``CausalLM.forward_batch``, where those its CPU kernels take share each read of its weights. Then
+each sequence takes its logits in its next turn. A row of a shared pass computes what the
 sequence's own pass would, bit for bit, so every sequence proposes, accepts (a ragged number of
 tokens per round), rolls back, selects its chunks, bypasses a stage and stops as it would alone; a
 sequence that finishes leaves the batch. Its timings are the batch's: a pass takes as long as the
-shared pass it ran in, which is what its cost model should weigh.
+shared pass it ran in, which is what its cost model should weigh. (Greenlets, not threads: torch
+work from several threads would start an OpenMP team per thread, and a team whose region has ended
+spins on the cores the next one needs: a SmolLM2 step at 8K took 26 ms against 18 ms.)
 
 Autoregressive decoding has a tighter loop of its own (``cascade.batch``).
 """
@@ -17,9 +19,11 @@ Autoregressive decoding has a tighter loop of its own (``cascade.batch``).
 from __future__ import annotations
 
 import threading
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
+from greenlet import greenlet
 
 from cascade.batch import BatchRequest, check_memory
 from cascade.model import CausalLM, SequencePass
@@ -40,44 +44,42 @@ class HandedPass:
 
 
 class Sequence:
-    """One generation of the batch: its pipeline, run in its own thread, one turn at a time."""
+    """One generation of the batch: its pipeline, run as a greenlet that the thread driving the
+    batch switches to for each of its turns."""
 
     def __init__(self, request: BatchRequest, device: torch.device) -> None:
         self.request = request
+        self.device = device
         self.pipeline: Pipeline | None = None
         """Set once its stages are built (their models hand passes over to this sequence)."""
-        self.device = device
         self.handed: HandedPass | None = None
         self.result: GenerationResult | None = None
         self.error: Exception | None = None
-        self.finished = False
-        self._turn = threading.Semaphore(0)
-        self._paused = threading.Semaphore(0)
-        self._thread = threading.Thread(target=self._generate, name="cascade-sequence", daemon=True)
+        self.done = threading.Event()
+        """Set once ``result`` or ``error`` is."""
+        self._greenlet: greenlet | None = None
 
-    def start(self) -> None:
-        self._thread.start()
+    @property
+    def finished(self) -> bool:
+        return self.done.is_set()
 
     def take_turn(self) -> None:
-        """Let the sequence run until it hands over its next pass or finishes."""
-        self._turn.release()
-        self._paused.acquire()
-
-    def join(self) -> None:
-        self._thread.join()
+        """In the thread driving the batch: run the sequence until it hands over its next pass or
+        finishes (its first turn starts it)."""
+        if self._greenlet is None:
+            self._greenlet = greenlet(self._generate)
+        self._greenlet.switch()
 
     def hand_over(self, model: CausalLM, sequence: SequencePass) -> torch.Tensor:
-        """In the sequence's thread: wait for the batch to run this pass -> its logits [N, V]."""
+        """In the sequence's turn: wait for the batch to run this pass -> its logits [N, V]."""
         self.handed = HandedPass(model, sequence)
-        self._paused.release()
-        self._turn.acquire()
+        self._greenlet.parent.switch()
         handed, self.handed = self.handed, None
         if handed.error is not None:
             raise handed.error
         return handed.logits
 
     def _generate(self) -> None:
-        self._turn.acquire()
         request = self.request
         try:
             generator = torch.Generator(device=self.device).manual_seed(request.seed)
@@ -86,8 +88,7 @@ class Sequence:
         except Exception as exc:  # this sequence's failure; the others go on
             self.error = exc
         finally:
-            self.finished = True
-            self._paused.release()
+            self.done.set()
 
 
 class SharedModel:
@@ -112,24 +113,68 @@ def generate_together(runtime: Runtime, requests: list[BatchRequest]) -> list[Ge
     error after the others have finished."""
     asked = [runtime.cache_request(len(request.prompt_ids), request.stop.max_new_tokens) for request in requests]
     device = runtime.target.model.device
-    check_memory(sum(kv_bytes_bound(runtime, *request) for request in asked), len(requests), device)
+    needed = sum(kv_bytes_bound(runtime, *request) for request in asked)
+    check_memory(needed, f"a batch of {len(requests)} sequences", device)
     sequences = [
         sequence_for(runtime, request, *cache_request) for request, cache_request in zip(requests, asked, strict=True)
     ]
-    for sequence in sequences:
-        sequence.start()
     running = sequences
     while running:
-        for sequence in running:
-            sequence.take_turn()
-        running = [sequence for sequence in running if not sequence.finished]
-        run_passes([sequence.handed for sequence in running])
-    for sequence in sequences:
-        sequence.join()
+        running = tick(running)
     failed = next((sequence.error for sequence in sequences if sequence.error is not None), None)
     if failed is not None:
         raise failed
     return [sequence.result for sequence in sequences]
+
+
+def tick(running: list[Sequence]) -> list[Sequence]:
+    """Every running sequence's turn, then the passes they handed over -> those still running."""
+    for sequence in running:
+        sequence.take_turn()
+    running = [sequence for sequence in running if not sequence.finished]
+    run_passes([sequence.handed for sequence in running])
+    return running
+
+
+class JoiningBatch:
+    """Generations asked for from several threads (a server's concurrent requests) join the batch
+    that is running: a sequence starts at the next tick, at most ``max_sequences`` run at once (the
+    later ones wait their turn in arrival order), and each leaves when it stops. The ticks run in a
+    thread of their own, each while holding ``turn`` (the LLM's lock on its models)."""
+
+    def __init__(self, runtime: Runtime, turn: AbstractContextManager, max_sequences: int) -> None:
+        self.runtime = runtime
+        self.turn = turn
+        self.max_sequences = max_sequences
+        self._arrived: list[Sequence] = []
+        self._condition = threading.Condition()
+        threading.Thread(target=self._drive, name="cascade-batch", daemon=True).start()
+
+    def generate(self, request: BatchRequest) -> GenerationResult:
+        """Generate ``request`` in the running batch (checked first: a request whose caches would not
+        fit in the memory available now is refused) -> its result, once it has stopped."""
+        config, asked = self.runtime.cache_request(len(request.prompt_ids), request.stop.max_new_tokens)
+        needed = kv_bytes_bound(self.runtime, config, asked)
+        check_memory(needed, "a generation joining the running batch", self.runtime.target.model.device)
+        sequence = sequence_for(self.runtime, request, config, asked)
+        with self._condition:
+            self._arrived.append(sequence)
+            self._condition.notify()
+        sequence.done.wait()
+        if sequence.error is not None:
+            raise sequence.error
+        return sequence.result
+
+    def _drive(self) -> None:
+        running: list[Sequence] = []
+        while True:
+            with self._condition:
+                if not running:
+                    self._condition.wait_for(lambda: self._arrived)
+                room = self.max_sequences - len(running)
+                joining, self._arrived = self._arrived[:room], self._arrived[room:]
+            with self.turn:
+                running = tick(running + joining)
 
 
 def kv_bytes_bound(runtime: Runtime, config: PipelineConfig, asked: CacheRequest) -> int:

@@ -3,6 +3,7 @@ gets what it gets alone, bit for bit, while the passes its rows run at the same 
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
@@ -135,3 +136,36 @@ def test_a_speculating_llm_generates_a_list_together_with_each_prompts_own_token
     together = llm.generate(prompts, max_new_tokens=12, batch_size=2)
     assert [c.token_ids for c in together] == [llm.generate(p, max_new_tokens=12).token_ids for p in prompts]
     assert all(len(c.stats["stages"]) == 2 for c in together) and max(shared_calls) > 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_requests_from_several_threads_join_the_running_batch_and_get_their_own_tokens(tiny_dir, dtype, shared_calls):
+    """Four requests at once, at most three in the batch: the fourth joins when one leaves."""
+    llm = LLM("self-spec", target=tiny_dir, dtype=dtype, reuse_prompts=False, **{"stages.0.cache.budget": 64})
+    prompts = [*PROMPTS, PROMPTS[0][:150]]
+    requests = [llm.prepare(prompt, max_new_tokens=new) for prompt, new in zip(prompts, (*NEW_TOKENS, 5), strict=True)]
+    alone = [llm.run(request).token_ids for request in requests]
+    llm.join_concurrent(3)
+    with ThreadPoolExecutor(len(requests)) as pool:
+        together = list(pool.map(llm.run, requests))
+    assert [completion.token_ids for completion in together] == alone
+    assert dtype == "float32" or max(shared_calls) == 3
+
+
+def test_a_joining_request_that_cannot_fit_in_memory_is_refused_and_the_next_one_runs(tiny_dir, monkeypatch):
+    llm = LLM("self-spec", target=tiny_dir, reuse_prompts=False, **{"stages.0.cache.budget": 64})
+    request = llm.prepare(PROMPTS[1], max_new_tokens=4)
+    alone = llm.run(request).token_ids
+    llm.join_concurrent(2)
+    monkeypatch.setattr(batch, "available_memory", lambda device: 1000)
+    with pytest.raises(CascadeError, match=r"a generation joining the running batch needs .* GiB of KV cache, and 0"):
+        llm.run(request)
+    monkeypatch.undo()
+    assert llm.run(request).token_ids == alone
+
+
+@pytest.mark.parametrize("size", [0, -1, 2.5])
+def test_joining_needs_a_whole_number_of_sequences(tiny_dir, size):
+    llm = LLM("autoregressive", target=tiny_dir, reuse_prompts=False)
+    with pytest.raises(CascadeError, match=f"max_sequences: must be a whole number of at least 1; got {size}"):
+        llm.join_concurrent(size)

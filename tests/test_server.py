@@ -33,8 +33,8 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def start_server(target: Path, draft: Path, port: int, log: Path) -> subprocess.Popen:
-    command = [sys.executable, "-m", "cascade.serve", "--preset", "speculative", "--target", str(target)]
+def start_server(target: Path, draft: Path, port: int, log: Path, *flags: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "cascade.serve", "--preset", "speculative", "--target", str(target), *flags]
     command += ["--draft", str(draft), "--dtype", "float32", "--port", str(port), "--model-name", "tiny"]
     command += [
         "--api-key",
@@ -209,6 +209,34 @@ def test_eight_concurrent_clients_all_get_their_own_answers(client, llm):
 
     with ThreadPoolExecutor(8) as pool:
         assert list(pool.map(ask, prompts)) == expected
+
+
+def test_a_batching_server_decodes_concurrent_clients_together_each_with_its_own_answer(
+    tiny_dir, tiny_draft_dir, tmp_path, llm
+):
+    """``--batch-size 3``: requests that arrive while others run join their batch; one that leaves
+    mid-stream leaves it, and the others and later ones still get what the Python API gives."""
+    port, log = free_port(), tmp_path / "server.log"
+    process = start_server(tiny_dir, tiny_draft_dir, port, log, "--batch-size", "3")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=120)
+    prompts = [f"{PROMPT} number {index}" for index in range(5)]
+    expected = [completion.text for completion in llm.generate(prompts, max_new_tokens=8)]
+    headers = {"Authorization": f"Bearer {KEY}"}
+    long = {"model": "tiny", "prompt": PROMPT, "max_tokens": 440, "stream": True}
+
+    def ask(prompt: str) -> str:
+        return client.completions.create(model="tiny", prompt=prompt, max_tokens=8).choices[0].text
+
+    try:
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=long, headers=headers) as response:
+            assert next(response.iter_lines()).startswith("data: {")
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                assert list(pool.map(ask, prompts)) == expected  # beside the long stream
+        assert ask(prompts[0]) == expected[0]  # after the long stream's client left
+        stopped = re.findall(r"a generation stopped after (\d+) tokens \(its client went away\)", log.read_text())
+        assert len(stopped) == 1 and int(stopped[0]) < 440, log.read_text()
+    finally:
+        stop(process, signal.SIGTERM)
 
 
 @pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGTERM])

@@ -1,7 +1,8 @@
 """``python -m cascade.serve``: serve a preset over an OpenAI-compatible HTTP API.
 
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` (with ``stream: true`` as server-sent
-events), ``GET /v1/models`` and ``GET /health``. Requests run one at a time in arrival order."""
+events), ``GET /v1/models`` and ``GET /health``. Requests run in arrival order, one at a time or, with
+``--batch-size N``, up to N at once as one batch that each new request joins."""
 
 from __future__ import annotations
 
@@ -36,6 +37,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=os.environ.get("CASCADE_API_KEY"),
         help="require 'Authorization: Bearer KEY' on /v1 (default: $CASCADE_API_KEY; none: open)",
     )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=1,
+        help="requests decoded together at most: a request that arrives while others run joins their batch "
+        "(default 1: one at a time)",
+    )
     parser.add_argument("--model-name", help="the model id clients send (default: the target's directory name)")
     parser.add_argument(
         "--no-prompt-cache",
@@ -55,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     preset, config = load_config(args.preset, args.config, args.set, flags)
     if not 0 < args.port < 65536:
         raise CascadeError(f"--port must be from 1 to 65535; got {args.port}")
+    if args.batch_size < 1:
+        raise CascadeError(f"--batch-size must be at least 1; got {args.batch_size}")
     try:
         from cascade.serve.server import serve
     except ModuleNotFoundError as missing:

@@ -59,15 +59,17 @@ def describe_validation(error: RequestValidationError) -> str:
 
 
 class Server:
-    """What the routes share: the LLM, the one worker that runs it, the running generations."""
+    """What the routes share: the LLM, the workers that run it, the running generations."""
 
-    def __init__(self, llm: LLM, model_name: str, api_key: str | None) -> None:
+    def __init__(self, llm: LLM, model_name: str, api_key: str | None, batch_size: int = 1) -> None:
         self.llm = llm
         self.model_name = model_name
         self.api_key = api_key
         self.created = int(time.time())
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cascade-generation")
-        """One generation at a time; its queue is first in, first out."""
+        self.worker = ThreadPoolExecutor(max_workers=batch_size, thread_name_prefix="cascade-generation")
+        """``batch_size`` generations at a time, which decode as one batch (``LLM.join_concurrent``);
+        its queue is first in, first out."""
+        llm.join_concurrent(batch_size)
         self.running: set[threading.Event] = set()
         """The cancel events of queued and running generations (set at shutdown)."""
 
@@ -141,8 +143,8 @@ def sse(data: dict[str, Any] | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
-def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
-    server = Server(llm, model_name, api_key)
+def create_app(llm: LLM, model_name: str, api_key: str | None = None, batch_size: int = 1) -> FastAPI:
+    server = Server(llm, model_name, api_key, batch_size)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

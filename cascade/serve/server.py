@@ -26,6 +26,6 @@ class GracefulServer(uvicorn.Server):
 
 
 def serve(llm: LLM, args: argparse.Namespace, model_name: str) -> None:
-    app = create_app(llm, model_name, args.api_key)
+    app = create_app(llm, model_name, args.api_key, args.batch_size)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning" if args.quiet else "info")
     GracefulServer(config, app.state.server.cancel_all).run()
