@@ -57,6 +57,8 @@ class Sequence:
         self.error: Exception | None = None
         self.done = threading.Event()
         """Set once ``result`` or ``error`` is."""
+        self.prefilled = False
+        """Its prompt is in its caches and its first token emitted; its decoding has not begun."""
         self._greenlet: greenlet | None = None
 
     @property
@@ -64,8 +66,8 @@ class Sequence:
         return self.done.is_set()
 
     def take_turn(self) -> None:
-        """In the thread driving the batch: run the sequence until it hands over its next pass or
-        finishes (its first turn starts it)."""
+        """In the thread driving the batch: run the sequence until it hands over its next pass, has
+        prefilled (then it hands over none) or finishes (its first turn starts it)."""
         if self._greenlet is None:
             self._greenlet = greenlet(self._generate)
         self._greenlet.switch()
@@ -84,11 +86,20 @@ class Sequence:
         try:
             generator = torch.Generator(device=self.device).manual_seed(request.seed)
             prompt_ids = torch.tensor(request.prompt_ids, device=self.device)
-            self.result = self.pipeline.generate(prompt_ids, request.stop, generator, request.on_tokens)
+            self.result = self.pipeline.generate(prompt_ids, request.stop, generator, self._emitted)
         except Exception as exc:  # this sequence's failure; the others go on
             self.error = exc
         finally:
             self.done.set()
+
+    def _emitted(self, tokens: list[int]) -> None:
+        """The pipeline emitted ``tokens``; after the first, the sequence pauses until its next turn,
+        so that its decoding (and its decode time) begins after the other sequences' prefill."""
+        if self.request.on_tokens is not None:
+            self.request.on_tokens(tokens)
+        if not self.prefilled:
+            self.prefilled = True
+            self._greenlet.parent.switch()
 
 
 class SharedModel:
@@ -108,9 +119,11 @@ class SharedModel:
 
 
 def generate_together(runtime: Runtime, requests: list[BatchRequest]) -> list[GenerationResult]:
-    """``requests`` generated together on ``runtime``'s preset -> each one's result, in order.
-    Refused up front if their caches would not fit in memory; a sequence that fails raises its
-    error after the others have finished."""
+    """``requests`` generated together on ``runtime``'s preset -> each one's result, in order: every
+    sequence prefills (its prefill chunks, too wide to share, run one by one), then they decode
+    together, so no decode pass waits behind another's prefill and each one's decode time is the
+    batch's decoding. Refused up front if their caches would not fit in memory; a sequence that
+    fails raises its error after the others have finished."""
     asked = [runtime.cache_request(len(request.prompt_ids), request.stop.max_new_tokens) for request in requests]
     device = runtime.target.model.device
     needed = sum(kv_bytes_bound(runtime, *request) for request in asked)
@@ -118,7 +131,9 @@ def generate_together(runtime: Runtime, requests: list[BatchRequest]) -> list[Ge
     sequences = [
         sequence_for(runtime, request, *cache_request) for request, cache_request in zip(requests, asked, strict=True)
     ]
-    running = sequences
+    while prefilling := [sequence for sequence in sequences if not (sequence.prefilled or sequence.finished)]:
+        tick(prefilling)
+    running = [sequence for sequence in sequences if not sequence.finished]
     while running:
         running = tick(running)
     failed = next((sequence.error for sequence in sequences if sequence.error is not None), None)
@@ -132,7 +147,7 @@ def tick(running: list[Sequence]) -> list[Sequence]:
     for sequence in running:
         sequence.take_turn()
     running = [sequence for sequence in running if not sequence.finished]
-    run_passes([sequence.handed for sequence in running])
+    run_passes([sequence.handed for sequence in running if sequence.handed is not None])
     return running
 
 

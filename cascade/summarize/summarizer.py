@@ -74,7 +74,7 @@ class Summarizer:
         self.template = template
         self.max_new_tokens = max_new_tokens
         self.batch_size = batch_size
-        """Generations decoded together where the preset decodes autoregressively (``LLM.run_batch``)."""
+        """Generations decoded together (``LLM.run_batch``: every preset, where the CPU kernels share passes)."""
         self.long_documents = llm.config.long_documents
         self.prompts = PromptBuilder(llm.tokenizer)
 
