@@ -248,7 +248,6 @@ def test_fewer_than_one_ray_worker_is_refused(tmp_path, capsys, workers, message
     "flags, message",
     [
         (["--batch-size", "0"], "argument --batch-size: must be at least 1, not 0"),
-        (["--batch-size", "4", "--backend", "ray"], "--batch-size: the ray backend summarizes one document per"),
     ],
 )
 def test_a_batch_size_the_job_cannot_run_is_refused(tmp_path, capsys, flags, message):
@@ -335,7 +334,9 @@ def crashing_once_summarizer(job: Job):
 
 
 @pytest.mark.slow
-def test_ray_backend_on_two_workers_retries_a_killed_workers_document(tiny_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_ray_backend_on_two_workers_retries_a_killed_workers_document(tiny_dir, tmp_path, monkeypatch, batch_size):
+    """One document per call, or three (a group is retried whole: the killed worker's others too)."""
     ray = pytest.importorskip("ray")
     from cascade.summarize.distributed import run_ray
 
@@ -351,7 +352,7 @@ def test_ray_backend_on_two_workers_retries_a_killed_workers_document(tiny_dir, 
     _, config = load_config(
         "autoregressive", settings={"target.path": str(tiny_dir), "max_context": 512, "max_new_tokens": 8}
     )
-    job = Job((folder,), tmp_path / "out.jsonl", config, DEFAULT_TEMPLATE, quiet=True)
+    job = Job((folder,), tmp_path / "out.jsonl", config, DEFAULT_TEMPLATE, quiet=True, batch_size=batch_size)
     outcome = run_ray(job, workers=2, make_summarizer=crashing_once_summarizer)
 
     assert (tmp_path / "crashed").exists()  # a worker really died

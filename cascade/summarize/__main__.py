@@ -38,16 +38,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--batch-size",
         type=positive_int,
         default=1,
-        help="local: documents summarized together, their generations decoded as one batch where the preset "
-        "decodes autoregressively (default: 1)",
+        help="documents summarized together (ray: per worker call), their generations decoded as one batch "
+        "(default: 1)",
     )
     parser.add_argument("--backend", choices=["local", "ray"], default="local")
     parser.add_argument("--workers", type=positive_int, default=2, help="ray: summarizing workers")
     parser.add_argument("--ray-address", help="ray: an existing cluster (default: start one on this machine)")
     parser.add_argument("--quiet", action="store_true", help="log lines instead of a progress bar")
     args = parser.parse_args(argv)
-    if args.backend == "ray" and args.batch_size > 1:
-        parser.error("--batch-size: the ray backend summarizes one document per worker call; use --backend local")
     return args
 
 

@@ -1,10 +1,11 @@
 """The Ray backend: documents spread over worker actors, with the local backend's guarantees.
 
-Each worker loads the models once. Before it returns a document's record it writes it to its own
+Each worker loads the models once and summarizes ``batch_size`` documents per call (decoded as one
+batch, as the local backend does). Before it returns a document's record it writes it to its own
 shard file (``<output>.shards/<id hash>.json``, temporary name then rename). The driver appends each
 returned record to the output and only then deletes the shard file, so a driver killed in between
 finds the record on its next run and merges it first. A worker that dies is restarted by Ray and
-its document retried; a document whose retries all fail gets an error line.
+its documents retried; a document whose retries all fail gets an error line.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 from cascade import atomic
 from cascade.errors import CascadeError
 from cascade.summarize.documents import Document
-from cascade.summarize.job import Job, Outcome, Progress, error_record, pending_documents, record_for
+from cascade.summarize.job import Job, Outcome, Progress, error_record, pending_documents, records_for
 from cascade.summarize.local import summarizer_for
 from cascade.summarize.results import ResultLog
 from cascade.summarize.summarizer import Summarizer
@@ -27,16 +28,17 @@ TASK_RETRIES = 3
 
 
 class SummaryWorker:
-    """A Ray actor: one runtime, one document per call."""
+    """A Ray actor: one runtime, a group of documents per call."""
 
     def __init__(self, job: Job, shard_dir: str, make_summarizer: Callable[[Job], Summarizer]) -> None:
         self.job = job
         self.shard_dir = Path(shard_dir)
         self.summarizer = functools.cache(lambda: make_summarizer(job))
 
-    def summarize(self, document: Document) -> tuple[dict, str]:
-        record = record_for(document, self.summarizer, self.job.config_hash)
-        return record, str(write_shard(self.shard_dir, record))
+    def summarize(self, documents: list[Document]) -> list[tuple[dict, str]]:
+        """Each document's record (made together) and the shard file it was written to."""
+        records = records_for(documents, self.summarizer, self.job.config_hash)
+        return [(record, str(write_shard(self.shard_dir, record))) for record in records]
 
 
 def write_shard(shard_dir: Path, record: dict) -> Path:
@@ -97,29 +99,26 @@ def drive(ray, job: Job, log: ResultLog, workers: int, make_summarizer: Callable
 
     def submit(actor) -> None:
         if queue:
-            document = queue.pop()
-            in_flight[actor.summarize.remote(document)] = (actor, document)
+            documents = [queue.pop() for _ in range(min(job.batch_size, len(queue)))]
+            in_flight[actor.summarize.remote(documents)] = (actor, documents)
 
     for actor in actors:
         submit(actor)
     try:
         while in_flight:
             [ready], _ = ray.wait(list(in_flight), num_returns=1)
-            actor, document = in_flight.pop(ready)
+            actor, documents = in_flight.pop(ready)
             try:
-                record, shard = ray.get(ready)
+                done = ray.get(ready)
             except ray.exceptions.RayError as exc:
-                record, shard = (
-                    error_record(
-                        document.id, f"worker failed {TASK_RETRIES + 1} times: {type(exc).__name__}", job.config_hash
-                    ),
-                    None,
-                )
-            log.append(record)
-            if shard is not None:
-                Path(shard).unlink(missing_ok=True)
-            outcome.count(record)
-            progress(record)
+                error = f"worker failed {TASK_RETRIES + 1} times: {type(exc).__name__}"
+                done = [(error_record(document.id, error, job.config_hash), None) for document in documents]
+            for record, shard in done:
+                log.append(record)
+                if shard is not None:
+                    Path(shard).unlink(missing_ok=True)
+                outcome.count(record)
+                progress(record)
             submit(actor)
     finally:
         progress.close()

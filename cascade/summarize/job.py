@@ -78,12 +78,6 @@ def error_record(document_id: str, error: str, config_hash: str) -> dict:
     return {"id": document_id, "error": error, "stats": {"config_hash": config_hash}}
 
 
-def record_for(document: Document, summarizer: Callable[[], Summarizer], config_hash: str) -> dict:
-    """The output line of ``document``: its summary, or why it has none."""
-    [record] = records_for([document], summarizer, config_hash)
-    return record
-
-
 def records_for(documents: list[Document], summarizer: Callable[[], Summarizer], config_hash: str) -> list[dict]:
     """The output lines of ``documents``, in order, their summaries made together (``wall_s``: the
     time of the whole group): each its summary, or why it has none. ``summarizer()`` is called only
