@@ -24,7 +24,9 @@
   rounds, and after twice as many each time a probe finds it still does not pay (or more, so that
   what the probe cost beyond its round stays ``PROBE_SHARE`` of the time bypassed): a probe costs
   more than its round (a full-cache draft catches up on what it skipped), and SmolLM2's `self-spec`
-  at 8K ran at 0.90x autoregressive with a probe every 16 tokens.
+  at 8K ran at 0.90x autoregressive with a probe every 16 tokens. While a stage speculates for a small
+  gain, the verifier takes a plain step now and then (``REFRESH_EVERY``) to re-time the cost that
+  gain is measured against.
 """
 
 from __future__ import annotations
@@ -44,6 +46,15 @@ skipped tokens: 156-305 ms against 113 ms steps) comes again after at least 40 b
 PLAIN_STEPS_FIRST = 3
 """Plain steps of the verifier timed before the stage first proposes: their median is the cost every
 speed-up is measured against, so one slow first pass cannot make speculation look like a 50x win."""
+REFRESH_EVERY = 16
+"""Verified rounds after which a stage that speculates for a gain below ``REFRESH_BELOW`` lets the
+verifier take one plain step whose time replaces the earlier plain steps' (``StageStats.retime_plain_step``),
+the interval doubling each time. The steps timed before the first round may be a process's slow first
+ones: SmolLM2's `self-spec` at 64K on the 2-core EPYC timed them at 100 ms against 85 ms a step later,
+predicted 1.21x for gamma 1 and ran at 0.99x of the same process's autoregressive decode."""
+REFRESH_BELOW = 1.5
+"""The predicted speed-up below which an error of a sixth in a plain step's cost can turn a gain into a
+loss, so the step is re-timed; above it a re-timing costs more than it could save."""
 WARMUP_ROUNDS = 4
 """Verified rounds (at ``warmup_gammas``) before the cost model trusts its measurements."""
 HOPE = 0.9
@@ -93,17 +104,25 @@ class CostModelSchedule(Schedule):
         self.probe_after = PROBE_EVERY
         """Bypassed rounds before the next probe."""
         self.probing = False
+        self.unrefreshed = 0
+        """Verified rounds since the verifier last took a plain step."""
+        self.refresh_after = REFRESH_EVERY
 
     def next_gamma(self, stats: StageStats, room: int) -> int:
         if stats.plain_steps < PLAIN_STEPS_FIRST:
             return 0  # time plain steps of the verifier first
         if self.current == 0:
-            self.bypassed += 1
+            self.bypassed, self.unrefreshed = self.bypassed + 1, 0
             if self.bypassed > self.probe_after:
                 self.current, self.bypassed, self.probing = 1, 0, True
+        elif self.unrefreshed >= self.refresh_after and stats.expected_speedup(self.current) < REFRESH_BELOW:
+            self.unrefreshed, self.refresh_after = 0, 2 * self.refresh_after
+            stats.retime_plain_step()
+            return 0
         return super().next_gamma(stats, room)
 
     def observe(self, stats: StageStats, proposed: int, accepted: int) -> None:
+        self.unrefreshed += 1
         rounds = stats.timed_rounds
         if rounds >= WARMUP_ROUNDS:
             self.current = best_gamma(stats, self.gamma)

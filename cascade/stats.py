@@ -62,6 +62,8 @@ class StageStats:
     plain_samples: list[float] = field(default_factory=list)
     """The latest of their times (at most ``PLAIN_SAMPLES_KEPT``), whose median is a plain step's cost:
     one slow pass (a first touch, a noisy neighbour) does not set it."""
+    plain_samples_stale: bool = False
+    """The next plain step's time replaces ``plain_samples`` (``retime_plain_step``)."""
     schedule: str = ""
     """The gamma schedule of this stage's proposals ('' for the last stage, which proposes nothing)."""
     gamma_choices: dict[int, int] = field(default_factory=dict)
@@ -76,7 +78,13 @@ class StageStats:
     def record_plain_step(self, seconds: float) -> None:
         self.plain_steps += 1
         self.plain_s += seconds
-        self.plain_samples = latest_samples(self.plain_samples, seconds)
+        self.plain_samples = [seconds] if self.plain_samples_stale else latest_samples(self.plain_samples, seconds)
+        self.plain_samples_stale = False
+
+    def retime_plain_step(self) -> None:
+        """The plain steps timed so far are from another phase of the generation (a process's slow
+        first steps, a shorter context): the next one's time replaces theirs."""
+        self.plain_samples_stale = True
 
     def record_proposals(self, proposed: int, seconds: float) -> None:
         """A timed round drew ``proposed`` tokens in ``seconds``."""

@@ -16,6 +16,8 @@ from cascade.schedule import (
     MIN_GAIN,
     PLAIN_STEPS_FIRST,
     PROBE_EVERY,
+    REFRESH_BELOW,
+    REFRESH_EVERY,
     WARMUP_ROUNDS,
     CostModelSchedule,
     HeuristicSchedule,
@@ -141,6 +143,38 @@ def test_a_slow_first_plain_step_does_not_set_the_cost_speculation_is_measured_a
         stats.record_plain_step(0.05)  # the context grew: the latest samples tell
     assert stats.step_s == 0.05 and len(stats.plain_samples) == PLAIN_SAMPLES_KEPT
     assert stats.plain_steps == PLAIN_STEPS_FIRST + 1 + PLAIN_SAMPLES_KEPT
+
+
+def test_a_stage_speculating_for_a_small_gain_re_times_a_plain_step_now_and_then():
+    """SmolLM2's `self-spec` at 64K: three first plain steps of 100 ms, 85 ms later; gamma 1 predicted
+    1.21x on them. A plain step after 16 verified rounds (then 32, 64) replaces their time, and the
+    stage, no longer paying, is bypassed."""
+    schedule = CostModelSchedule(4)
+    stats = measured([(1, 1), (1, 0)] * (WARMUP_ROUNDS // 2), propose_s=0.015, verify_s=0.113, step_s=0.100)
+    schedule.observe(stats, 1, 0)
+    assert schedule.current == 1 and REFRESH_BELOW > stats.expected_speedup(1) > MIN_GAIN
+    gammas = []
+    for _ in range(REFRESH_EVERY):
+        gammas.append(schedule.next_gamma(stats, room=100))
+        schedule.observe(stats, 1, 1)
+    assert gammas == [1] * (REFRESH_EVERY - 1) + [0] and schedule.refresh_after == 2 * REFRESH_EVERY
+    assert stats.plain_samples_stale and stats.step_s == 0.100  # until the plain step is timed
+    stats.record_plain_step(0.085)
+    assert stats.step_s == 0.085 and not stats.plain_samples_stale
+    schedule.observe(stats, 1, 0)
+    assert schedule.current == 0  # (1 + a) 85 ms / (15 + 113 ms) < MIN_GAIN at a = 0.5
+
+
+def test_a_stage_speculating_for_a_large_gain_is_not_interrupted():
+    schedule = CostModelSchedule(4)
+    stats = measured([(4, 4)] * WARMUP_ROUNDS, propose_s=0.005, verify_s=0.11, step_s=0.1)
+    schedule.observe(stats, 4, 4)
+    assert stats.expected_speedup(schedule.current) >= REFRESH_BELOW
+    gammas = []
+    for _ in range(4 * REFRESH_EVERY):
+        gammas.append(schedule.next_gamma(stats, room=100))
+        schedule.observe(stats, 4, 4)
+    assert 0 not in gammas
 
 
 def test_cost_model_stops_warming_up_on_a_stage_whose_costs_alone_rule_it_out():
