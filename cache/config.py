@@ -23,6 +23,12 @@ class CachePolicyConfig(BaseModel):
         can refine further (``refresh.every=16`` over a default ``refresh: never``)."""
         return {"kind": self.kind, **self.model_dump(exclude_defaults=True)}
 
+    def rotary_positions(self, sequence_tokens: int) -> int:
+        """How many rotary positions a model under this policy reads for a sequence of
+        ``sequence_tokens`` tokens (at least: a round's pending tokens may add a few): the sequence's
+        own positions, unless a policy places its tokens at their slots."""
+        return sequence_tokens
+
     def check_prompt(self, prompt_tokens: int) -> None:
         """Raise ValueError (with what is allowed) if this policy cannot serve such a prompt.
 

@@ -2,11 +2,12 @@
 
 Positions live inside the cache: slot i is rotary position i, so a model trained on short
 contexts sees short positions at any sequence length. Eviction happens on ``commit``, never on
-``allocate``, so rejected speculative tokens can still be rolled back; when the oldest window
-tokens are dropped, the kept ones move down and their keys are re-rotated to their new slots.
-The re-rotation starts from a float32 copy of the window's keys, not from the rounded keys
-attention reads: a key re-rotated at every commit of a long generation (about window / tokens
-per round times) is then rounded to the cache's dtype once per move, not once more at each.
+``allocate``, so rejected speculative tokens can still be rolled back, and only once
+``evict_every`` tokens past the window have accumulated (each eviction passes over the whole
+window); when the oldest window tokens are dropped, the kept ones move down and their keys are
+re-rotated to their new slots. The re-rotation starts from a float32 copy of the window's keys,
+not from the rounded keys attention reads: a key moved at many evictions of a long generation is
+then rounded to the cache's dtype once per move, not once more at each.
 """
 
 from __future__ import annotations
@@ -37,10 +38,35 @@ class StreamingCacheConfig(CachePolicyConfig):
     ``prefill_tail``-token one. The kept tokens' K/V are then computed from that tail alone (with
     several times ``window`` the difference fades through the layers' windows), which can change
     what a draft proposes, never what the pipeline outputs. None feeds every token."""
+    evict_every: int | None = Field(None, ge=1)
+    """Tokens past the window that a commit lets accumulate before it evicts them all: between
+    evictions the window holds up to ``evict_every - 1`` more tokens. Each eviction moves and
+    re-rotates every kept key (30-50 ms for a window of 2,044 SmolLM2 tokens on two cores), so
+    evicting at every round's commit would cost a pass over the window per round. None: a
+    sixteenth of the window."""
 
     @classmethod
     def at_budget(cls, budget: int) -> StreamingCacheConfig:
-        return cls(sinks=4, window=budget - 4)
+        return cls(sinks=4, window=budget - 4, evict_every=1)  # never more than the budget
+
+    @property
+    def most_held(self) -> int:
+        """Tokens held after a commit: the sinks, the window and what waits for the next eviction."""
+        return self.sinks + self.window + self.eviction_batch - 1
+
+    @property
+    def eviction_batch(self) -> int:
+        return self.evict_every or max(1, self.window // 16)
+
+    def rotary_positions(self, sequence_tokens: int) -> int:
+        return min(sequence_tokens, self.most_held)  # slot i is position i
+
+    def widest_window(self, positions: int) -> int:
+        """The widest window with which this policy reads at most ``positions`` positions."""
+        window = positions - self.sinks
+        while window > 1 and self.model_copy(update={"window": window}).most_held > positions:
+            window -= 1
+        return window
 
     @model_validator(mode="after")
     def _sinks_below_window(self) -> StreamingCacheConfig:
@@ -52,9 +78,9 @@ class StreamingCacheConfig(CachePolicyConfig):
 @register_policy(StreamingCacheConfig)
 class StreamingCache(SlotCache):
     def __init__(self, layout: CacheLayout, config: StreamingCacheConfig, source: CachePolicy | None = None) -> None:
-        kept = config.sinks + config.window
-        super().__init__(layout, min(layout.capacity, kept + pending_room(layout)))
+        super().__init__(layout, min(layout.capacity, config.most_held + pending_room(layout)))
         self.sinks, self.window, self.prefill_tail = config.sinks, config.window, config.prefill_tail
+        self.eviction_batch = config.eviction_batch
         self._exact_keys: torch.Tensor | None = None
         """[L, B, H_kv, buffer, D] float32: the window's keys as re-rotated, before rounding
         (allocated at the first eviction)."""
@@ -72,7 +98,7 @@ class StreamingCache(SlotCache):
     def commit(self, length: int) -> None:
         super().commit(length)
         excess = (self.committed - self.dropped) - (self.sinks + self.window)
-        if excess > 0:
+        if excess >= self.eviction_batch:
             self._evict(excess)
 
     def unfed_prompt(self, length: int) -> range:

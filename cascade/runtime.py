@@ -132,6 +132,8 @@ class Runtime:
                     )
                 continue
             kept.append(stage)
+            if log_skips:
+                self._check_draft_positions(index, stage, prompt_tokens + max_new_tokens)
         limit, total = self.context_limit(), prompt_tokens + max_new_tokens
         if total > limit:
             raise CascadeError(
@@ -140,6 +142,31 @@ class Runtime:
                 f"{self._room_for(total)}"
             )
         return self.config.model_copy(update={"stages": kept})
+
+    def _check_draft_positions(self, index: int, stage: StageConfig, total: int) -> None:
+        """Warn when draft stage ``index`` would read positions past the draft's own context for a
+        sequence of ``total`` tokens (at least: a draft across tokenizers may spell it in more): there
+        its proposals are seldom accepted and the cost model bypasses it. The output is the target's
+        either way."""
+        if stage.model != "draft" or self.draft is None:
+            return
+        limit, positions = self.draft.model.spec.max_context, stage.cache.rotary_positions(total)
+        if positions <= limit:
+            return
+        scaling = self.config.draft.rope_scaling
+        factor = (scaling.factor if scaling else 1) * stretch_factor(positions, limit)
+        streaming = stage.cache.kind == "streaming"
+        within = (
+            f"a window within it (--set stages.{index}.cache.window={stage.cache.widest_window(limit)})"
+            if streaming
+            else f"positions within its cache (--set stages.{index}.cache.kind=streaming)"
+        )
+        logger.warning(
+            f"cascade: stage {index} (draft/{stage.cache.kind}) reads at least {positions} positions, past "
+            f"the draft's {limit}-token context, where it seldom agrees with the target (the output is the "
+            f"target's either way); give it {within}, or stretch the draft "
+            f"(--set draft.rope_scaling.kind=yarn --set draft.rope_scaling.factor={factor:g})"
+        )
 
     def _room_for(self, total: int) -> str:
         """How to make the context limit hold ``total`` tokens: the setting that binds, raised."""

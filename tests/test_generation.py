@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -11,8 +14,8 @@ from cascade.runtime import build_runtime
 from configs import load_config
 
 
-def runtime_for(path, **settings):
-    _, config = load_config(settings={"target.path": str(path), "dtype": "float32", **settings})
+def runtime_for(path, preset: str | None = None, **settings):
+    _, config = load_config(preset, settings={"target.path": str(path), "dtype": "float32", **settings})
     return build_runtime(config)
 
 
@@ -70,3 +73,31 @@ def test_sampling_is_seeded(tiny_dir):
     other = generate(runtime, [10, 11, 12], 20, eos=[], seed=8).token_ids
     assert first == again
     assert first != other
+
+
+@pytest.mark.parametrize(
+    "draft_cache,fix",
+    [
+        ({"kind": "full"}, "positions within its cache (--set stages.0.cache.kind=streaming)"),
+        ({"kind": "streaming", "window": 200}, "a window within it (--set stages.0.cache.window=118)"),
+        ({"kind": "streaming", "window": 96}, None),  # 4 sinks + 96 + 5 awaiting eviction: within the draft's
+    ],
+)
+def test_a_draft_reading_past_its_own_context_is_named_with_the_fixes(tiny_dir, tmp_path, caplog, draft_cache, fix):
+    draft = shutil.copytree(tiny_dir, tmp_path / "draft")
+    config = json.loads((draft / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 128}))
+    runtime = runtime_for(tiny_dir, "speculative", **{"draft.path": str(draft), "stages.0.cache": draft_cache})
+    caplog.set_level("WARNING", logger="cascade.runtime")
+    warnings = lambda: [record.getMessage() for record in caplog.records if record.name == "cascade.runtime"]  # noqa: E731
+    runtime.check_request(100, 28)  # within the draft's 128 positions
+    assert warnings() == []
+    runtime.check_request(200, 40)
+    window = draft_cache.get("window", 240)
+    kind, positions = draft_cache["kind"], min(240, 4 + window + window // 16 - 1)
+    expected = (
+        f"cascade: stage 0 (draft/{kind}) reads at least {positions} positions, past the draft's 128-token "
+        f"context, where it seldom agrees with the target (the output is the target's either way); give it "
+        f"{fix}, or stretch the draft (--set draft.rope_scaling.kind=yarn --set draft.rope_scaling.factor=2)"
+    )
+    assert warnings() == ([expected] if fix else [])

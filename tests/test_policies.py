@@ -77,7 +77,7 @@ def test_a_bf16_streaming_key_moved_hundreds_of_times_is_rounded_once_per_move_n
     keys moved most)."""
     rotary = Rotary(1.0 / (10000 ** (torch.arange(0, 64, 2) / 64)), 1.0, CPU)
     layout = CacheLayout(1, 1, 64, capacity=700, dtype=torch.bfloat16, device=CPU, rotary=rotary, max_pending=1)
-    cache = StreamingCache(layout, StreamingCacheConfig(sinks=1, window=300))
+    cache = StreamingCache(layout, StreamingCacheConfig(sinks=1, window=300, evict_every=1))
     raw = torch.randn(1, 1, 600, 64, generator=torch.Generator().manual_seed(0)) * 4  # unrotated keys
     for index in range(600):
         positions = cache.allocate(1)
@@ -582,6 +582,7 @@ def test_at_budget_gives_each_budgeted_policy_that_many_tokens():
         "sinks": 4,
         "window": 60,
         "prefill_tail": None,
+        "evict_every": 1,
     }
     assert POLICIES["h2o"].config.at_budget(64).recent == 32
     assert POLICIES["retrieval"].config.at_budget(64).budget == 64
