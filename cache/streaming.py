@@ -41,7 +41,7 @@ class StreamingCacheConfig(CachePolicyConfig):
     evict_every: int | None = Field(None, ge=1)
     """Tokens past the window that a commit lets accumulate before it evicts them all: between
     evictions the window holds up to ``evict_every - 1`` more tokens. Each eviction moves and
-    re-rotates every kept key (30-50 ms for a window of 2,044 SmolLM2 tokens on two cores), so
+    re-rotates every kept key (some 45-75 ms for a window of 2,044 SmolLM2 tokens on two cores), so
     evicting at every round's commit would cost a pass over the window per round. None: a
     sixteenth of the window."""
 
