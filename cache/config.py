@@ -29,6 +29,11 @@ class CachePolicyConfig(BaseModel):
         own positions, unless a policy places its tokens at their slots."""
         return sequence_tokens
 
+    def within_positions(self, positions: int) -> tuple[str, str]:
+        """How to make this policy read at most ``positions`` positions: (what that gives the
+        stage, the cache setting that does it). Any policy: place tokens at their slots."""
+        return "positions within its cache", "kind=streaming"
+
     def check_prompt(self, prompt_tokens: int) -> None:
         """Raise ValueError (with what is allowed) if this policy cannot serve such a prompt.
 

@@ -61,12 +61,12 @@ class StreamingCacheConfig(CachePolicyConfig):
     def rotary_positions(self, sequence_tokens: int) -> int:
         return min(sequence_tokens, self.most_held)  # slot i is position i
 
-    def widest_window(self, positions: int) -> int:
-        """The widest window with which this policy reads at most ``positions`` positions."""
+    def within_positions(self, positions: int) -> tuple[str, str]:
+        """Narrow the window: the widest with which this policy reads at most ``positions`` positions."""
         window = positions - self.sinks
         while window > 1 and self.model_copy(update={"window": window}).most_held > positions:
             window -= 1
-        return window
+        return "a window within it", f"window={window}"
 
     @model_validator(mode="after")
     def _sinks_below_window(self) -> StreamingCacheConfig:

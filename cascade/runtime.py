@@ -155,16 +155,11 @@ class Runtime:
             return
         scaling = self.config.draft.rope_scaling
         factor = (scaling.factor if scaling else 1) * stretch_factor(positions, limit)
-        streaming = stage.cache.kind == "streaming"
-        within = (
-            f"a window within it (--set stages.{index}.cache.window={stage.cache.widest_window(limit)})"
-            if streaming
-            else f"positions within its cache (--set stages.{index}.cache.kind=streaming)"
-        )
+        within, setting = stage.cache.within_positions(limit)
         logger.warning(
             f"cascade: stage {index} (draft/{stage.cache.kind}) reads at least {positions} positions, past "
             f"the draft's {limit}-token context, where it seldom agrees with the target (the output is the "
-            f"target's either way); give it {within}, or stretch the draft "
+            f"target's either way); give it {within} (--set stages.{index}.cache.{setting}), or stretch the draft "
             f"(--set draft.rope_scaling.kind=yarn --set draft.rope_scaling.factor={factor:g})"
         )
 

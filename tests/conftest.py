@@ -66,6 +66,11 @@ def make_checkpoint(
     return path
 
 
+def runtime_messages(caplog) -> list[str]:
+    """What ``cascade.runtime`` logged during the test."""
+    return [record.getMessage() for record in caplog.records if record.name == "cascade.runtime"]
+
+
 @pytest.fixture
 def home(tmp_path, monkeypatch) -> Path:
     """An empty $CASCADE_HOME: nothing provisioned."""

@@ -18,7 +18,7 @@ from cascade.graphs import MAX_GRAPH_TOKENS
 from cascade.model import PassOptions
 from cascade.runtime import build_runtime, has_cxx_compiler
 from configs.schema import PipelineConfig
-from tests.conftest import FAMILIES, make_checkpoint
+from tests.conftest import FAMILIES, make_checkpoint, runtime_messages
 
 CPU = torch.device("cpu")
 needs_compiler = pytest.mark.skipif(not has_cxx_compiler(), reason="Inductor's CPU kernels need a C++ compiler")
@@ -167,10 +167,6 @@ def test_compiled_bfloat16_passes_are_as_close_to_float32_as_eager(tmp_path, ker
     assert compiled_error <= 1.25 * eager_error, (compiled_error, eager_error)
     expected = layer_op_calls_expected(model, widths)
     assert layer_op_calls(profile) == (expected if fused.cpu_layers else dict.fromkeys(expected, 0))
-
-
-def runtime_messages(caplog) -> list[str]:
-    return [record.getMessage() for record in caplog.records if record.name == "cascade.runtime"]
 
 
 def runtime_fused_tokens(checkpoint, **settings) -> list[int]:

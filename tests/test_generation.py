@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 from cascade.pipeline import StopRule
 from cascade.runtime import build_runtime
 from configs import load_config
+from tests.conftest import runtime_messages
 
 
 def runtime_for(path, preset: str | None = None, **settings):
@@ -89,9 +90,8 @@ def test_a_draft_reading_past_its_own_context_is_named_with_the_fixes(tiny_dir, 
     (draft / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 128}))
     runtime = runtime_for(tiny_dir, "speculative", **{"draft.path": str(draft), "stages.0.cache": draft_cache})
     caplog.set_level("WARNING", logger="cascade.runtime")
-    warnings = lambda: [record.getMessage() for record in caplog.records if record.name == "cascade.runtime"]  # noqa: E731
     runtime.check_request(100, 28)  # within the draft's 128 positions
-    assert warnings() == []
+    assert runtime_messages(caplog) == []
     runtime.check_request(200, 40)
     window = draft_cache.get("window", 240)
     kind, positions = draft_cache["kind"], min(240, 4 + window + window // 16 - 1)
@@ -100,4 +100,4 @@ def test_a_draft_reading_past_its_own_context_is_named_with_the_fixes(tiny_dir, 
         f"context, where it seldom agrees with the target (the output is the target's either way); give it "
         f"{fix}, or stretch the draft (--set draft.rope_scaling.kind=yarn --set draft.rope_scaling.factor=2)"
     )
-    assert warnings() == ([expected] if fix else [])
+    assert runtime_messages(caplog) == ([expected] if fix else [])
