@@ -22,7 +22,9 @@ passes over random tokens without sampling, so it generates no text, and --sampl
 Each round first measures the memory bandwidth (a 1 GiB read); every case is priced against the
 rate at which that bandwidth streams one target step's bytes (its weights and whole KV at the
 context): ``decode_over_step_roofline``. The report goes to ``--out`` or to a new run directory
-under ``$CASCADE_HOME/runs/bench/``, with a manifest (command, commit, machine) beside it.
+under ``$CASCADE_HOME/runs/bench/``, with a manifest (command, commit, machine) beside it; it is
+rewritten after every case, so a run cut off keeps the cases it measured (``rounds_done`` counts
+the whole rounds, ``cases_measured`` the cases).
 
     python scripts/bench.py [--impls autoregressive self-spec transformers] [--contexts 1024 8000]
         [--new-tokens 64] [--repeats 3] [--sampling greedy sample] [--dtype bfloat16]
@@ -39,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -500,12 +503,14 @@ Case = tuple[str, int, str]
 """(implementation, context, sampling mode)."""
 
 
-def run_round(args: argparse.Namespace, cases: list[Case], index: int, bar: tqdm) -> dict:
-    """Every case once, in order on even rounds and in reverse on odd ones -> {case: measurement}."""
+def run_round(
+    args: argparse.Namespace, cases: list[Case], index: int, bar: tqdm, measured: dict, on_case: Callable[[], object]
+) -> None:
+    """Every case once, in order on even rounds and in reverse on odd ones, into ``measured`` ({case:
+    measurement}); ``on_case`` is called after each case."""
     order = cases if index % 2 == 0 else cases[::-1]
     bandwidth = device_bandwidth()  # the machine drifts: each round is priced at its own bandwidth
     bar.write(f"[round {index + 1}/{args.repeats}] memory reads {bandwidth / 1e9:.1f} GB/s", file=sys.stderr)
-    measured = {}
     for slot, (impl, context, mode) in enumerate(order):
         same = next((case for key, case in measured.items() if key[:2] == (impl, context)), None)
         if impl in SAMPLING_FREE and same is not None:
@@ -526,7 +531,7 @@ def run_round(args: argparse.Namespace, cases: list[Case], index: int, bar: tqdm
         )
         bar.update(1)
         measured[(impl, context, mode)] = case
-    return measured
+        on_case()
 
 
 def device_bandwidth() -> float:
@@ -546,11 +551,12 @@ def huge_page_text(run: dict) -> str:
     return "" if run.get("huge_page_mb") is None else f", in huge pages {run['huge_page_mb']:6.0f} MB"
 
 
-def summarize(args: argparse.Namespace, case: Case, cases: list[dict]) -> dict:
-    """One case over its rounds: median rates, maximum peak RSS, the per-round figures in ``runs``."""
+def summarize(args: argparse.Namespace, case: Case, cases: list[dict], final: bool = True) -> dict:
+    """One case over its rounds: median rates, maximum peak RSS, the per-round figures in ``runs``;
+    the ``final`` summary also warns if greedy rounds generated different tokens."""
     impl, context, mode = case
     runs = [case["run"] for case in cases]
-    if mode == "greedy" and any(case["token_ids"] != cases[0]["token_ids"] for case in cases):
+    if final and mode == "greedy" and any(case["token_ids"] != cases[0]["token_ids"] for case in cases):
         log(f"warning: {impl} at context {context} generated different tokens in different rounds")
     decode = statistics.median(run["decode_tokens_per_s"] for run in runs)
     stages = runs[0].get("stats", {}).get("stages", [])[:-1]
@@ -605,16 +611,14 @@ def ratios(runs: list[dict], baseline: str) -> list[dict]:
     by_key = {(run["preset"], run["context"], run["sampling"]): run for run in runs}
     out = []
     for run in runs:
-        if run["preset"] == baseline:
+        base = by_key.get((baseline, run["context"], run["sampling"]))
+        if run["preset"] == baseline or base is None:
             continue
-        base = by_key[(baseline, run["context"], run["sampling"])]
-        per_round = {
-            key: [
-                None if None in (a[key], b[key]) else a[key] / b[key]
-                for a, b in zip(run["runs"], base["runs"], strict=True)
-            ]
-            for key in RATES
-        }
+        base_rounds = {case["round"]: case for case in base["runs"]}
+        pairs = [(case, base_rounds[case["round"]]) for case in run["runs"] if case["round"] in base_rounds]
+        if not pairs:  # a report written mid-round: the baseline not yet measured in this one
+            continue
+        per_round = {key: [None if None in (a[key], b[key]) else a[key] / b[key] for a, b in pairs] for key in RATES}
         row = {
             "preset": run["preset"],
             "baseline": baseline,
@@ -741,11 +745,12 @@ def drive(args: argparse.Namespace) -> None:
     args.files = run_files("bench", args.out, "bench.json")
     args.llama_cpp = prepare_peers(args, cases)
     args.prompt_files = store_prompts(args, cases) if args.prompt_cache else {}
-    rounds = []
+    rounds: list[dict] = []
     with tqdm(total=len(cases) * args.repeats, desc="bench", unit="case", file=sys.stderr) as bar:
-        for index in range(args.repeats):  # the report is rewritten after each round: a cut-off run keeps its rounds
-            rounds.append(run_round(args, cases, index, bar))
-            runs, ratio_rows, peer_rows = write_report(args, cases, rounds)
+        for index in range(args.repeats):  # the report is rewritten after each case: a cut-off run keeps them
+            rounds.append({})
+            run_round(args, cases, index, bar, rounds[-1], lambda: write_report(args, cases, rounds, final=False))
+    runs, ratio_rows, peer_rows = write_report(args, cases, rounds)
     print(table(runs, ratio_rows))
     for peer, rows in peer_rows.items():
         print(f"\nllama.cpp {args.llama_cpp['llama_cpp_commit']}:\n{peer_table(peer, rows)}")
@@ -753,11 +758,13 @@ def drive(args: argparse.Namespace) -> None:
 
 
 def write_report(
-    args: argparse.Namespace, cases: list[Case], rounds: list[dict]
+    args: argparse.Namespace, cases: list[Case], rounds: list[dict], final: bool = True
 ) -> tuple[list[dict], list[dict], dict[str, list[dict]]]:
-    """The JSON report over the rounds done so far -> (its runs, its ratio rows, {llama.cpp case:
-    every other implementation's ratio rows to it})."""
-    runs = [summarize(args, case, [measured[case] for measured in rounds]) for case in cases]
+    """The JSON report over the cases measured so far (``rounds``: {case: measurement} each, the
+    last one possibly partial; ratios pair a case with its baseline of the same round) -> (its runs,
+    its ratio rows, {llama.cpp case: every other implementation's ratio rows to it})."""
+    measured = {case: [round_[case] for round_ in rounds if case in round_] for case in cases}
+    runs = [summarize(args, case, done, final) for case, done in measured.items() if done]
     price_at_rooflines(runs)
     ratio_rows = ratios(runs, args.impls[0])
     peer_rows = {peer: ratios(runs, peer) for peer in args.impls if peer in PEERS and peer != args.impls[0]}
@@ -780,7 +787,8 @@ def write_report(
     report = {
         "machine": {**machine(), "llama_cpp": args.llama_cpp},
         "settings": settings,
-        "rounds_done": len(rounds),
+        "rounds_done": sum(len(round_) == len(cases) for round_ in rounds),
+        "cases_measured": sum(len(round_) for round_ in rounds),
         "runs": runs,
         "ratios": ratio_rows,
         "ratios_to_llama_cpp": peer_rows,

@@ -4,6 +4,7 @@ transformers continuing from the prompt K/V the cascade cases stored, and llama.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -15,6 +16,7 @@ from safetensors import safe_open
 
 from cascade.home import cascade_home
 from cascade.peers.llamacpp import installed_build
+from cascade.runs import run_files
 from tests.scripts import run_script
 
 QUICK_RUN = ["--contexts", "96", "--new-tokens", "8", "--repeats", "1", "--warmups", "0"]
@@ -168,3 +170,39 @@ def test_bench_refuses_a_checkpoint_directory_that_is_not_one_while_parsing(tmp_
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert f"argument {option}: model directory {tmp_path / 'absent'} does not exist" in result.stderr
     assert not out.exists()
+
+
+def load_bench_script():
+    spec = importlib.util.spec_from_file_location("bench", "scripts/bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def measurement(round_: int, decode: float) -> dict:
+    """A case's measurement as a case's process reports it, reduced to what the report reads."""
+    run = {"decode_tokens_per_s": decode, "prefill_tokens_per_s": 100.0, "peak_rss_mb": 500.0}
+    return {"run": run | {"round": round_, "bandwidth_bytes_per_s": 3e10}, "token_ids": [5, 6, 7]}
+
+
+def test_bench_report_written_mid_round_keeps_the_cases_measured_and_pairs_ratios_by_round(tmp_path):
+    bench = load_bench_script()
+    out = tmp_path / "bench.json"
+    args = bench.parse_args(["--impls", "autoregressive", "self-spec", "--contexts", "96", "--repeats", "2"])
+    args.files, args.llama_cpp = run_files("bench", out, "bench.json"), None
+    base, preset = ("autoregressive", 96, "greedy"), ("self-spec", 96, "greedy")
+    # the second round runs in reverse: its preset was measured, its baseline not yet
+    rounds = [{base: measurement(0, 10.0), preset: measurement(0, 15.0)}, {preset: measurement(1, 30.0)}]
+    bench.write_report(args, [base, preset], rounds, final=False)
+    report = json.loads(out.read_text())
+    assert (report["rounds_done"], report["cases_measured"]) == (1, 3)
+    runs = {run["preset"]: run for run in report["runs"]}
+    assert [case["round"] for case in runs["self-spec"]["runs"]] == [0, 1]
+    assert runs["self-spec"]["tokens_per_s"] == 22.5  # the median of both rounds
+    [ratio] = report["ratios"]
+    assert ratio["per_round"]["decode_tokens_per_s"] == [1.5]  # round 1's preset has no baseline beside it
+    # cut off in the first case of the first round: that case alone, no ratio
+    bench.write_report(args, [base, preset], [{preset: measurement(0, 15.0)}], final=False)
+    report = json.loads(out.read_text())
+    assert [run["preset"] for run in report["runs"]] == ["self-spec"] and report["ratios"] == []
+    assert (report["rounds_done"], report["cases_measured"]) == (0, 1)
