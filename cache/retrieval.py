@@ -43,6 +43,7 @@ from cache.full import FullCache
 from cache.registry import register_policy
 from cache.slots import SlotCache
 from cascade.errors import CascadeError
+from cascade.profiling import labelled
 
 
 class EveryRefresh(BaseModel):
@@ -232,7 +233,8 @@ class RetrievalCache(SlotCache):
 
     def update(self, layer: int, keys, values, query) -> AttentionView:
         if self._selecting:
-            self._select(layer, query)
+            with labelled("select chunks"):
+                self._select(layer, query)
         return super().update(layer, keys, values, query)
 
     def _select(self, layer: int, query: torch.Tensor) -> None:

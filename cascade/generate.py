@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from cascade.completion import Completion
 from cascade.errors import CascadeError, entry_point
 from cascade.llm import LLM
 from cascade.logs import show_logs
+from cascade.profiling import check_profile_dir, profiled
 from configs import load_config, preset_names
 
 DEFAULT_PROMPT = Path(__file__).parent / "data" / "alice_chapters_1_2.txt"
@@ -71,6 +73,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="write text, token ids, config and stats here")
     parser.add_argument("--verbose", action="store_true", help="print every stage's stats to stderr at the end")
     parser.add_argument(
+        "--profile",
+        type=Path,
+        metavar="DIR",
+        help="profile the generation with torch.profiler: DIR/trace.json (Chrome trace, passes labelled by "
+        "stage) and DIR/operators.txt (operators by self time)",
+    )
+    parser.add_argument(
         "--quiet", action="store_true", help="do not stream text to stdout nor print the one-line summary to stderr"
     )
     parser.add_argument(
@@ -112,9 +121,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for text in texts
     ]
     run_info = {"preset": preset, "config": config.model_dump(mode="json")}
-    if len(requests) == 1:
-        return output_of(generate_one(args, llm, requests[0])) | run_info
-    return {"completions": generate_many(args, llm, requests), **run_info}
+    device = llm.runtime.target.model.device
+    with profiled(args.profile, device) if args.profile else contextlib.nullcontext():
+        if len(requests) == 1:
+            return output_of(generate_one(args, llm, requests[0])) | run_info
+        return {"completions": generate_many(args, llm, requests), **run_info}
 
 
 def generate_one(args: argparse.Namespace, llm: LLM, request) -> Completion:
@@ -232,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.json:
         check_writable(args.json)
+    if args.profile:
+        check_profile_dir(args.profile)
     if args.batch_size is not None and args.batch_size < 1:
         raise CascadeError(f"--batch-size must be at least 1; got {args.batch_size}")
     output = run(args)

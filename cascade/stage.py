@@ -13,6 +13,7 @@ from cache.full import FullCacheConfig
 from cascade.clock import Clock
 from cascade.graphs import Capture, PassGraphs
 from cascade.model import CausalLM
+from cascade.profiling import labelled
 from cascade.prompt_cache import PromptCache
 from cascade.quantise import is_quantised
 from cascade.schedule import Schedule
@@ -98,7 +99,8 @@ class Stage:
         self.stats.prefill_loaded = logits is not None
         self.stats.prefill_reused = reused
         if logits is None:
-            logits = self._prefill(prompt_ids, chunk, reused)
+            with labelled(f"{self.name} prefill"):
+                logits = self._prefill(prompt_ids, chunk, reused)
             if self.prompt_cache:
                 self.prompt_cache.save(prompt_ids, chunk, self.cache, logits)
         self.clock.add(self.stats, "prefill_s", started, self.clock.mark())
@@ -171,10 +173,11 @@ class Stage:
         of the last N; ``tree``: the last of them are token-tree nodes. Nothing here waits for the
         device, so passes queue up behind each other."""
         started = self.clock.mark()
-        if self.graphs is not None:
-            logits = self.graphs(token_ids[None, :], num_logits, tree)[0]  # [N, V]
-        else:
-            logits = self.model(token_ids[None, :], self.cache, num_logits, tree)[0]
+        with labelled(self.name):
+            if self.graphs is not None:
+                logits = self.graphs(token_ids[None, :], num_logits, tree)[0]  # [N, V]
+            else:
+                logits = self.model(token_ids[None, :], self.cache, num_logits, tree)[0]
         self.clock.add(self.stats, "time_s", started, self.clock.mark())
         self.stats.forward_calls += 1
         self.stats.tokens_processed += token_ids.numel()

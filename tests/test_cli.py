@@ -73,6 +73,31 @@ def test_json_output(tiny_dir, tmp_path):
     assert stats["prompt_tokens"] == len(data["prompt_token_ids"]) and stats["stages"][0]["forward_calls"] > 0
 
 
+def test_a_profiled_run_writes_a_trace_with_each_stage_and_the_chunk_selection_labelled(tiny_dir, tmp_path):
+    profile = tmp_path / "profile" / "self-spec"  # made, parents too
+    prompt = " ".join(["the cat sat on the mat"] * 8)
+    flags = ["--target", str(tiny_dir), "--prompt", prompt, "--max-new-tokens", "6", "--dtype", "float32"]
+    flags += ["--set", "max_context=200", "--set", "stages.0.cache.budget=16", "--set", "stages.0.cache.chunk_size=4"]
+    result = generate(*flags, "--set", "stages.0.schedule=fixed", "--profile", str(profile))
+    assert result.returncode == 0, result.stderr
+    events = json.loads((profile / "trace.json").read_text())["traceEvents"]
+    names = {event.get("name") for event in events}
+    assert {"1:target/full prefill", "0:target/retrieval", "1:target/full", "select chunks"} <= names
+    operators = (profile / "operators.txt").read_text()
+    assert "Self CPU" in operators and "select chunks" in operators
+
+
+@pytest.mark.parametrize("where", ["a-file", "below-a-file"])
+def test_a_profile_directory_that_cannot_be_made_fails_before_generating(tiny_dir, tmp_path, where):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("kept")
+    path = {"a-file": a_file, "below-a-file": a_file / "profile"}[where]
+    result = generate("--target", str(tiny_dir), "--profile", str(path), "--verbose")
+    message = "it is a file; give a directory for --profile" if where == "a-file" else "cannot create the profile"
+    assert_fails_with(result, message)
+    assert "tokens/s" not in result.stderr and a_file.read_text() == "kept"
+
+
 def test_several_prompt_files_are_decoded_together_each_as_it_would_be_alone(tiny_dir, tmp_path):
     texts = ["It was the best of times, it was the worst of times,", "Call me Ishmael.", "In the beginning"]
     paths = [tmp_path / f"prompt-{index}.txt" for index in range(len(texts))]
