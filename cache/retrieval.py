@@ -151,6 +151,24 @@ class RetrievalCache(SlotCache):
         self._summaries = [self._summarize(layer) for layer in range(self.layout.num_layers)] if repeated else None
         """Per layer, what the scoring reads of the prompt's chunks, for selections that repeat
         (attention scoring reads the keys themselves)."""
+        self._copies = [self._layer_copies(layer) for layer in range(self.layout.num_layers)]
+
+    def _layer_copies(self, layer: int) -> tuple[list[tuple[int, torch.Tensor, torch.Tensor]], list[tuple]]:
+        """Layer ``layer``'s views a selection copies between, made once per prompt (a selection
+        then indexes no tensor per head, which on a GPU costs the host more than the copies):
+        per KV head, for the keys and the values, (head, the source's whole chunks as rows [C, size
+        D], this buffer's chosen chunks as rows [chosen, size D]); and for each, the prompt's partial
+        last chunk as (this buffer's slots, the source's) [H_kv, tail, D]."""
+        size, prompt = self.config.chunk_size, self.prompt_length
+        whole_chunks, tail = divmod(prompt, size)
+        chosen, row = (self.kept - tail) // size, size * self.layout.head_dim
+        chunks, tails = [], []
+        for own, source in ((self.keys, self.source.keys), (self.values, self.source.values)):
+            for head in range(self.layout.num_kv_heads):
+                rows = source[layer, 0, head, : whole_chunks * size].view(whole_chunks, row)  # [C, size D]
+                chunks.append((head, rows, own[layer, 0, head, : chosen * size].view(chosen, row)))
+            tails.append((own[layer, 0, :, chosen * size : self.kept], source[layer, 0, :, prompt - tail : prompt]))
+        return chunks, tails
 
     @property
     def _chunked_prompt(self) -> int:
@@ -239,8 +257,8 @@ class RetrievalCache(SlotCache):
 
     def _select(self, layer: int, query: torch.Tensor) -> None:
         """Gather this layer's best chunks (per KV head) from the source into the buffer."""
-        size, prompt = self.config.chunk_size, self.prompt_length
-        whole_chunks, tail = divmod(prompt, size)
+        size = self.config.chunk_size
+        whole_chunks, tail = divmod(self.prompt_length, size)
         chosen = (self.kept - tail) // size
         first_query = query[0, :, :1]  # [H, 1, D]: the pass's first token (see module docstring)
         scoring, query_dims = self.config.scoring, self.config.query_dims
@@ -250,12 +268,12 @@ class RetrievalCache(SlotCache):
             scores = score_prompt(first_query, self._prompt_keys(layer), size, scoring, query_dims)
         scores[:, 0] = float("inf")  # the sink chunk is always kept
         scores[:, whole_chunks - math.ceil(self.config.recent / size) :] = float("inf")  # and the recent ones
-        best = scores.topk(chosen, dim=1).indices.sort(dim=1).values  # [H_kv, chosen]
-        for own, source in ((self.keys, self.source.keys), (self.values, self.source.values)):
-            for head, chunks in enumerate(best):  # whole chunks as rows: a row copy each, not a gather per value
-                rows = source[layer, 0, head, : whole_chunks * size].view(whole_chunks, -1)  # [C, size D]
-                torch.index_select(rows, 0, chunks, out=own[layer, 0, head, : chosen * size].view(chosen, -1))
-            own[layer, 0, :, chosen * size : self.kept] = source[layer, 0, :, prompt - tail : prompt]  # the tail
+        best = scores.topk(chosen, dim=1).indices.sort(dim=1).values.unbind()  # H_kv x [chosen]
+        chunk_copies, tail_copies = self._copies[layer]
+        for head, rows, chosen_rows in chunk_copies:  # whole chunks as rows: a row copy each, not a gather per value
+            torch.index_select(rows, 0, best[head], out=chosen_rows)
+        for own_tail, source_tail in tail_copies:
+            own_tail.copy_(source_tail)
 
     def memory_bytes(self) -> int:
         return super().memory_bytes() + self._summary_bytes()
