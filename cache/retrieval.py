@@ -160,8 +160,8 @@ class RetrievalCache(SlotCache):
         D], this buffer's chosen chunks as rows [chosen, size D]); and for each, the prompt's partial
         last chunk as (this buffer's slots, the source's) [H_kv, tail, D]."""
         size, prompt = self.config.chunk_size, self.prompt_length
-        whole_chunks, tail = divmod(prompt, size)
-        chosen, row = (self.kept - tail) // size, size * self.layout.head_dim
+        whole_chunks, tail, chosen = self._chunk_counts
+        row = size * self.layout.head_dim
         chunks, tails = [], []
         for own, source in ((self.keys, self.source.keys), (self.values, self.source.values)):
             for head in range(self.layout.num_kv_heads):
@@ -169,6 +169,12 @@ class RetrievalCache(SlotCache):
                 chunks.append((head, rows, own[layer, 0, head, : chosen * size].view(chosen, row)))
             tails.append((own[layer, 0, :, chosen * size : self.kept], source[layer, 0, :, prompt - tail : prompt]))
         return chunks, tails
+
+    @property
+    def _chunk_counts(self) -> tuple[int, int, int]:
+        """The prompt's whole chunks, the tokens of its partial last one, and the chunks a selection keeps."""
+        whole_chunks, tail = divmod(self.prompt_length, self.config.chunk_size)
+        return whole_chunks, tail, (self.kept - tail) // self.config.chunk_size
 
     @property
     def _chunked_prompt(self) -> int:
@@ -258,8 +264,7 @@ class RetrievalCache(SlotCache):
     def _select(self, layer: int, query: torch.Tensor) -> None:
         """Gather this layer's best chunks (per KV head) from the source into the buffer."""
         size = self.config.chunk_size
-        whole_chunks, tail = divmod(self.prompt_length, size)
-        chosen = (self.kept - tail) // size
+        whole_chunks, _, chosen = self._chunk_counts
         first_query = query[0, :, :1]  # [H, 1, D]: the pass's first token (see module docstring)
         scoring, query_dims = self.config.scoring, self.config.query_dims
         if self._summaries:
