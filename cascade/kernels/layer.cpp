@@ -43,22 +43,48 @@ at::Tensor product(const at::Tensor& rows, const at::Tensor& weight, const std::
                             : cascade_kernels::rows_times_weight(rows, weight);
 }
 
-// x [T, C] bf16 -> x / rms(x) * weight, bf16.
+#if defined(__AVX512BF16__)
+
+// Lanes [0, min(left, 16)) of a 16-lane register: the elements a row has left from here.
+inline __mmask16 lanes_left(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
+
+inline __m512 load_floats(const BFloat16* source, __mmask16 lanes) {  // 16 bf16 -> float32 (exact)
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, source)), 16));
+}
+
+inline __m512 rounded(__m512 values) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(values)); }  // to bf16 and back
+
+inline void store_rounded(BFloat16* target, __m512 values, __mmask16 lanes) {
+  _mm256_mask_storeu_epi16(target, lanes, (__m256i)_mm512_cvtneps_pbh(values));
+}
+
+#endif
+
+// x [T, C] bf16 -> x / rms(x) * weight, bf16: each row's squares summed in 16 float32 lanes, then across them.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const int64_t rows = x.size(0), width = x.size(1);
   at::Tensor out = at::empty_like(x);
+#if defined(__AVX512BF16__)
   const auto* source = x.data_ptr<BFloat16>();
   const auto* gain = weight.data_ptr<BFloat16>();
   auto* target = out.data_ptr<BFloat16>();
   for (int64_t t = 0; t < rows; ++t) {
     const BFloat16* row = source + t * width;
-    float squares = 0.0f;
-    for (int64_t c = 0; c < width; ++c) squares += static_cast<float>(row[c]) * static_cast<float>(row[c]);
-    const float inverse = 1.0f / std::sqrt(squares / width + static_cast<float>(eps));
-    for (int64_t c = 0; c < width; ++c) {
-      target[t * width + c] = BFloat16(static_cast<float>(row[c]) * inverse * static_cast<float>(gain[c]));
+    __m512 squares = _mm512_setzero_ps();
+    for (int64_t c = 0; c < width; c += 16) {
+      const __m512 values = load_floats(row + c, lanes_left(width - c));
+      squares = _mm512_fmadd_ps(values, values, squares);
+    }
+    const float inverse = 1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / width + static_cast<float>(eps));
+    for (int64_t c = 0; c < width; c += 16) {
+      const __mmask16 lanes = lanes_left(width - c);
+      const __m512 scaled = _mm512_mul_ps(load_floats(row + c, lanes), _mm512_set1_ps(inverse));
+      store_rounded(target + t * width + c, _mm512_mul_ps(scaled, load_floats(gain + c, lanes)), lanes);
     }
   }
+#else
+  TORCH_CHECK(false, "cascade layer kernels: this build has no AVX512-BF16");
+#endif
   return out;
 }
 
@@ -125,12 +151,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pre_attention(
 // residual [T, C] bf16 + update [T, C] float32 (rounded to bf16 first) -> bf16.
 at::Tensor add_rounded(const at::Tensor& residual, const at::Tensor& update) {
   at::Tensor out = at::empty_like(residual);
+#if defined(__AVX512BF16__)
   const auto* base = residual.data_ptr<BFloat16>();
   const float* delta = update.data_ptr<float>();
   auto* target = out.data_ptr<BFloat16>();
-  for (int64_t i = 0; i < residual.numel(); ++i) {
-    target[i] = BFloat16(static_cast<float>(base[i]) + static_cast<float>(BFloat16(delta[i])));
+  const int64_t count = residual.numel();
+  for (int64_t i = 0; i < count; i += 16) {
+    const __mmask16 lanes = lanes_left(count - i);
+    const __m512 sum = _mm512_add_ps(load_floats(base + i, lanes), rounded(_mm512_maskz_loadu_ps(lanes, delta + i)));
+    store_rounded(target + i, sum, lanes);
   }
+#else
+  TORCH_CHECK(false, "cascade layer kernels: this build has no AVX512-BF16");
+#endif
   return out;
 }
 
@@ -140,16 +173,15 @@ at::Tensor gated(const at::Tensor& gate_up) {
   at::Tensor out = at::empty({tokens, width}, gate_up.options().dtype(at::kBFloat16));
 #if defined(__AVX512BF16__)
   using cascade_vector::exp16;
-  const auto rounded = [](__m512 values) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(values)); };
   const float* source = gate_up.data_ptr<float>();
   auto* target = out.data_ptr<BFloat16>();
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t f = 0; f < width; f += 16) {
-      const __mmask16 lanes = (__mmask16)((1u << std::min<int64_t>(16, width - f)) - 1);
+      const __mmask16 lanes = lanes_left(width - f);
       const __m512 gate = rounded(_mm512_maskz_loadu_ps(lanes, source + t * 2 * width + f));
       const __m512 up = rounded(_mm512_maskz_loadu_ps(lanes, source + t * 2 * width + width + f));
       const __m512 silu = _mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate))));
-      _mm256_mask_storeu_epi16(target + t * width + f, lanes, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(silu, up)));
+      store_rounded(target + t * width + f, _mm512_mul_ps(silu, up), lanes);
     }
   }
 #else
