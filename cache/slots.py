@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from cache.base import AttentionView, CacheFullError, CacheLayout, CachePolicy, TreePass
+from cascade import huge_pages
 
 SLOT_ALIGNMENT = 64
 """Buffers hold a multiple of this many slots (the extra ones never used), so a static pass's
@@ -33,8 +34,9 @@ class SlotCache(CachePolicy):
         """Slots this policy may use; its buffer holds that many rounded up to ``SLOT_ALIGNMENT``."""
         buffer = -(-slots // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
         shape = (layout.num_layers, 1, layout.num_kv_heads, buffer, layout.head_dim)
-        self.keys = torch.zeros(shape, dtype=layout.dtype, device=layout.device)  # [L, B, H_kv, buffer, D]
-        self.values = torch.zeros_like(self.keys)
+        # [L, B, H_kv, buffer, D] each, in huge pages on a CPU: every long pass reads them whole
+        self.keys = huge_pages.zeros(shape, layout.dtype, layout.device)
+        self.values = huge_pages.zeros(shape, layout.dtype, layout.device)
         self.dropped = 0
         """Tokens of the sequence not held: sequence index i past the kept front is in slot i - dropped."""
         self._start = 0

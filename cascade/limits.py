@@ -10,6 +10,8 @@ from collections.abc import Callable
 
 import torch
 
+from cascade import huge_pages
+
 BANDWIDTH_BUFFER_BYTES = {"cpu": 2**30, "cuda": 2**32}
 """Bytes read per bandwidth sample: far larger than any cache level, as a model's weights are."""
 
@@ -36,9 +38,13 @@ def median_seconds(run: Callable[[], object], repeats: int, device: torch.device
 def memory_bandwidth(repeats: int = 5, device: torch.device = torch.device("cpu")) -> float:
     """Bytes per second reading a 1 GiB (CPU) or 4 GiB (CUDA) float32 tensor once (a sum), with the
     threads torch uses: the fastest of ``repeats`` reads, as STREAM reports its best rate (what the
-    memory can deliver now; on a VM whose neighbours share the memory, the median runs lower)."""
+    memory can deliver now; on a VM whose neighbours share the memory, the median runs lower). On a
+    CPU the tensor lies in huge pages, as a model's weights and KV caches do: on 4 KiB pages the same
+    read ran at 43-47 GB/s where huge pages gave 64-65 (2-core EPYC VM, one process), so a roofline
+    divided by it would have credited passes with speed their pages, not their kernels, lacked."""
     size = BANDWIDTH_BUFFER_BYTES.get(device.type, 2**30)
-    data = torch.ones(size // 4, dtype=torch.float32, device=device)
+    data = huge_pages.zeros((size // 4,), torch.float32, device)
+    data.fill_(1.0)  # written, so every page is the buffer's own (unwritten ones all map the zero page)
     return data.nbytes / min(timings(data.sum, repeats, device))
 
 
