@@ -36,7 +36,7 @@ def advised_region(nbytes: int) -> torch.Tensor | None:
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``torch.zeros(shape, dtype, device)``, in huge pages where it is on the CPU and they can be asked for."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     memory = advised_region(nbytes) if torch.device(device).type == "cpu" else None
     if memory is None:
         return torch.zeros(shape, dtype=dtype, device=device)
