@@ -157,6 +157,10 @@ class CachePolicy(ABC):
             raise ValueError(f"commit({length}) outside [{self.committed}, {self.length}]")
         self.committed = length
 
+    def keep_last_queries(self) -> None:
+        """Keep each layer's query of the next pass's last token, for policies that read this one
+        (a prefill marks its last pass so); policies no other reads ignore it."""
+
     def plain_pass(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
         """For the pass just allocated: (keys, values [L, B, H_kv, slots, D], its first slot) when each
         layer's ``update`` would only write the pass's K/V at consecutive slots from there and return

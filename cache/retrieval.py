@@ -8,12 +8,15 @@ chunk always (it is the most recent context), the rest by score. The keys are re
 ``source`` full cache of the same model, so the prompt is never held twice.
 
 Chunks are scored (``scoring``, see ``cache.chunk_scoring``) per KV head, all heads of a group
-then reading the same chunks. TriForce selects them once per prompt; they can also be re-selected
-every N committed tokens, when the stage's acceptance drops, or before every pass (Quest's
-query-aware sparsity: each proposal reads the chunks its own input token's query picks). When
-chunks are re-selected on a schedule, what the scoring reads of them is summarized once per prompt,
-and a selecting pass has static shapes: it is captured as a graph like any other short pass (a
-one-off selection runs eagerly).
+then reading the same chunks. TriForce selects them once per prompt, with each layer's query of
+the prompt's last token as the full cache's prefill computed it (``first_selection: prompt``): the
+selection is made when this cache takes the prompt, before any pass of its stage, so none of them
+selects. They can also be first selected by the stage's first pass, and re-selected every N
+committed tokens, when the stage's acceptance drops, or before every pass (Quest's query-aware
+sparsity: each proposal reads the chunks its own input token's query picks). When chunks are
+re-selected on a schedule, what the scoring reads of them is summarized once per prompt, and a
+selecting pass has static shapes: it is captured as a graph like any other short pass (a one-off
+selecting pass runs eagerly).
 
 Tokens generated after the prompt are appended. Each stage writes the K/V it computes itself,
 with attention over its sparse cache; once the full-cache stage above has verified a token and
@@ -22,7 +25,7 @@ full attention (``exact_generated``, as TriForce copies the full cache's new tok
 retrieval cache). Only committed tokens are replaced, so what this stage proposes at a position
 never depends on anything after it.
 
-Only the first query of the pass that selects counts. Its token is one the stage has already
+Only the first query of a pass that selects counts. Its token is one the stage has already
 decided; the pass's later tokens may be proposals the stage is verifying, and a selection that
 looked at them would make the stage's distribution at a position depend on the tokens proposed
 after it, which breaks the lossless guarantee of every stage above.
@@ -89,6 +92,12 @@ class RetrievalCacheConfig(CachePolicyConfig):
     time laid out by dimension)."""
     query_dims: int = Field(16, ge=1)
     """Query dimensions (of each head's) ``sparq`` scoring reads the keys along."""
+    first_selection: Literal["prompt", "first_pass"] = "prompt"
+    """What first selects a new prompt's chunks: ``prompt``, each layer's query of the prompt's last
+    token as the full cache's prefill computed it (TriForce), so no pass of this stage selects until
+    a refresh does and every pass can be captured as a graph; ``first_pass``, the first query of
+    this stage's first pass (also where the source holds no such queries, e.g. a prompt written
+    into it by hand). ``refresh: every_pass`` selects at every pass either way."""
 
     @model_validator(mode="after")
     def _budget_in_whole_chunks(self) -> RetrievalCacheConfig:
@@ -152,6 +161,18 @@ class RetrievalCache(SlotCache):
         """Per layer, what the scoring reads of the prompt's chunks, for selections that repeat
         (attention scoring reads the keys themselves)."""
         self._copies = [self._layer_copies(layer) for layer in range(self.layout.num_layers)]
+        if self._prompt_queries_select:
+            with labelled("select chunks"):
+                for layer, queries in enumerate(self.source.last_queries):  # [H, D] each
+                    self._select(layer, queries[:, None])
+            self._select_pending = False
+            self.selections += 1
+
+    @property
+    def _prompt_queries_select(self) -> bool:
+        """Whether the prompt's last queries make the first selection (``first_selection``)."""
+        held = self.source.last_queries_at == self.prompt_length - 1
+        return held and self.config.first_selection == "prompt" and self.config.refresh != "every_pass"
 
     def _layer_copies(self, layer: int) -> tuple[list[tuple[int, torch.Tensor, torch.Tensor]], list[tuple]]:
         """Layer ``layer``'s views a selection copies between, made once per prompt (a selection
@@ -258,14 +279,14 @@ class RetrievalCache(SlotCache):
     def update(self, layer: int, keys, values, query) -> AttentionView:
         if self._selecting:
             with labelled("select chunks"):
-                self._select(layer, query)
+                self._select(layer, query[0, :, :1])  # [H, 1, D]: the pass's first token (see module docstring)
         return super().update(layer, keys, values, query)
 
-    def _select(self, layer: int, query: torch.Tensor) -> None:
-        """Gather this layer's best chunks (per KV head) from the source into the buffer."""
+    def _select(self, layer: int, first_query: torch.Tensor) -> None:
+        """Gather this layer's best chunks (per KV head) for first_query [H, 1, D] from the source
+        into the buffer."""
         size = self.config.chunk_size
         whole_chunks, _, chosen = self._chunk_counts
-        first_query = query[0, :, :1]  # [H, 1, D]: the pass's first token (see module docstring)
         scoring, query_dims = self.config.scoring, self.config.query_dims
         if self._summaries:
             scores = score_chunks(first_query, self._summaries[layer], size, scoring, query_dims)  # [H_kv, C]

@@ -53,11 +53,26 @@ class SlotCache(CachePolicy):
         """[T_tree, N] bool ancestry of the current pass's tree nodes (see ``TreePass``), or None;
         for a static pass, a buffer kept per shape in ``_tree_ancestries``."""
         self._tree_ancestries: dict[tuple[int, int], torch.Tensor] = {}
+        self.last_queries: torch.Tensor | None = None
+        """[L, H, D] rotated: each layer's query of the last token of the pass ``keep_last_queries``
+        marked, for a policy that reads this cache (retrieval selects its chunks with them)."""
+        self.last_queries_at: int | None = None
+        """The sequence index of that token; None until a marked pass (or ``hold_last_queries``)."""
+        self._keeping_queries = False
 
     def restart(self) -> None:
         super().restart()
         self.dropped = self._start = 0
         self._mask, self._static = None, False
+        self.last_queries_at, self._keeping_queries = None, False
+
+    def keep_last_queries(self) -> None:
+        self._keeping_queries = True
+        self.last_queries_at = None
+
+    def hold_last_queries(self, queries: torch.Tensor) -> None:
+        """Take queries [L, H, D] as ``last_queries`` of the last token held (a stored prefill's)."""
+        self.last_queries, self.last_queries_at = queries, self.length - 1
 
     @property
     def used_slots(self) -> int:
@@ -115,10 +130,14 @@ class SlotCache(CachePolicy):
         return self._plain_slots() if type(self).update is SlotCache.update else None
 
     def _plain_slots(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-        """``plain_pass`` as far as this class's ``update`` goes: an eager pass that is no token tree."""
-        return None if self._static or self._tree is not None else (self.keys, self.values, self._start)
+        """``plain_pass`` as far as this class's ``update`` goes: an eager pass that is no token tree
+        and keeps no queries."""
+        plain = not (self._static or self._tree is not None or self._keeping_queries)
+        return (self.keys, self.values, self._start) if plain else None
 
     def update(self, layer: int, keys, values, query) -> AttentionView:
+        if self._keeping_queries:
+            self._keep_query(layer, query)
         if self._static:
             return self._static_update(layer, keys, values)
         end = self.used_slots
@@ -131,6 +150,15 @@ class SlotCache(CachePolicy):
             self._mask = tree_mask(self._as_tensor(range(self._start, end)), end, self._tree, self.layout.dtype)
         tree_rows, nodes = self._tree.shape
         return AttentionView(keys, values, self._mask, masked_tail=end - self._start + nodes - tree_rows)
+
+    def _keep_query(self, layer: int, query: torch.Tensor) -> None:
+        """Keep query [B, H, T, D]'s last token as ``last_queries[layer]``; the last layer ends the pass's."""
+        if self.last_queries is None:
+            num_layers, (num_heads, head_dim) = self.layout.num_layers, (query.shape[1], query.shape[3])
+            self.last_queries = query.new_empty(num_layers, num_heads, head_dim)  # [L, H, D]
+        self.last_queries[layer] = query[0, :, -1]
+        if layer == self.layout.num_layers - 1:
+            self._keeping_queries, self.last_queries_at = False, self.length - 1
 
     def _static_update(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> AttentionView:
         """``update`` for a static pass: keys/values [B, H_kv, T, D] go to the slots of the device

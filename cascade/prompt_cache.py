@@ -4,8 +4,9 @@ logits too when the whole prompt was prefilled before.
 
 A prompt's prefill is stored as it ran: one file per ``chunk``-token pass (each layer's keys and
 values [1, H_kv, chunk, D] and the pass's token ids, checked on load), the last pass's file holding
-the last position's logits [V] too. A pass's file is named by a digest of every token up to its end
-(the last pass's by the whole prompt, tagged apart) and of everything that decides those numbers:
+the last position's logits [V] and queries [L, H, D] too (``SlotCache.last_queries``). A pass's file
+is named by a digest of every token up to its end (the last pass's by the whole prompt, tagged
+apart) and of everything that decides those numbers:
 the checkpoint's files, dtype, rope scaling, device type, the chunk, the fused-pass setting, the
 attention kernel family and the model code itself. A new prompt that shares its first N tokens
 with a stored one finds the files of the passes within them, loads them, and prefills the rest
@@ -134,6 +135,8 @@ class PromptCache:
             for layer in range(cache.layout.num_layers):
                 keys, values = stored_layer(stored, layer)
                 cache.keys[layer, :, :, start:end], cache.values[layer, :, :, start:end] = keys, values
+            if "last_queries" in stored.keys():
+                cache.hold_last_queries(stored.get_tensor("last_queries"))  # [L, H, D]
             return stored.get_tensor("logits") if "logits" in stored.keys() else None  # [V]
 
     def save(self, prompt_ids: torch.Tensor, chunk: int, cache: FullCache, logits: torch.Tensor) -> None:
@@ -161,6 +164,8 @@ class PromptCache:
         tensors = {"prompt": prompt_ids[span.start : span.stop].cpu().to(torch.int64)}
         if logits is not None:
             tensors["logits"] = logits.contiguous()
+        if cache.last_queries_at == span.stop - 1:
+            tensors["last_queries"] = cache.last_queries.contiguous()  # [L, H, D]
         for layer in range(cache.layout.num_layers):
             for name, buffer in zip(KV_NAMES, (cache.keys, cache.values), strict=True):
                 tensors[f"{name}.{layer}"] = buffer[layer, :, :, span.start : span.stop].contiguous()  # [1, H_kv, N, D]

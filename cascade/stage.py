@@ -133,9 +133,12 @@ class Stage:
     def _feed_prompt(self, prompt_ids: torch.Tensor, chunk: int) -> torch.Tensor | None:
         """Chunking bounds the attention working set at [chunk, T] instead of [T, T]; each chunk is
         committed, so policies that evict on commit never hold more than one chunk uncommitted.
-        Returns the last position's logits [V] (None for no tokens)."""
+        Returns the last position's logits [V] (None for no tokens); the last pass keeps its last
+        token's queries for the policies that read this cache (``CachePolicy.keep_last_queries``)."""
         logits = None
         for start in range(0, prompt_ids.numel(), chunk):
+            if start + chunk >= prompt_ids.numel():
+                self.cache.keep_last_queries()
             logits = self.model(prompt_ids[None, start : start + chunk], self.cache, num_logits=1)
             self.cache.commit(self.cache.length)
         return None if logits is None else logits[0, -1]

@@ -7,7 +7,7 @@ import torch
 
 from cache import CacheLayout
 from cache.chunk_scoring import score_chunks, score_prompt, sparse_query_attention, summarize_chunks
-from cache.full import FullCache
+from cache.full import FullCache, FullCacheConfig
 from cache.received_attention import received_attention
 from cache.retrieval import RetrievalCache, RetrievalCacheConfig
 from cache.streaming import StreamingCache, StreamingCacheConfig
@@ -327,6 +327,50 @@ def test_retrieval_selects_by_the_first_query_of_a_pass_only():
         retrieval.update(0, torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4), torch.cat([first, later], 2))
         chosen_keys.append(retrieval.keys[0, 0, :, :6].clone())
     torch.testing.assert_close(chosen_keys[0], chosen_keys[1])
+
+
+def test_retrieval_first_selects_with_the_prompts_last_queries_before_any_pass():
+    """``first_selection: prompt`` picks what a first pass with those queries would, when the cache
+    takes the prompt: its passes then select nothing and can all be plain (or captured) ones."""
+    source, layout = hand_made_source(prompt=14)
+    query = torch.randn(1, 4, 1, 4, generator=torch.Generator().manual_seed(0))  # [B, H, T, D]
+    source.hold_last_queries(query[0, :, 0][None])  # [L, H, D]: the prompt's last token
+    by_prompt = RetrievalCache(layout, RetrievalCacheConfig(budget=6, chunk_size=2), source)
+    assert by_prompt.selections == 1 and by_prompt.graph_ready
+    by_pass = RetrievalCache(layout, RetrievalCacheConfig(budget=6, chunk_size=2, first_selection="first_pass"), source)
+    assert by_pass.selections == 0 and not by_pass.graph_ready
+    for cache in (by_prompt, by_pass):
+        cache.allocate(1)
+        assert (cache.plain_pass() is not None) == (cache is by_prompt)
+        cache.update(0, torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4), query)
+    assert by_prompt.selections == by_pass.selections == 1
+    torch.testing.assert_close(by_prompt.keys[0, 0, :, :6], by_pass.keys[0, 0, :, :6])
+    for head, chunks in enumerate(brute_force_chunks(source, query, 14, 2, chosen=3)):
+        wanted = torch.cat([source.keys[0, 0, head, c * 2 : c * 2 + 2] for c in chunks])
+        torch.testing.assert_close(by_prompt.keys[0, 0, head, :6], wanted)
+
+
+def test_a_prefill_keeps_its_last_tokens_queries_whatever_its_chunks(tiny_model):
+    """The queries a chunked prefill keeps are those of the prompt's last token in one pass; a
+    source prefilled outside a stage keeps none, and its retrieval cache selects at its first pass."""
+    prompt = tokens(tiny_model, 37, 0)
+    kept = []
+    for chunk in (37, 8, 12):  # the last pass: all 37 tokens, 5 of them, 1 of them
+        stage = Stage("target", tiny_model, FullCacheConfig(), tiny_model.cache_layout(64))
+        stage.prefill(prompt[0], chunk)
+        assert stage.cache.last_queries_at == 36
+        kept.append(stage.cache.last_queries)  # [L, H, D]
+    assert kept[0].shape == (tiny_model.spec.num_layers, tiny_model.spec.num_heads, tiny_model.spec.head_dim)
+    for queries in kept[1:]:
+        torch.testing.assert_close(queries, kept[0], atol=1e-5, rtol=0)
+    source, layout = prefilled_source(tiny_model)
+    assert source.last_queries_at is None
+    source.keep_last_queries()
+    source.allocate(1)
+    assert source.plain_pass() is None  # the pass that keeps them goes through every layer's update
+    source.rollback(64)
+    retrieval = RetrievalCache(layout, RetrievalCacheConfig(budget=16, chunk_size=4), source)
+    assert retrieval.selections == 0 and not retrieval.graph_ready
 
 
 def test_retrieval_keeps_the_partial_last_chunk():

@@ -58,6 +58,8 @@ def test_loaded_prefill_is_bitwise_the_computed_one(tmp_path, tiny_dir, tiny_dra
     assert torch.equal(loaded.cache.keys, computed.cache.keys)
     assert torch.equal(loaded.cache.values, computed.cache.values)
     assert torch.equal(loaded_logits, computed_logits)
+    assert loaded.cache.last_queries_at == computed.cache.last_queries_at == len(PROMPT) - 1
+    assert torch.equal(loaded.cache.last_queries, computed.cache.last_queries)  # a retrieval stage's first selection
 
 
 def test_other_prompts_chunks_and_dtypes_are_not_served_from_the_store(tmp_path, tiny_dir, tiny_draft_dir):
