@@ -28,3 +28,7 @@ class FullCache(SlotCache):
 
     def allocate(self, num_new: int) -> torch.Tensor:
         return self._allocate_slots(num_new)  # nothing is dropped: slots are positions
+
+    def keep_last_queries(self) -> None:
+        """Policies of other stages read this cache (``reads_source``): keep them the queries."""
+        self._keeping_queries, self.last_queries_at = True, None

@@ -55,7 +55,8 @@ class SlotCache(CachePolicy):
         self._tree_ancestries: dict[tuple[int, int], torch.Tensor] = {}
         self.last_queries: torch.Tensor | None = None
         """[L, H, D] rotated: each layer's query of the last token of the pass ``keep_last_queries``
-        marked, for a policy that reads this cache (retrieval selects its chunks with them)."""
+        marked, for a policy that reads this cache (retrieval selects its chunks with them); a
+        subclass others read turns that on (``FullCache``)."""
         self.last_queries_at: int | None = None
         """The sequence index of that token; None until a marked pass (or ``hold_last_queries``)."""
         self._keeping_queries = False
@@ -65,10 +66,6 @@ class SlotCache(CachePolicy):
         self.dropped = self._start = 0
         self._mask, self._static = None, False
         self.last_queries_at, self._keeping_queries = None, False
-
-    def keep_last_queries(self) -> None:
-        self._keeping_queries = True
-        self.last_queries_at = None
 
     def hold_last_queries(self, queries: torch.Tensor) -> None:
         """Take queries [L, H, D] as ``last_queries`` of the last token held (a stored prefill's)."""
