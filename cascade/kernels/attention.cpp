@@ -13,9 +13,16 @@
 //   them where the rows fit in one group of accumulators (a decode step), else once per block;
 // - scores: 16 keys at a time transposed into pairs of head dimensions (pair p of key j in lane j),
 //   shared by every row; a row's 16 scores are one chain of products over the even pairs and one
-//   over the odd pairs against its own query pair, broadcast (with AMX: tiles of 16 keys x 16 rows);
+//   over the odd pairs against its own query pair, broadcast;
 // - softmax in float32, the weights rounded to bf16 (as flash attention's P) and summed as rounded;
 // - each row's output: its weight pairs times the value pairs, 16 dimensions per accumulator.
+// With AMX (head sizes 32, 64, 128; models whose step has more rows per KV head than the AVX-512
+// sums keep in registers, see takes_tiles) the block's keys and values are paired once into the
+// thread's scratch, and each chunk of up to 16 rows takes its scores and weighted sums from tiles:
+// a [rows, 32 dimensions] tile of queries times 16 key pairs, a [rows, 32 keys] tile of weights
+// times 16 value pairs of 16 dimensions. A verification pass's arithmetic then grows little with
+// its tokens (with AVX-512 it grows with the pass's rows: over 32K keys of Qwen2.5-1.5B's shape, 8
+// tokens cost 5-6 times one).
 // A key's score and a row's weighted sum take the same operations in the same order whatever the
 // pass's width and however many keys follow, so a verification pass equals the decode steps it
 // replaces bit for bit. A tree pass does too: the blocks before the tree's are shared, and from the
@@ -53,7 +60,7 @@ namespace {
 
 using cascade_vector::exp16;
 
-constexpr int64_t kChunkRows = 16;  // query rows of an AMX tile's columns
+constexpr int64_t kChunkRows = 16;  // rows of an AMX tile: the rows of a pass a tile takes at once
 constexpr int64_t kPairInputs = 32;  // bf16 inputs of one AMX tile row or one 512-bit register
 constexpr int64_t kGroupKeys = 16;  // keys scored together, one per float32 lane
 constexpr int64_t kBlockKeys = 256;  // keys per task
@@ -186,77 +193,6 @@ void vector_scores(const Operands& op, const int32_t* query_pairs, int64_t rows,
   }
 }
 
-#if defined(__AMX_BF16__)
-
-using cascade_tiles::kTileRows;
-
-// Scores from AMX tiles of 16 keys (a tile [16 keys, rows], transposed into the rows); the last few
-// keys of the cache are copied into a zero-padded tile first, so a key's score never depends on how
-// many keys follow it.
-template <int D>
-void tile_scores(const Operands& op, const at::BFloat16* query_pairs, int64_t rows, int64_t k0, int64_t k1,
-                 float* scores) {
-  alignas(64) at::BFloat16 padded[kTileRows * D] = {};  // the last keys
-  alignas(64) float tile[kTileRows * kTileRows];  // [keys, rows]
-  for (int64_t k = k0; k < k1; k += kTileRows) {
-    const int64_t count = std::min(kTileRows, k1 - k);
-    const at::BFloat16* source = op.keys + k * op.key_stride;
-    int64_t stride = op.key_stride;
-    if (count < kTileRows) {
-      for (int64_t j = 0; j < count; ++j) std::copy_n(op.keys + (k + j) * op.key_stride, D, padded + j * D);
-      source = padded;
-      stride = D;
-    }
-    _tile_zero(0);
-    for (int64_t d = 0; d < D; d += kPairInputs) {
-      _tile_loadd(2, source + d, stride * 2);
-      _tile_loadd(4, query_pairs + d * rows, rows * 4);
-      _tile_dpbf16ps(0, 2, 4);
-    }
-    _tile_stored(0, tile, rows * 4);
-    for (int64_t j = 0; j < count; ++j) {
-      for (int64_t r = 0; r < rows; ++r) scores[r * kBlockKeys + (k - k0) + j] = tile[j * rows + r];
-    }
-  }
-}
-
-#endif  // __AMX_BF16__
-
-// The AMX operand of each chunk of up to 16 query rows, [H_kv, D / 2, rows, 2]; none where the
-// scores come from AVX-512 (no AMX in this build, AMX turned off, or a head size tiles do not take).
-std::vector<at::Tensor> tile_operands(const at::Tensor& grouped, int64_t dim) {
-  std::vector<at::Tensor> pairs;
-#if defined(__AMX_BF16__)
-  if (!cascade_tiles::use_amx || dim % kPairInputs != 0) return pairs;
-  const int64_t kv_heads = grouped.size(0), rows = grouped.size(1);
-  for (int64_t c0 = 0; c0 < rows; c0 += kChunkRows) {
-    const at::Tensor chunk = grouped.narrow(1, c0, std::min(kChunkRows, rows - c0));
-    pairs.push_back(chunk.reshape({kv_heads, chunk.size(1), dim / 2, 2}).transpose(1, 2).contiguous());
-  }
-#endif
-  return pairs;
-}
-
-// Scores [rows, kBlockKeys] of keys [k0, k1) of KV head `head` into `scores`, unscaled: from AMX tiles
-// per chunk of 16 rows where `tiles` holds their operands, else from AVX512-BF16 products.
-template <int D>
-void block_scores(const Operands& op, const int32_t* query_pairs, const std::vector<at::Tensor>& tiles, int64_t head,
-                  int64_t rows, int64_t k0, int64_t k1, float* scores) {
-#if defined(__AMX_BF16__)
-  if (!tiles.empty()) {
-    for (int64_t c0 = 0; c0 < rows; c0 += kChunkRows) {
-      const int64_t count = std::min(kChunkRows, rows - c0);
-      cascade_tiles::configure_tiles(count);
-      tile_scores<D>(op, tiles[c0 / kChunkRows].data_ptr<at::BFloat16>() + head * D * count, count, k0, k1,
-                     scores + c0 * kBlockKeys);
-    }
-    _tile_release();
-    return;
-  }
-#endif
-  vector_scores<D>(op, query_pairs, rows, k0, k1, scores);
-}
-
 // Softmax weights of a block, row by row (keys in the vector lanes), rounded to bf16 into `weights`
 // [rows, kBlockKeys]: a row's keys past its last visible one get weight 0 -> the rows' block maxima
 // (scaled scores; -inf for a row that sees no key here) and the sums of the rounded weights. Keys a
@@ -314,11 +250,26 @@ __attribute__((always_inline)) inline void value_pair(const Operands& op, int64_
 }
 
 // Values [k0, k1) as key pairs into out[(m * blocks + c) * 2 + half] (pair m: keys k0 + 2m, k0 + 2m + 1),
-// for passes whose rows take them in several groups (which ask for the next block's rows).
-template <int D>
+// for passes whose rows take them in several groups or from tiles; with `Ahead`, the next block's
+// rows are asked for on the way.
+template <int D, bool Ahead>
 void paired_values(const Operands& op, int64_t k0, int64_t k1, __m512i* out) {
   constexpr int kBlocks = (D + 31) / 32;
-  for (int64_t k = k0; k < k1; k += 2) value_pair<D, false>(op, k, k1, out + (k - k0) / 2 * 2 * kBlocks);
+  for (int64_t k = k0; k < k1; k += 2) value_pair<D, Ahead>(op, k, k1, out + (k - k0) / 2 * 2 * kBlocks);
+}
+
+// A row's sums acc[2 * blocks] (the low and high halves of each 32 dimensions' key pairs, as
+// value_pair interleaves them) -> its D dimensions in order, float32, into target.
+template <int D>
+inline void store_dimensions(const __m512* acc, float* target) {
+  const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second_half = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int c = 0; c < (D + 31) / 32; ++c) {
+    _mm512_mask_storeu_ps(target + 32 * c, first_lanes(D - 32 * c),
+                          _mm512_permutex2var_ps(acc[2 * c], first_half, acc[2 * c + 1]));
+    _mm512_mask_storeu_ps(target + 32 * c + 16, first_lanes(D - 32 * c - 16),
+                          _mm512_permutex2var_ps(acc[2 * c], second_half, acc[2 * c + 1]));
+  }
 }
 
 // out [Rows, D] = weights x values for Rows rows (weight pairs [rows, kBlockKeys / 2]): `pair(m, value)`
@@ -339,23 +290,27 @@ void weighted_values(const int32_t* weight_pairs, int64_t num_pairs, float* out,
       for (int v = 0; v < 2 * kBlocks; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], (__m512bh)value[v], weight);
     }
   }
-  // the (low, high) accumulators of 32 dimensions -> the dimensions in order
-  const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i second_half = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-  for (int r = 0; r < Rows; ++r) {
-    for (int c = 0; c < kBlocks; ++c) {
-      float* target = out + r * D + 32 * c;
-      _mm512_mask_storeu_ps(target, first_lanes(D - 32 * c),
-                            _mm512_permutex2var_ps(acc[r][2 * c], first_half, acc[r][2 * c + 1]));
-      _mm512_mask_storeu_ps(target + 16, first_lanes(D - 32 * c - 16),
-                            _mm512_permutex2var_ps(acc[r][2 * c], second_half, acc[r][2 * c + 1]));
-    }
-  }
+  for (int r = 0; r < Rows; ++r) store_dimensions<D>(acc[r], out + r * D);
 }
 
 // Rows of a pass that keep their sums in registers together: 16 accumulators.
 template <int D>
 constexpr int kValueRows = 8 / ((D + 31) / 32);
+
+// Whether a pass whose KV heads each serve `group` query heads takes its scores and weighted sums
+// from AMX tiles: for head sizes tiles take, where a one-token step's rows are more than the AVX-512
+// sums keep in registers (kValueRows), so that such a step pairs its values in memory either way
+// (Qwen2.5's 6 and 7 query heads per KV head; SmolLM2's 3 stay in registers, where tiles made its
+// step ~25% slower). The choice depends on the model alone, never on the pass's width, so every
+// pass and the steps it replaces take the same path and agree bit for bit.
+template <int D>
+bool takes_tiles(int64_t group) {
+#if defined(__AMX_BF16__)
+  return cascade_tiles::use_amx && D % kPairInputs == 0 && group > kValueRows<D>;
+#else
+  return false;
+#endif
+}
 
 // out [rows, D] = weights [rows, kBlockKeys] x the values of keys [k0, k1). Rows that fit in one group
 // pair the values in registers as they go; more rows pair them once into `paired` (the thread's
@@ -376,7 +331,7 @@ void block_values(const Operands& op, const at::BFloat16* weights, int64_t rows,
     });
     return;
   }
-  paired_values<D>(op, k0, k1, paired);
+  paired_values<D, false>(op, k0, k1, paired);
   const int64_t groups = (rows + kValueRows<D> - 1) / kValueRows<D>;
   int64_t countdown = groups, ahead = k0 + kBlockKeys;  // steps until the next ask; the next row asked for
   const auto stored = [&](int64_t m, __m512i* value) __attribute__((always_inline)) {
@@ -391,6 +346,129 @@ void block_values(const Operands& op, const at::BFloat16* weights, int64_t rows,
     weighted_values<D, decltype(count)::value>(weight_pairs + r * pair_stride, num_pairs, out + r * D, stored);
   });
 }
+
+#if defined(__AMX_BF16__)
+
+using cascade_tiles::kTileRows;
+
+// Tiles for a chunk of up to 16 rows: 0-3 float32 sums [rows, 16]; 4 and 6 pair-interleaved operands
+// [16 pairs, 16 columns]; 5 and 7 the rows' operands [rows, 32] (32 dimensions of queries, or weights
+// of 32 keys). Two of each kind, used in turn, so a tile loads while the other one multiplies.
+inline void configure_attention_tiles(int64_t rows) {
+  cascade_tiles::TileConfig config;
+  for (const int tile : {0, 1, 2, 3, 5, 7}) {
+    config.rows[tile] = rows;
+    config.bytes_per_row[tile] = 64;
+  }
+  config.rows[4] = config.rows[6] = kTileRows;
+  config.bytes_per_row[4] = config.bytes_per_row[6] = 64;
+  _tile_loadconfig(&config);
+}
+
+// Keys [k0, k1) as pairs of head dimensions, 16 keys at a time, into key_pairs [groups, D / 2]
+// (transposed_keys: register p of group g holds pair p of keys k0 + 16 g + j in lane j).
+template <int D>
+void paired_keys(const Operands& op, int64_t k0, int64_t k1, __m512i* key_pairs) {
+  static_assert(D >= 32, "a transposition fills 16 registers");
+  for (int64_t k = k0; k < k1; k += kGroupKeys) transposed_keys<D>(op, k, k1, key_pairs + (k - k0) / kGroupKeys * (D / 2));
+}
+
+// Scores [rows, kBlockKeys] of `rows` query rows [rows, D] against a block's `num_keys` paired keys
+// (paired_keys), unscaled: per 16 keys one tile [rows, 16], a row's score the sum over its
+// dimensions in order as a step's is.
+template <int D>
+void tile_scores(const at::BFloat16* queries, const __m512i* key_pairs, int64_t num_keys, float* scores) {
+  static_assert(D % (2 * kPairInputs) == 0 || D == kPairInputs);
+  for (int64_t g = 0; g * kGroupKeys < num_keys; ++g) {
+    const __m512i* pairs = key_pairs + g * (D / 2);
+    _tile_zero(0);
+    for (int64_t d = 0; d < D; d += 2 * kPairInputs) {  // 64 dimensions: two tiles of each operand in turn
+      _tile_loadd(5, queries + d, D * 2);
+      _tile_loadd(4, pairs + d / 2, 64);
+      if (d + kPairInputs < D) {
+        _tile_loadd(7, queries + d + kPairInputs, D * 2);
+        _tile_loadd(6, pairs + d / 2 + 16, 64);
+      }
+      _tile_dpbf16ps(0, 5, 4);
+      if (d + kPairInputs < D) _tile_dpbf16ps(0, 7, 6);
+    }
+    _tile_stored(0, scores + g * kGroupKeys, kBlockKeys * 4);
+  }
+}
+
+// Sums `first`, ..., `first + Count - 1` of each row (of the 2 x blocks a row's D dimensions take, see
+// store_dimensions) into sums[v] [rows, 16]: per 32 keys a tile of the rows' weights [rows, 32 keys]
+// times, for each sum, 16 pairs of keys of its 16 dimensions.
+template <int Count>
+void value_tiles(const at::BFloat16* weights, const __m512i* value_pairs, int64_t groups, int first, int sums_per_pair,
+                 float (*sums)[kTileRows * 16]) {
+  const int64_t stride = sums_per_pair * 64;  // bytes from a key pair's registers to the next pair's
+  _tile_zero(0);
+  if constexpr (Count > 1) _tile_zero(1);
+  if constexpr (Count > 2) _tile_zero(2);
+  if constexpr (Count > 3) _tile_zero(3);
+  for (int64_t g = 0; g < groups; ++g) {  // the value operands in tiles 4 and 6 in turn
+    _tile_loadd(5, weights + g * 2 * kGroupKeys, kBlockKeys * 2);
+    const __m512i* pairs = value_pairs + g * kGroupKeys * sums_per_pair + first;
+    _tile_loadd(4, pairs, stride);
+    if constexpr (Count > 1) _tile_loadd(6, pairs + 1, stride);
+    _tile_dpbf16ps(0, 5, 4);
+    if constexpr (Count > 2) _tile_loadd(4, pairs + 2, stride);
+    if constexpr (Count > 1) _tile_dpbf16ps(1, 5, 6);
+    if constexpr (Count > 3) _tile_loadd(6, pairs + 3, stride);
+    if constexpr (Count > 2) _tile_dpbf16ps(2, 5, 4);
+    if constexpr (Count > 3) _tile_dpbf16ps(3, 5, 6);
+  }
+  _tile_stored(0, sums[first], 64);
+  if constexpr (Count > 1) _tile_stored(1, sums[first + 1], 64);
+  if constexpr (Count > 2) _tile_stored(2, sums[first + 2], 64);
+  if constexpr (Count > 3) _tile_stored(3, sums[first + 3], 64);
+}
+
+// out [rows, D] = weights [rows, kBlockKeys] x a block's `num_pairs` paired values (paired_values),
+// the pairs past them up to a multiple of 16 zero; the sums of four tiles at a time.
+template <int D>
+void tile_values(const at::BFloat16* weights, const __m512i* value_pairs, int64_t rows, int64_t num_pairs, float* out) {
+  constexpr int kSums = 2 * ((D + 31) / 32);
+  alignas(64) float sums[kSums][kTileRows * 16];
+  const int64_t groups = (num_pairs + kGroupKeys - 1) / kGroupKeys;
+  for (int first = 0; first < kSums; first += 4) {
+    if (kSums - first >= 4) {
+      value_tiles<4>(weights, value_pairs, groups, first, kSums, sums);
+    } else {
+      value_tiles<2>(weights, value_pairs, groups, first, kSums, sums);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    __m512 acc[kSums];
+    for (int v = 0; v < kSums; ++v) acc[v] = _mm512_load_ps(sums[v] + r * 16);
+    store_dimensions<D>(acc, out + r * D);
+  }
+}
+
+// A block's results from tiles, for rows `grouped` [rows, D] of one KV head over keys [k0, k1): the
+// keys and values paired once into the thread's scratch, then per chunk of up to 16 rows its scores,
+// softmax weights (block_weights) and weighted sums. Sums are `partial` [rows, D], maxima and totals [rows].
+template <int D>
+void tile_block(const Operands& op, const at::BFloat16* grouped, const int32_t* last_visible, int64_t rows, int64_t k0,
+                int64_t k1, __m512i* key_pairs, __m512i* value_pairs, float* scores, at::BFloat16* weights,
+                float* partial, float* maxima, float* totals) {
+  constexpr int kSums = 2 * ((D + 31) / 32);
+  const int64_t num_pairs = (k1 - k0 + 1) / 2, padded = (num_pairs + kGroupKeys - 1) / kGroupKeys * kGroupKeys;
+  paired_keys<D>(op, k0, k1, key_pairs);
+  paired_values<D, true>(op, k0, k1, value_pairs);
+  std::fill(value_pairs + num_pairs * kSums, value_pairs + padded * kSums, _mm512_setzero_si512());
+  for (int64_t c0 = 0; c0 < rows; c0 += kChunkRows) {
+    const int64_t count = std::min(kChunkRows, rows - c0);
+    configure_attention_tiles(count);
+    tile_scores<D>(grouped + c0 * D, key_pairs, k1 - k0, scores);
+    block_weights(op, last_visible + c0, count, k0, k1, scores, weights, maxima + c0, totals + c0);
+    tile_values<D>(weights, value_pairs, count, num_pairs, partial + c0 * D);
+  }
+  _tile_release();
+}
+
+#endif  // __AMX_BF16__
 
 // One row's output from its blocks in key order: `block(b)` -> (partial sums [D], maximum, total) of
 // block b; rounded to bf16 into out [D].
@@ -431,6 +509,7 @@ struct Scratch {
   float* scores;  // [rows, kBlockKeys]
   at::BFloat16* weights;  // [rows, kBlockKeys]
   __m512i* value_pairs;  // [kBlockKeys / 2, pairs of 32 dimensions, 2]
+  __m512i* key_pairs;  // [kBlockKeys / 16, D / 2] (tiles only)
 };
 
 template <int D>
@@ -438,7 +517,8 @@ Scratch thread_scratch(int64_t rows) {
   thread_local std::unique_ptr<char, decltype(&std::free)> memory{nullptr, &std::free};
   thread_local int64_t held = 0;
   const int64_t score_bytes = rows * kBlockKeys * 4, weight_bytes = rows * kBlockKeys * 2;
-  const int64_t bytes = score_bytes + weight_bytes + kBlockKeys * ((D + 31) / 32) * 64;  // multiples of 64
+  const int64_t value_bytes = kBlockKeys * ((D + 31) / 32) * 64, key_bytes = kBlockKeys * std::max(D, 32) * 2;
+  const int64_t bytes = score_bytes + weight_bytes + value_bytes + key_bytes;  // multiples of 64
   if (bytes > held) {
     memory.reset(static_cast<char*>(std::aligned_alloc(64, bytes)));
     TORCH_CHECK(memory != nullptr, "decode_attention: no memory for ", bytes, " bytes of working space");
@@ -446,7 +526,8 @@ Scratch thread_scratch(int64_t rows) {
   }
   char* base = memory.get();
   return {reinterpret_cast<float*>(base), reinterpret_cast<at::BFloat16*>(base + score_bytes),
-          reinterpret_cast<__m512i*>(base + score_bytes + weight_bytes)};
+          reinterpret_cast<__m512i*>(base + score_bytes + weight_bytes),
+          reinterpret_cast<__m512i*>(base + score_bytes + weight_bytes + value_bytes)};
 }
 
 // The last key each of `rows` rows (token t = r % tokens of a pass of `tokens` tokens) sees of
@@ -467,14 +548,14 @@ struct KeyBlocks {
   const at::Tensor& values;
   float scale;
   std::vector<int32_t> last_visible;
-  std::vector<at::Tensor> tiles;
+  bool tiles;  // takes_tiles
   BlockResults results;
   int64_t tasks;
 
   KeyBlocks(const at::Tensor& grouped_, const at::Tensor& keys_, const at::Tensor& values_, float scale_,
-            std::vector<int32_t> last_visible_)
+            std::vector<int32_t> last_visible_, int64_t group)
       : grouped(grouped_), keys(keys_), values(values_), scale(scale_), last_visible(std::move(last_visible_)),
-        tiles(tile_operands(grouped_, D)) {
+        tiles(takes_tiles<D>(group)) {
     const int64_t kv_heads = grouped.size(0), rows = grouped.size(1), num_keys = keys.size(1);
     const int64_t blocks = (num_keys + kBlockKeys - 1) / kBlockKeys;
     tasks = kv_heads * blocks;
@@ -486,14 +567,23 @@ struct KeyBlocks {
   void run(int64_t task, const Scratch& scratch) const {
     const int64_t rows = results.rows, head = task / results.blocks, block = task % results.blocks;
     const int64_t k0 = block * kBlockKeys, k1 = std::min(keys.size(1), k0 + kBlockKeys);
-    const auto* query_pairs = reinterpret_cast<const int32_t*>(grouped.data_ptr<at::BFloat16>());
+    const at::BFloat16* queries = grouped.data_ptr<at::BFloat16>() + head * rows * D;  // [rows, D]
     const Operands op{keys.data_ptr<at::BFloat16>() + head * keys.stride(0),
                       values.data_ptr<at::BFloat16>() + head * values.stride(0), keys.stride(1), values.stride(1),
                       scale};
-    block_scores<D>(op, query_pairs + head * rows * D / 2, tiles, head, rows, k0, k1, scratch.scores);
-    block_weights(op, last_visible.data(), rows, k0, k1, scratch.scores, scratch.weights, results.maxima + task * rows,
-                  results.totals + task * rows);
-    block_values<D>(op, scratch.weights, rows, k0, k1, scratch.value_pairs, results.partial + task * rows * D);
+    float *maxima = results.maxima + task * rows, *totals = results.totals + task * rows;
+    float* partial = results.partial + task * rows * D;
+#if defined(__AMX_BF16__)
+    if constexpr (D % kPairInputs == 0) {  // tiles take 32 dimensions at a time
+      if (tiles) {
+        return tile_block<D>(op, queries, last_visible.data(), rows, k0, k1, scratch.key_pairs, scratch.value_pairs,
+                             scratch.scores, scratch.weights, partial, maxima, totals);
+      }
+    }
+#endif
+    vector_scores<D>(op, reinterpret_cast<const int32_t*>(queries), rows, k0, k1, scratch.scores);
+    block_weights(op, last_visible.data(), rows, k0, k1, scratch.scores, scratch.weights, maxima, totals);
+    block_values<D>(op, scratch.weights, rows, k0, k1, scratch.value_pairs, partial);
   }
 };
 
@@ -520,9 +610,9 @@ void run_key_blocks(const std::vector<KeyBlocks<D>>& jobs) {
 // threads; row r sees keys up to last_visible[r].
 template <int D>
 BlockResults key_blocks(const at::Tensor& grouped, const at::Tensor& keys, const at::Tensor& values, float scale,
-                        const std::vector<int32_t>& last_visible) {
+                        const std::vector<int32_t>& last_visible, int64_t group) {
   std::vector<KeyBlocks<D>> jobs;
-  jobs.emplace_back(grouped, keys, values, scale, last_visible);
+  jobs.emplace_back(grouped, keys, values, scale, last_visible, group);
   run_key_blocks<D>(jobs);
   return jobs[0].results;
 }
@@ -537,11 +627,12 @@ void merge_rows(const BlockResults& results, int64_t kv_heads, at::BFloat16* out
   }
 }
 
-// The pass's attention for head size D into `out` [H_kv, R, D]: its key blocks, then each row's merged.
+// The pass's attention for head size D into `out` [H_kv, R, D] (R = group x tokens): its key blocks,
+// then each row's merged.
 template <int D>
 void attend(const at::Tensor& grouped, const at::Tensor& keys, const at::Tensor& values, float scale,
-            const std::vector<int32_t>& last_visible, at::BFloat16* out) {
-  merge_rows(key_blocks<D>(grouped, keys, values, scale, last_visible), grouped.size(0), out);
+            const std::vector<int32_t>& last_visible, int64_t group, at::BFloat16* out) {
+  merge_rows(key_blocks<D>(grouped, keys, values, scale, last_visible, group), grouped.size(0), out);
 }
 
 // The positions of the keys a decode step of a tree pass's token reads from key `first_key` on: the
@@ -563,13 +654,13 @@ void attend_masked_tail(const at::Tensor& grouped, const at::Tensor& keys, const
   const int64_t group = rows / tokens, tail_start = keys.size(1) - tail_mask.size(1);
   const int64_t shared_keys = tail_start / kBlockKeys * kBlockKeys;
   const BlockResults shared = key_blocks<D>(grouped, keys.narrow(1, 0, shared_keys), values.narrow(1, 0, shared_keys),
-                                            scale, std::vector<int32_t>(rows, shared_keys - 1));
+                                            scale, std::vector<int32_t>(rows, shared_keys - 1), group);
   const at::Tensor by_token = grouped.view({kv_heads, group, tokens, D});
   for (int64_t t = 0; t < tokens; ++t) {
     const at::Tensor positions = step_positions(shared_keys, tail_start, tail_mask[t]);  // [L]
     const at::Tensor query = by_token.select(2, t).contiguous();  // [H_kv, G, D]
     const BlockResults own = key_blocks<D>(query, keys.index_select(1, positions), values.index_select(1, positions),
-                                           scale, std::vector<int32_t>(group, positions.size(0) - 1));
+                                           scale, std::vector<int32_t>(group, positions.size(0) - 1), group);
     for (int64_t head = 0; head < kv_heads; ++head) {
       for (int64_t g = 0; g < group; ++g) {
         const auto block = [&](int64_t b) {
@@ -587,7 +678,8 @@ template <int D>
 void attend_pass(const at::Tensor& grouped, const at::Tensor& keys, const at::Tensor& values, float scale,
                  int64_t tokens, bool causal, const std::optional<at::Tensor>& tail_mask, at::BFloat16* out) {
   if (tail_mask.has_value()) return attend_masked_tail<D>(grouped, keys, values, scale, *tail_mask, out);
-  attend<D>(grouped, keys, values, scale, last_visible_keys(grouped.size(1), tokens, keys.size(1), causal), out);
+  attend<D>(grouped, keys, values, scale, last_visible_keys(grouped.size(1), tokens, keys.size(1), causal),
+            grouped.size(1) / tokens, out);
 }
 
 // Each sequence's pass (grouped[b] [H_kv, R_b, D] of tokens[b] tokens over keys[b] / values[b]
@@ -600,7 +692,8 @@ void attend_sequences(const std::vector<at::Tensor>& grouped, at::TensorList key
   jobs.reserve(grouped.size());
   for (size_t b = 0; b < grouped.size(); ++b) {
     jobs.emplace_back(grouped[b], keys[b], values[b], scale,
-                      last_visible_keys(grouped[b].size(1), tokens[b], keys[b].size(1), true));
+                      last_visible_keys(grouped[b].size(1), tokens[b], keys[b].size(1), true),
+                      grouped[b].size(1) / tokens[b]);
   }
   run_key_blocks<D>(jobs);
   for (size_t b = 0; b < grouped.size(); ++b) merge_rows(jobs[b].results, grouped[b].size(0), outs[b].data_ptr<at::BFloat16>());
