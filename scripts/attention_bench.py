@@ -1,7 +1,8 @@
 """One layer's attention for the passes a cascade runs, kernel by kernel.
 
-Passes, in SmolLM2's attention shape (9 query heads sharing 3 KV heads of 64 dimensions), bf16,
-random keys and values, each over S keys of which its own tokens are the last:
+Passes in one model's attention shape (``--shape``: SmolLM2's 9 query heads sharing 3 KV heads of
+64 dimensions by default; Qwen2.5-Coder 1.5B's 12 sharing 2 of 128, or the 0.5B's 14 sharing 2 of
+64), bf16, random keys and values, each over S keys of which its own tokens are the last:
 
 - ``--queries T``: a causal pass of T tokens (1: a decode step or proposal; 7: the verification
   of 6 proposals);
@@ -23,13 +24,14 @@ and checked against a float64 reference (largest absolute difference):
   ``cpu`` family for the rest (static views, wider passes).
 
     python scripts/attention_bench.py [--keys 4096 32768 120000] [--queries 1 7] [--nodes 15 31 63]
-        [--static] [--repeats 10] [--device cpu] [--out FILE]
+        [--shape smollm2] [--static] [--repeats 10] [--device cpu] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -43,7 +45,18 @@ from cascade.logs import show_logs
 from cascade.runs import run_files
 from cascade.tree import TokenTree
 
-HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
+
+class Shape(NamedTuple):
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+SHAPES = {
+    "smollm2": Shape(9, 3, 64),
+    "qwen2.5-1.5b": Shape(12, 2, 128),
+    "qwen2.5-0.5b": Shape(14, 2, 64),
+}
 RANK_ACCEPTANCE = (0.67, 0.12, 0.06, 0.04)
 """The trees' shape: the default ``rank_acceptance``, at most 6 levels deep (gamma 6)."""
 
@@ -53,6 +66,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--keys", type=int, nargs="+", default=[4096, 32768, 120000])
     parser.add_argument("--queries", type=int, nargs="*", default=[], help="causal passes of these many tokens")
     parser.add_argument("--nodes", type=int, nargs="*", default=[15, 31, 63], help="token trees of these many nodes")
+    parser.add_argument("--shape", choices=SHAPES, default="smollm2", help="the model whose attention heads to take")
     parser.add_argument("--static", action="store_true", help="views as graphed passes read them (whole buffers)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -72,14 +86,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def pass_view(
-    num_keys: int, num_queries: int, tree: TokenTree | None, static: bool, device: torch.device
+    shape: Shape, num_keys: int, num_queries: int, tree: TokenTree | None, static: bool, device: torch.device
 ) -> tuple[torch.Tensor, AttentionView]:
     """Random query [1, H, T, D] and the view of a pass whose T tokens are the last of ``num_keys``:
     causal among themselves, or the root and the nodes of ``tree``."""
     generator = torch.Generator().manual_seed(num_keys + num_queries)
     buffer = -(-num_keys // SLOT_ALIGNMENT) * SLOT_ALIGNMENT if static else num_keys
-    query = torch.randn(1, HEADS, num_queries, HEAD_DIM, generator=generator)
-    keys, values = torch.randn(2, 1, KV_HEADS, buffer, HEAD_DIM, generator=generator)
+    query = torch.randn(1, shape.heads, num_queries, shape.head_dim, generator=generator)
+    keys, values = torch.randn(2, 1, shape.kv_heads, buffer, shape.head_dim, generator=generator)
     query, keys, values = (x.to(device=device, dtype=torch.bfloat16) for x in (query, keys, values))
     slots = torch.arange(num_keys - num_queries, num_keys, device=device)  # [T]
     if tree is not None:
@@ -95,7 +109,7 @@ def pass_view(
 
 def reference(query: torch.Tensor, view: AttentionView, scale: float) -> torch.Tensor:
     """float64 attention [1, H, T, D] under the view's whole mask (a causal view's built here)."""
-    group = HEADS // KV_HEADS
+    group = query.shape[1] // view.keys.shape[1]
     keys, values = (x.double().repeat_interleave(group, 1) for x in (view.keys, view.values))  # [1, H, S, D]
     num_queries, num_keys = query.shape[2], keys.shape[2]
     mask = view.mask
@@ -149,21 +163,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     show_logs()
     files = run_files("attention_bench", args.out, "attention.json")
-    device, scale = torch.device(args.device), HEAD_DIM**-0.5
+    shape = SHAPES[args.shape]
+    device, scale = torch.device(args.device), shape.head_dim**-0.5
     kernels = kernels_for(device)
     print("| keys | pass | " + " | ".join(f"{name} ms (max error)" for name in kernels) + " |")
     print("|---:|---|" + "---:|" * len(kernels))
     rows = []
     for num_keys in args.keys:
         for name, num_queries, tree in passes(args):
-            query, view = pass_view(num_keys, num_queries, tree, args.static, device)
+            query, view = pass_view(shape, num_keys, num_queries, tree, args.static, device)
             expected = reference(query, view, scale)
             row = {
                 "keys": num_keys,
                 "pass": name,
                 "queries": num_queries,
                 "nodes": len(tree) if tree else None,
-                "kv_bytes": 2 * KV_HEADS * num_keys * HEAD_DIM * 2,
+                "kv_bytes": 2 * shape.kv_heads * num_keys * shape.head_dim * 2,
                 "ms": {},
                 "max_error": {},
             }
@@ -180,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     report = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "shape": shape._asdict(),
         "threads": torch.get_num_threads(),
         "repeats": args.repeats,
         "static": args.static,

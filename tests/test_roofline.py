@@ -282,6 +282,21 @@ def test_attention_bench_times_every_runnable_kernel_on_each_pass_and_checks_it(
     assert nothing.returncode == 2 and "name at least one pass" in nothing.stderr
 
 
+def test_attention_bench_takes_the_heads_of_the_shape_it_is_given(tmp_path):
+    """Qwen2.5-Coder 1.5B's heads (12 sharing 2 KV heads of 128): on a CPU with AMX, the shape whose
+    passes cascade's kernel takes from tiles."""
+    out = tmp_path / "attention.json"
+    command = [sys.executable, "scripts/attention_bench.py", "--shape", "qwen2.5-1.5b", "--keys", "300"]
+    subprocess.run([*command, "--queries", "1", "9", "--nodes", "--repeats", "1", "--out", str(out)], check=True)
+    report = json.loads(out.read_text())
+    assert report["shape"] == {"heads": 12, "kv_heads": 2, "head_dim": 128}
+    assert [row["kv_bytes"] for row in report["rows"]] == [2 * 2 * 300 * 128 * 2] * 2
+    for row in report["rows"]:
+        assert max(row["max_error"].values()) < 2e-2  # bf16 vs float64
+    refused = subprocess.run([*command, "--shape", "llama", "--queries", "1"], capture_output=True, text=True)
+    assert refused.returncode == 2 and "invalid choice: 'llama'" in refused.stderr
+
+
 def test_attention_bench_without_out_writes_a_run_directory_with_its_manifest(tmp_path):
     command = [
         sys.executable,

@@ -13,7 +13,8 @@
 //   them where the rows fit in one group of accumulators (a decode step), else once per block;
 // - scores: 16 keys at a time transposed into pairs of head dimensions (pair p of key j in lane j),
 //   shared by every row; a row's 16 scores are one chain of products over the even pairs and one
-//   over the odd pairs against its own query pair, broadcast;
+//   over the odd pairs against its own query pair, broadcast (with AMX, for a model whose step keeps
+//   its sums in registers: tiles of 16 keys read from the cache x 16 rows, see takes_tiles);
 // - softmax in float32, the weights rounded to bf16 (as flash attention's P) and summed as rounded;
 // - each row's output: its weight pairs times the value pairs, 16 dimensions per accumulator.
 // With AMX (head sizes 32, 64, 128; models whose step has more rows per KV head than the AVX-512
@@ -301,8 +302,9 @@ constexpr int kValueRows = 8 / ((D + 31) / 32);
 // from AMX tiles: for head sizes tiles take, where a one-token step's rows are more than the AVX-512
 // sums keep in registers (kValueRows), so that such a step pairs its values in memory either way
 // (Qwen2.5's 6 and 7 query heads per KV head; SmolLM2's 3 stay in registers, where tiles made its
-// step ~25% slower). The choice depends on the model alone, never on the pass's width, so every
-// pass and the steps it replaces take the same path and agree bit for bit.
+// step ~25% slower, and only its scores come from tiles: key_tile_scores). The choice depends on
+// the model alone, never on the pass's width, so every pass and the steps it replaces take the same
+// path and agree bit for bit.
 template <int D>
 bool takes_tiles(int64_t group) {
 #if defined(__AMX_BF16__)
@@ -446,6 +448,37 @@ void tile_values(const at::BFloat16* weights, const __m512i* value_pairs, int64_
   }
 }
 
+// Scores [rows, kBlockKeys] of keys [k0, k1) against `rows` query rows (query_pairs [D / 2, rows, 2]),
+// unscaled, from tiles of 16 keys read straight from the cache ([16 keys, rows], transposed into the
+// rows); the last few keys are copied into a zero-padded tile first, so a key's score never depends
+// on how many keys follow it. For models whose steps keep their sums in registers (not takes_tiles).
+template <int D>
+void key_tile_scores(const Operands& op, const at::BFloat16* query_pairs, int64_t rows, int64_t k0, int64_t k1,
+                     float* scores) {
+  alignas(64) at::BFloat16 padded[kTileRows * D] = {};  // the last keys
+  alignas(64) float tile[kTileRows * kTileRows];  // [keys, rows]
+  for (int64_t k = k0; k < k1; k += kTileRows) {
+    const int64_t count = std::min(kTileRows, k1 - k);
+    const at::BFloat16* source = op.keys + k * op.key_stride;
+    int64_t stride = op.key_stride;
+    if (count < kTileRows) {
+      for (int64_t j = 0; j < count; ++j) std::copy_n(op.keys + (k + j) * op.key_stride, D, padded + j * D);
+      source = padded;
+      stride = D;
+    }
+    _tile_zero(0);
+    for (int64_t d = 0; d < D; d += kPairInputs) {
+      _tile_loadd(2, source + d, stride * 2);
+      _tile_loadd(4, query_pairs + d * rows, rows * 4);
+      _tile_dpbf16ps(0, 2, 4);
+    }
+    _tile_stored(0, tile, rows * 4);
+    for (int64_t j = 0; j < count; ++j) {
+      for (int64_t r = 0; r < rows; ++r) scores[r * kBlockKeys + (k - k0) + j] = tile[j * rows + r];
+    }
+  }
+}
+
 // A block's results from tiles, for rows `grouped` [rows, D] of one KV head over keys [k0, k1): the
 // keys and values paired once into the thread's scratch, then per chunk of up to 16 rows its scores,
 // softmax weights (block_weights) and weighted sums. Sums are `partial` [rows, D], maxima and totals [rows].
@@ -469,6 +502,42 @@ void tile_block(const Operands& op, const at::BFloat16* grouped, const int32_t* 
 }
 
 #endif  // __AMX_BF16__
+
+// The operand of key_tile_scores for each chunk of up to 16 query rows, [H_kv, D / 2, rows, 2]; none
+// where the scores come from AVX-512 or the pass takes tiles throughout (takes_tiles).
+std::vector<at::Tensor> key_tile_operands(const at::Tensor& grouped, int64_t dim, bool tiles) {
+  std::vector<at::Tensor> pairs;
+#if defined(__AMX_BF16__)
+  if (tiles || !cascade_tiles::use_amx || dim % kPairInputs != 0) return pairs;
+  const int64_t kv_heads = grouped.size(0), rows = grouped.size(1);
+  for (int64_t c0 = 0; c0 < rows; c0 += kChunkRows) {
+    const at::Tensor chunk = grouped.narrow(1, c0, std::min(kChunkRows, rows - c0));
+    pairs.push_back(chunk.reshape({kv_heads, chunk.size(1), dim / 2, 2}).transpose(1, 2).contiguous());
+  }
+#endif
+  return pairs;
+}
+
+// Scores [rows, kBlockKeys] of keys [k0, k1) of KV head `head` (its rows `queries` [rows, D]) into
+// `scores`, unscaled: from key tiles per chunk of 16 rows where `query_pairs` holds their operands
+// (key_tile_operands), else from AVX512-BF16 products.
+template <int D>
+void block_scores(const Operands& op, const at::BFloat16* queries, const std::vector<at::Tensor>& query_pairs,
+                  int64_t head, int64_t rows, int64_t k0, int64_t k1, float* scores) {
+#if defined(__AMX_BF16__)
+  if (!query_pairs.empty()) {
+    for (int64_t c0 = 0; c0 < rows; c0 += kChunkRows) {
+      const int64_t count = std::min(kChunkRows, rows - c0);
+      cascade_tiles::configure_tiles(count);
+      key_tile_scores<D>(op, query_pairs[c0 / kChunkRows].data_ptr<at::BFloat16>() + head * D * count, count, k0, k1,
+                         scores + c0 * kBlockKeys);
+    }
+    _tile_release();
+    return;
+  }
+#endif
+  vector_scores<D>(op, reinterpret_cast<const int32_t*>(queries), rows, k0, k1, scores);
+}
 
 // One row's output from its blocks in key order: `block(b)` -> (partial sums [D], maximum, total) of
 // block b; rounded to bf16 into out [D].
@@ -549,13 +618,15 @@ struct KeyBlocks {
   float scale;
   std::vector<int32_t> last_visible;
   bool tiles;  // takes_tiles
+  std::vector<at::Tensor> query_pairs;  // key_tile_operands
   BlockResults results;
   int64_t tasks;
 
   KeyBlocks(const at::Tensor& grouped_, const at::Tensor& keys_, const at::Tensor& values_, float scale_,
             std::vector<int32_t> last_visible_, int64_t group)
       : grouped(grouped_), keys(keys_), values(values_), scale(scale_), last_visible(std::move(last_visible_)),
-        tiles(takes_tiles<D>(group)) {
+        tiles(takes_tiles<D>(group)),
+        query_pairs(key_tile_operands(grouped_, D, tiles)) {
     const int64_t kv_heads = grouped.size(0), rows = grouped.size(1), num_keys = keys.size(1);
     const int64_t blocks = (num_keys + kBlockKeys - 1) / kBlockKeys;
     tasks = kv_heads * blocks;
@@ -581,7 +652,7 @@ struct KeyBlocks {
       }
     }
 #endif
-    vector_scores<D>(op, reinterpret_cast<const int32_t*>(queries), rows, k0, k1, scratch.scores);
+    block_scores<D>(op, queries, query_pairs, head, rows, k0, k1, scratch.scores);
     block_weights(op, last_visible.data(), rows, k0, k1, scratch.scores, scratch.weights, maxima, totals);
     block_values<D>(op, scratch.weights, rows, k0, k1, scratch.value_pairs, partial);
   }
