@@ -349,6 +349,14 @@ void block_values(const Operands& op, const at::BFloat16* weights, int64_t rows,
   });
 }
 
+// A thread's working memory for its blocks, kept from call to call and grown when a pass needs more.
+struct Scratch {
+  float* scores;  // [rows, kBlockKeys]
+  at::BFloat16* weights;  // [rows, kBlockKeys]
+  __m512i* value_pairs;  // [kBlockKeys / 2, pairs of 32 dimensions, 2]
+  __m512i* key_pairs;  // [kBlockKeys / 16, D / 2] (tiles only)
+};
+
 #if defined(__AMX_BF16__)
 
 using cascade_tiles::kTileRows;
@@ -484,19 +492,18 @@ void key_tile_scores(const Operands& op, const at::BFloat16* query_pairs, int64_
 // softmax weights (block_weights) and weighted sums. Sums are `partial` [rows, D], maxima and totals [rows].
 template <int D>
 void tile_block(const Operands& op, const at::BFloat16* grouped, const int32_t* last_visible, int64_t rows, int64_t k0,
-                int64_t k1, __m512i* key_pairs, __m512i* value_pairs, float* scores, at::BFloat16* weights,
-                float* partial, float* maxima, float* totals) {
+                int64_t k1, const Scratch& scratch, float* partial, float* maxima, float* totals) {
   constexpr int kSums = 2 * ((D + 31) / 32);
   const int64_t num_pairs = (k1 - k0 + 1) / 2, padded = (num_pairs + kGroupKeys - 1) / kGroupKeys * kGroupKeys;
-  paired_keys<D>(op, k0, k1, key_pairs);
-  paired_values<D, true>(op, k0, k1, value_pairs);
-  std::fill(value_pairs + num_pairs * kSums, value_pairs + padded * kSums, _mm512_setzero_si512());
+  paired_keys<D>(op, k0, k1, scratch.key_pairs);
+  paired_values<D, true>(op, k0, k1, scratch.value_pairs);
+  std::fill(scratch.value_pairs + num_pairs * kSums, scratch.value_pairs + padded * kSums, _mm512_setzero_si512());
   for (int64_t c0 = 0; c0 < rows; c0 += kChunkRows) {
     const int64_t count = std::min(kChunkRows, rows - c0);
     configure_attention_tiles(count);
-    tile_scores<D>(grouped + c0 * D, key_pairs, k1 - k0, scores);
-    block_weights(op, last_visible + c0, count, k0, k1, scores, weights, maxima + c0, totals + c0);
-    tile_values<D>(weights, value_pairs, count, num_pairs, partial + c0 * D);
+    tile_scores<D>(grouped + c0 * D, scratch.key_pairs, k1 - k0, scratch.scores);
+    block_weights(op, last_visible + c0, count, k0, k1, scratch.scores, scratch.weights, maxima + c0, totals + c0);
+    tile_values<D>(scratch.weights, scratch.value_pairs, count, num_pairs, partial + c0 * D);
   }
   _tile_release();
 }
@@ -573,14 +580,6 @@ struct BlockResults {
   }
 };
 
-// A thread's working memory for its blocks, kept from call to call and grown when a pass needs more.
-struct Scratch {
-  float* scores;  // [rows, kBlockKeys]
-  at::BFloat16* weights;  // [rows, kBlockKeys]
-  __m512i* value_pairs;  // [kBlockKeys / 2, pairs of 32 dimensions, 2]
-  __m512i* key_pairs;  // [kBlockKeys / 16, D / 2] (tiles only)
-};
-
 template <int D>
 Scratch thread_scratch(int64_t rows) {
   thread_local std::unique_ptr<char, decltype(&std::free)> memory{nullptr, &std::free};
@@ -647,8 +646,7 @@ struct KeyBlocks {
 #if defined(__AMX_BF16__)
     if constexpr (D % kPairInputs == 0) {  // tiles take 32 dimensions at a time
       if (tiles) {
-        return tile_block<D>(op, queries, last_visible.data(), rows, k0, k1, scratch.key_pairs, scratch.value_pairs,
-                             scratch.scores, scratch.weights, partial, maxima, totals);
+        return tile_block<D>(op, queries, last_visible.data(), rows, k0, k1, scratch, partial, maxima, totals);
       }
     }
 #endif
