@@ -286,13 +286,16 @@ def build_runtime(config: PipelineConfig) -> Runtime:
     if config.prefill_chunk is None:
         config = config.model_copy(update={"prefill_chunk": PREFILL_CHUNKS[device.type]})
     dtype = resolve_dtype(config.dtype, device)
-    options = pass_options(config.kernels, config.attention, device, dtype)
-    target = read_model(config.target, "target", dtype, device, options)
-    prepare_weights(target, config.target, "target", dtype, device)
+    target_path = model_path(config.target, "target")
     uses_draft = any(stage.model == "draft" for stage in config.stages)
+    draft_path = model_path(config.draft, "draft", target_path) if uses_draft or config.draft.path is not None else None
+    # after the models are found: a process's first pass options build the CPU kernels (minutes, once)
+    options = pass_options(config.kernels, config.attention, device, dtype)
+    target = read_model(target_path, config.target, dtype, device, options)
+    prepare_weights(target, config.target, "target", dtype, device)
     draft, translation = None, None
-    if uses_draft or config.draft.path is not None:
-        draft = read_model(config.draft, "draft", dtype, device, options, target=target.path)
+    if draft_path is not None:
+        draft = read_model(draft_path, config.draft, dtype, device, options)
         proposable = None
         if config.draft.cross_tokenizer:
             translation = Translation.between(draft.tokenizer, target.tokenizer, target.model.spec.vocab_size)
@@ -381,17 +384,17 @@ def fused_tokens_for(device: torch.device, dtype: torch.dtype) -> int:
     return MAX_GRAPH_TOKENS if dtype == torch.bfloat16 and fused.use_cpu_kernels() else 1
 
 
+def model_path(config: ModelConfig, role: str, target: Path | None = None) -> Path:
+    """``config``'s checkpoint directory, or the role's default (for a draft: the default for
+    ``target``), fetched if it is not provisioned yet."""
+    return checkpoint_path(config.path) if config.path else default_model(role, target=target)
+
+
 def read_model(
-    config: ModelConfig,
-    role: str,
-    dtype: torch.dtype,
-    device: torch.device,
-    options: PassOptions,
-    target: Path | None = None,
+    path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device, options: PassOptions
 ) -> LoadedModel:
-    """``config``'s checkpoint, or the role's default (for a draft: the default for ``target``), as
-    stored: ``prepare_weights`` then makes its weights what the config asks."""
-    path = checkpoint_path(config.path) if config.path else default_model(role, target=target)
+    """The checkpoint at ``path`` as stored: ``prepare_weights`` then makes its weights what
+    ``config`` asks."""
     scaling = config.rope_scaling.model_dump() if config.rope_scaling else None
     return load_checkpoint(path, dtype, device, scaling, options)
 

@@ -16,10 +16,11 @@ times and from the rooflines, i.e. what faster kernels alone could reach at that
 ``--draft-shape`` and ``--draft-acceptance`` (the draft's per-token acceptance by the retrieval
 stage) it also prints the ceiling of ``triforce``'s three tiers.
 
-The model is the provisioned SmolLM2 (YaRN-stretched to the context), or with ``--shape`` a
-random-weight model of a published shape, for cost-only figures that feed the cost model (e.g.
-Llama-2-7B at 120K tokens on a GPU; ``--draft-shape llama-68m`` adds TriForce's draft step). On
-CUDA, passes of up to 16 tokens replay as CUDA graphs unless ``--no-graphs``.
+The model is the provisioned SmolLM2 or ``--target`` (a catalog name or a directory; YaRN-stretched
+to the context where it needs it), or with ``--shape`` a random-weight model of a published shape,
+for cost-only figures that feed the cost model (e.g. Llama-2-7B at 120K tokens on a GPU;
+``--draft-shape llama-68m`` adds TriForce's draft step). On CUDA, passes of up to 16 tokens
+replay as CUDA graphs unless ``--no-graphs``.
 
 With ``--tree N`` and ``--tree-accepted`` (the tokens a tree of N nodes had accepted per round
 with each ``--reselect`` scoring selecting once per round: ``scripts/acceptance.py --tree N``'s
@@ -54,7 +55,7 @@ from cache.full import FullCache
 from cache.retrieval import RetrievalCacheConfig
 from cache.streaming import StreamingCacheConfig
 from cascade.attention import KERNELS
-from cascade.checkpoint import load_checkpoint, model_spec, yarn_scaling
+from cascade.checkpoint import checkpoint_option, load_checkpoint, model_spec, yarn_scaling
 from cascade.costs import expected_speedup, expected_tokens
 from cascade.graphs import PassGraphs, cuda_graph
 from cascade.limits import matmul_peak, median_seconds, memory_bandwidth
@@ -103,7 +104,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--attention", choices=["auto", *KERNELS], default="auto")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-graphs", action="store_true", help="on CUDA, run every pass eagerly")
-    parser.add_argument("--shape", choices=list(SHAPES), help="a random-weight model of this shape, not SmolLM2")
+    models = parser.add_mutually_exclusive_group()
+    models.add_argument("--target", type=checkpoint_option, help="name or directory (default: the provisioned SmolLM2)")
+    models.add_argument("--shape", choices=list(SHAPES), help="a random-weight model of this shape, not SmolLM2")
     parser.add_argument(
         "--draft-shape",
         choices=list(SHAPES),
@@ -469,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
         bandwidth, peak = memory_bandwidth(args.repeats, device), matmul_peak(dtype, args.repeats, device)
         print(f"{hardware}: ", end="")
     print(f"memory bandwidth {bandwidth / 1e9:.1f} GB/s, {args.dtype} matmul peak {peak / 1e9:.0f} GFLOP/s")
-    path = None if args.shape else default_model("target")
+    path = None if args.shape else args.target or default_model("target")
     rows = []
     print("| context | pass | measured ms | memory-bound ms | compute-bound ms | measured / roofline |")
     print("|---:|---|---:|---:|---:|---:|")
@@ -519,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "hardware": hardware,
         "rooflines_of": str(args.roofline_of) if args.roofline_of else None,
-        "model": args.shape or "SmolLM2",
+        "model": args.shape or path.name,
         "dtype": args.dtype,
         "kernels": args.kernels,
         "attention": args.attention,

@@ -16,11 +16,12 @@ def run_script(command: list[str], **kwargs) -> subprocess.CompletedProcess:
     return result
 
 
-def linked_home(directory: Path) -> Path:
+def linked_home(directory: Path, shared: tuple[str, ...] = ("models", "data", "build")) -> Path:
     """A fresh ``$CASCADE_HOME`` at ``directory`` that reads this machine's provisioned models, documents
-    and built kernels (links to the current home's), so a script's runs land in ``directory/runs``."""
+    and built kernels (``shared``: links to the current home's), so a script's runs land in
+    ``directory/runs`` and its processes do not build the kernels again."""
     directory.mkdir(parents=True, exist_ok=True)
-    for name in ("models", "data", "build"):
+    for name in shared:
         (cascade_home() / name).mkdir(parents=True, exist_ok=True)
         (directory / name).symlink_to(cascade_home() / name, target_is_directory=True)
     return directory

@@ -14,10 +14,9 @@ import sys
 import pytest
 from safetensors import safe_open
 
-from cascade.home import cascade_home
 from cascade.peers.llamacpp import installed_build
 from cascade.runs import run_files
-from tests.scripts import run_script
+from tests.scripts import linked_home, run_script
 
 QUICK_RUN = ["--contexts", "96", "--new-tokens", "8", "--repeats", "1", "--warmups", "0"]
 """One round of 8 new tokens after 96, no warm-ups: the shortest run the bench tests make."""
@@ -26,9 +25,7 @@ QUICK_RUN = ["--contexts", "96", "--new-tokens", "8", "--repeats", "1", "--warmu
 def test_bench_compares_overridden_presets_and_continues_transformers_from_stored_prompts(
     tmp_path, tiny_dir, tiny_draft_dir
 ):
-    home = tmp_path / "home"  # no --out: the report goes to a new run directory under $CASCADE_HOME/runs
-    home.mkdir()
-    (home / "data").symlink_to(cascade_home() / "data")
+    home = linked_home(tmp_path / "home")  # no --out: the report goes to a new run directory under $CASCADE_HOME/runs
     command = [
         sys.executable,
         "scripts/bench.py",
@@ -86,10 +83,9 @@ def test_bench_rejects_overrides_on_implementations_other_than_presets(impl):
 @pytest.mark.skipif(installed_build() is None, reason="llama.cpp is not built (python -m cascade.peers build)")
 @pytest.mark.parametrize("flash_attn, settings", [("both", {"off", "on"}), ("on", {"on"})])
 def test_bench_measures_llama_cpp_beside_cascade_and_reports_the_ratios_to_it(tmp_path, tiny_dir, flash_attn, settings):
-    home = tmp_path / "home"  # the built tools and the documents; the tiny checkpoint's GGUF goes here
-    (home / "peers").mkdir(parents=True)
+    home = linked_home(tmp_path / "home")  # with the built tools; the tiny checkpoint's GGUF goes here
+    (home / "peers").mkdir()
     (home / "peers" / installed_build().root.name).symlink_to(installed_build().root)
-    (home / "data").symlink_to(cascade_home() / "data")
     out = tmp_path / "bench.json"
     command = [
         sys.executable,

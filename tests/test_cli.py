@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerFast
 from cascade.errors import CascadeError
 from cascade.generate import write_json
 from tests.conftest import make_checkpoint
+from tests.scripts import linked_home
 
 
 def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -308,6 +309,7 @@ def test_budget_larger_than_the_prompt_is_refused(tiny_dir, tmp_path):
 
 
 def test_a_catalog_name_selects_the_installed_model(tiny_dir, tmp_path):
+    linked_home(tmp_path, shared=("build",))  # its own models
     install = tmp_path / "models" / "qwen2.5-coder-1.5b-instruct"
     shutil.copytree(tiny_dir, install)
     (install / "cascade.json").write_text(
