@@ -176,7 +176,8 @@ class Pipeline:
         return target_logits
 
     def _draw(self, level: int, context: list[int], count: int) -> Draw:
-        """``count`` tokens from stage ``level``'s distribution after ``context`` (not changed)."""
+        """``count`` tokens from stage ``level``'s distribution after ``context`` (not changed); from
+        the lowest stage, fewer where it ends its proposals early (``stop_below``)."""
         if level == 0:
             return self._decode(context, count)
         drawn = self._round(level, context, count)
@@ -188,13 +189,26 @@ class Pipeline:
         return drawn.first(count)
 
     def _decode(self, context: list[int], count: int) -> Draw:
-        """``count`` tokens the lowest stage decodes by itself after ``context``: each token is fed
-        to the next pass as a device tensor, so no pass waits for the host to read one."""
+        """Up to ``count`` tokens the lowest stage decodes by itself after ``context``: each token is
+        fed to the next pass as a device tensor, so no pass waits for the host to read one (unless
+        the stage ends early in doubt, ``stop_below``: then the host reads each token's confidence)."""
         stage = self.stages[0]
-        drawn = self._draw_from_logits(stage.extend(context, 1))
-        while len(drawn) < count:
-            drawn += self._draw_from_logits(stage.feed(drawn.ids[-1:], 1))
+        logits = stage.extend(context, 1)  # [1, V]
+        drawn = self._draw_from_logits(logits)
+        while len(drawn) < count and not self._in_doubt(stage.stop_below, logits, drawn):
+            logits = stage.feed(drawn.ids[-1:], 1)
+            drawn += self._draw_from_logits(logits)
         return drawn
+
+    @staticmethod
+    def _in_doubt(stop_below: float | None, logits: torch.Tensor, drawn: Draw) -> bool:
+        """Whether the last token was drafted while the most likely one had less than ``stop_below``
+        probability, in the distribution it was drawn from (greedy: the softmax of ``logits`` [1, V]).
+        The stage's own draws alone decide, so where the proposals end changes no output."""
+        if stop_below is None:
+            return False
+        probs = logits[-1].float().softmax(-1) if drawn.probs is None else drawn.probs[-1]  # [V]
+        return probs.max().item() < stop_below
 
     def _round(self, level: int, context: list[int], room: int) -> Draw:
         """One round of stage ``level``: >= 1 tokens of its distribution (at most ``room`` + 1)."""
@@ -213,12 +227,12 @@ class Pipeline:
             return drawn
         proposing = self.clock.mark()
         speculate = self._speculate_tree if proposer.tree is not None else self._speculate
-        verdict, drawn, verifying = speculate(level, context, gamma)  # read: the host has caught up
+        verdict, drawn, verifying, proposed = speculate(level, context, gamma)  # read: the host has caught up
         finished = self.clock.mark()
         timed = self._captured_graphs(level) == captured
         self._record(
             proposer,
-            gamma,
+            proposed,
             verdict,
             self.clock.seconds(proposing, verifying),
             self.clock.seconds(verifying, finished),
@@ -227,20 +241,21 @@ class Pipeline:
         )
         return drawn
 
-    def _speculate(self, level: int, context: list[int], gamma: int) -> tuple[Verdict, Draw, int]:
-        """``gamma`` tokens of stage ``level - 1``'s distribution, verified by stage ``level`` ->
-        (verdict, the tokens it emits with their probabilities, the clock mark where verifying began)."""
+    def _speculate(self, level: int, context: list[int], gamma: int) -> tuple[Verdict, Draw, int, int]:
+        """Up to ``gamma`` tokens of stage ``level - 1``'s distribution, verified by stage ``level`` ->
+        (verdict, the tokens it emits with their probabilities, the clock mark where verifying began,
+        how many were proposed)."""
         proposal = self._draw(level - 1, context, gamma)
         verifying = self.clock.mark()
-        logits = self.stages[level].extend(context, gamma + 1, proposal.ids)  # [G + 1, V]
+        logits = self.stages[level].extend(context, len(proposal) + 1, proposal.ids)  # [G + 1, V]
         verdict, target_probs = self._verify(level, proposal, logits)
         for lower in self.stages[: level + 1]:
             lower.truncate(len(context) + verdict.accepted)
         tokens = proposal.tokens[: verdict.accepted] + [verdict.next_token]
         probs = None if target_probs is None else target_probs[: verdict.accepted + 1]
-        return verdict, Draw.of(tokens, probs, logits.device), verifying
+        return verdict, Draw.of(tokens, probs, logits.device), verifying, len(proposal)
 
-    def _speculate_tree(self, level: int, context: list[int], depth: int) -> tuple[Verdict, Draw, int]:
+    def _speculate_tree(self, level: int, context: list[int], depth: int) -> tuple[Verdict, Draw, int, int]:
         """``_speculate`` for a token tree of ``depth`` levels from the lowest stage (``level`` 1):
         the verifier draws its token after the root and after every node as it would alone, and
         keeps the nodes its draws lead through."""
@@ -262,7 +277,7 @@ class Pipeline:
         rows = [0] + [node + 1 for node in path]  # the verifier's distribution at each emitted token
         tokens = [node_tokens[node] for node in path] + [next_token]
         drawn = Draw.of(tokens, None if probs is None else probs[rows], logits.device)
-        return Verdict(len(path), next_token), drawn, verifying
+        return Verdict(len(path), next_token), drawn, verifying, depth
 
     def _propose_tree(self, context: list[int], depth: int) -> TreeGrowth:
         """The lowest stage's tree of ``depth`` levels after ``context``, a pass per level but the last."""
@@ -290,23 +305,31 @@ class Pipeline:
         return Draw(*draw(logits, self.sampling, self.generator))  # [1], probs [1, V] or None
 
     def _record(
-        self, proposer: Stage, gamma: int, verdict: Verdict, propose_s: float, verify_s: float, clean: bool, timed: bool
+        self,
+        proposer: Stage,
+        proposed: int,
+        verdict: Verdict,
+        propose_s: float,
+        verify_s: float,
+        clean: bool,
+        timed: bool,
     ) -> None:
-        """Count a verified round; its times only if ``timed`` (no pass of it was captured)."""
+        """Count a verified round of ``proposed`` tokens; its times only if ``timed`` (no pass of it was
+        captured)."""
         stats = proposer.stats
         stats.rounds += 1
-        stats.proposed += gamma
+        stats.proposed += proposed
         stats.accepted += verdict.accepted
-        stats.rejections += verdict.accepted < gamma
+        stats.rejections += verdict.accepted < proposed
         if timed:
             stats.timed_rounds += 1
-            stats.record_proposals(gamma, propose_s)
+            stats.record_proposals(proposed, propose_s)
             stats.verify_s += verify_s
         if clean and timed:
-            stats.clean_verifications[gamma] = stats.clean_verifications.get(gamma, 0) + 1
-            stats.clean_verification_s[gamma] = stats.clean_verification_s.get(gamma, 0.0) + verify_s
-        proposer.schedule.observe(stats, gamma, verdict.accepted)
-        proposer.cache.observe_acceptance(gamma, verdict.accepted)
+            stats.clean_verifications[proposed] = stats.clean_verifications.get(proposed, 0) + 1
+            stats.clean_verification_s[proposed] = stats.clean_verification_s.get(proposed, 0.0) + verify_s
+        proposer.schedule.observe(stats, proposed, verdict.accepted)
+        proposer.cache.observe_acceptance(proposed, verdict.accepted)
 
     @staticmethod
     def _record_tree(stats: StageStats, nodes: int, ranks: list[int]) -> None:

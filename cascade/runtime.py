@@ -233,6 +233,7 @@ class Runtime:
                 capture=capture,
                 tree=stage.tree and TokenTree.best_first(stage.tree.rank_acceptance, stage.tree.nodes, stage.gamma),
                 dynamic_tree=stage.tree is not None and stage.tree.dynamic,
+                stop_below=stage.stop_below,
             )
             if translated:
                 stages[index] = TranslatedStage(stages[index], self.translation)

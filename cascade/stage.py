@@ -40,6 +40,7 @@ class Stage:
         capture: Capture | None = None,
         tree: TokenTree | None = None,
         dynamic_tree: bool = False,
+        stop_below: float | None = None,
     ) -> None:
         """``schedule``: how many tokens this stage proposes per round (None for the last stage).
         ``source``: the full-cache stage of the same model whose prompt KV this stage's policy
@@ -47,7 +48,8 @@ class Stage:
         ``prompt_cache``: where a full-cache stage loads and stores its prefilled prompts.
         ``capture``: how short passes are captured as graphs (None: every pass runs eagerly).
         ``tree``: the token tree this stage proposes (at most gamma levels of it), if it does;
-        ``dynamic_tree``: its levels' widths, filled by this stage's path probabilities each round."""
+        ``dynamic_tree``: its levels' widths, filled by this stage's path probabilities each round.
+        ``stop_below``: the confidence under which this stage ends a round's proposals early."""
         self.name = name
         self.model = model
         self.cache_config = cache_config
@@ -57,6 +59,7 @@ class Stage:
         self.capture = capture
         self.tree = tree
         self.dynamic_tree = dynamic_tree
+        self.stop_below = stop_below
         self.cache: CachePolicy | None = None
         self.graphs: PassGraphs | None = None
         if source is None:

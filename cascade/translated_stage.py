@@ -45,6 +45,7 @@ class TranslatedStage:
     cache = property(lambda self: self.inner.cache)
     device = property(lambda self: self.inner.device)
     captured_passes = property(lambda self: self.inner.captured_passes)
+    stop_below = property(lambda self: self.inner.stop_below)
 
     def restart(self, schedule: Schedule | None) -> None:
         self.inner.restart(schedule)

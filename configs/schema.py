@@ -114,6 +114,13 @@ class StageConfig(Strict):
     tree: TreeConfig | None = None
     """Propose a token tree instead of a single continuation (only the first stage, which decodes
     by itself, and not under h2o or topk_oracle caches); null: one continuation of gamma tokens."""
+    stop_below: float | None = Field(None, gt=0, lt=1)
+    """End a round's proposals early, after the first token drafted while the most likely next token
+    had less than this probability (the stage's own next-token distribution, as it draws from it;
+    the softmax of its logits when greedy): confident runs go up to gamma, doubtful ones are verified
+    at once (dynamic draft length, as transformers' ``assistant_confidence_threshold``). Only the
+    first stage, in chains; it decides from the stage's own draws alone, so the output is unchanged.
+    null: always gamma tokens."""
 
     @property
     def speculative_tokens(self) -> int:
@@ -238,6 +245,16 @@ class PipelineConfig(Strict):
                 raise ValueError(
                     f"stages.{index}.tree: a {stage.cache.kind} cache cannot run token-tree "
                     f"passes; use one of {trees}, or tree: null"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _early_stops_fit(self) -> PipelineConfig:
+        for index, stage in enumerate(self.stages):
+            if stage.stop_below is not None and (index != 0 or len(self.stages) == 1 or stage.tree is not None):
+                raise ValueError(
+                    f"stages.{index}.stop_below: only the first stage of two or more ends its proposals "
+                    "early (it decodes by itself), in chains (tree: null); set stop_below: null here"
                 )
         return self
 

@@ -43,6 +43,8 @@ def test_overrides_and_flags_apply_in_order():
         ("stages.0.schedule=greedy", "stages.0.schedule: Input should be 'fixed', 'heuristic' or 'cost_model'"),
         ("sampling", "--set expects dotted.key=value"),
         ("stages.0.model.name=x", "'model' is a single value ('target'), not a group of settings"),
+        ("stages.0.stop_below=0.5", "stages.0.stop_below: only the first stage of two or more ends its proposals"),
+        ("stages.0.stop_below=1", "stages.0.stop_below: Input should be less than 1"),
     ],
 )
 def test_bad_settings_get_specific_messages(override, message):

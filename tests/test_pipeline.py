@@ -99,6 +99,26 @@ def test_triforce_selecting_before_every_pass_of_its_middle_stage_stays_exact(
     assert pipeline.stages[1].cache.selections == middle.forward_calls
 
 
+@pytest.mark.parametrize("draft_is_target", [False, True], ids=["random-draft", "draft=target"])
+def test_a_draft_ending_its_rounds_in_doubt_stays_exact(
+    draft_is_target, tiny_dir, tiny_draft_dir, autoregressive_tokens
+):
+    """A random model's most likely token has far less than 0.99 of its probability, so each round
+    ends at its first proposal; far more than 1e-9, so each round runs as without ``stop_below``."""
+    draft = tiny_dir if draft_is_target else tiny_draft_dir
+
+    def first_stage(*overrides):
+        fixed = ["stages.0.schedule=fixed", "stages.0.gamma=4", *overrides]
+        result = generate(runtime_for("speculative", tiny_dir, draft, fixed), PROMPT)
+        assert result.token_ids == autoregressive_tokens
+        stats = result.stats.stages[0]
+        return stats.rounds, stats.proposed, stats.accepted
+
+    rounds, proposed, _ = first_stage("stages.0.stop_below=0.99")
+    assert rounds > 1 and proposed == rounds
+    assert first_stage("stages.0.stop_below=1e-9") == first_stage()
+
+
 @pytest.mark.parametrize("schedule", ["fixed", "heuristic", "cost_model"])
 def test_adaptive_schedules_stay_exact(schedule, tiny_dir, tiny_draft_dir, autoregressive_tokens):
     overrides = SMALL_CACHES["triforce"] + [f"stages.{i}.schedule={schedule}" for i in (0, 1)]

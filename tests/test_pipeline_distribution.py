@@ -52,6 +52,7 @@ class ToyStage:
         self.captured_passes = 0  # runs nothing as graphs
         self.tree: TokenTree | None = None
         self.dynamic_tree = False
+        self.stop_below: float | None = None
 
     @property
     def length(self) -> int:
@@ -140,6 +141,18 @@ SAMPLINGS = [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, to
 def test_two_levels_emit_the_target_distribution(sampling, draft):
     pipeline = Pipeline(cascade_of([draft, TARGET], [4]), sampling, prefill_chunk=16)
     assert follows_target(emitted_transitions(pipeline), sampling) > P_FLOOR
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["plain", "transformed"])
+@pytest.mark.parametrize("draft", [CLOSE, BAD], ids=["close-draft", "bad-draft"])
+def test_a_draft_ending_its_rounds_in_doubt_emits_the_target_distribution(sampling, draft):
+    """Each draft has rows whose most likely token is above 0.6 and rows where it is below."""
+    stages = cascade_of([draft, TARGET], [4])
+    stages[0].stop_below = 0.6
+    pipeline = Pipeline(stages, sampling, prefill_chunk=16)
+    assert follows_target(emitted_transitions(pipeline), sampling) > P_FLOOR
+    stats = stages[0].stats
+    assert stats.rounds < stats.proposed < 4 * stats.rounds  # rounds of 1 to 4 proposals
 
 
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
