@@ -6,7 +6,7 @@ and each layer also pays for a dozen small ops. On a CPU with AVX512-BF16, bf16 
 layer's work before attention (RMSNorm, the QKV product, bias, rotary) and after it (the output
 product, residual, RMSNorm, gate/up product, SiLU, down product, residual) as one C++ op each, and
 the logits as a third (``cascade.kernels``, ``layer.cpp``): the products are cascade's kernels (AMX or AVX-512),
-for bf16 weights or the int8 ones of ``cascade.quantise``, and no graph guard or wrapper runs per
+for bf16 weights or the int8 and 4-bit ones of ``cascade.quantise``, and no graph guard or wrapper runs per
 layer (a SmolLM2 step at 1K: 20 ms, against 25 ms as compiled graphs around the same kernels).
 Over a plain cache (``CachePolicy.plain_pass``: the full cache, a streaming one, a retrieval one
 between selections) every layer of such a pass, its attention and K/V writes included, is a single
@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from cache.base import AttentionView
 from cascade import kernels
 from cascade.attention import AttentionKernel
-from cascade.quantise import dense_int8_product
+from cascade.quantise import dense_quantised_product
 from cascade.rope import apply_rotary
 from cascade.tuning import machine_tuning
 
@@ -52,34 +52,34 @@ cpu_layers = False
 """Whether bf16 passes of up to ``MAX_KERNEL_ROWS`` tokens on CPU run each layer's work around
 attention (and the logits) as cascade's C++ ops (``cascade.kernels``, ``layer.cpp``) instead of the
 compiled graphs: no graph guards, wrappers or small kernels per layer (set by ``use_cpu_kernels``)."""
-int8_kernel = False
-"""Whether those ops take int8 weights (``cascade.quantise``) too, with cascade's int8 kernel
-(AMX-INT8 or AVX512-VNNI; set by ``use_cpu_kernels``); without it an int8 model's passes run the compiled graphs."""
+quantised_kernels = False
+"""Whether those ops take int8 and 4-bit weights (``cascade.quantise``) too, with cascade's kernels for
+them (AVX512-VNNI; set by ``use_cpu_kernels``); without them a quantised model's passes run the compiled graphs."""
 attention_kernel = False
 """Whether bf16 attention of these passes over an unmasked or causal view goes through cascade's
 flash-decoding kernel on CPU (set by ``use_cpu_kernels``)."""
 
 
 def use_cpu_kernels() -> bool:
-    """Route short bf16 passes' layers (and, where their kernels build, their int8 products and attention) through
+    """Route short bf16 passes' layers (and, where their kernels build, their quantised products and attention) through
     ``cascade.kernels`` where they build and run here; returns whether the layer ops do."""
-    global cpu_layers, int8_kernel, attention_kernel
+    global cpu_layers, quantised_kernels, attention_kernel
     cpu_layers = kernels.weight_kernel_available()
-    int8_kernel = kernels.int8_kernel_available()
+    quantised_kernels = kernels.quantised_kernels_available()
     attention_kernel = kernels.attention_kernel_available()
     return cpu_layers
 
 
 Weight = tuple[torch.Tensor, "torch.Tensor | None"]
-"""A projection's weight [O, I] and, for an int8 one (``cascade.quantise``), its scale per row [O]."""
+"""A projection's weight [O, I] and, for a quantised one (``cascade.quantise``), its scales."""
 
 
 def _project(rows: torch.Tensor, weight: Weight) -> torch.Tensor:
     """rows [T, I] times weight [O, I] -> [T, O] in float32, reading the weight once: one row as a
-    multiply-and-sum, several as a matrix product, an int8 weight (``cascade.quantise``) unpacked."""
+    multiply-and-sum, several as a matrix product, a quantised weight (``cascade.quantise``) unpacked."""
     values, scales = weight
     if scales is not None:
-        return dense_int8_product(rows, values, scales)
+        return dense_quantised_product(rows, values, scales)
     if rows.shape[0] == 1:
         return (values * rows[:, None]).sum(-1, dtype=torch.float32)  # [1, O, I] summed
     return F.linear(rows, values).float()
@@ -151,7 +151,7 @@ compiled_attention = torch.compile(_attention, dynamic=True)
 def _on_cpu_layers(x: torch.Tensor, *weights: Weight) -> bool:
     """Whether a pass with residual stream x [T, C] and these weights runs on cascade's layer ops."""
     short_bf16 = x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.shape[0] <= kernels.MAX_KERNEL_ROWS
-    return cpu_layers and short_bf16 and (int8_kernel or all(scales is None for _, scales in weights))
+    return cpu_layers and short_bf16 and (quantised_kernels or all(scales is None for _, scales in weights))
 
 
 def pre_attention(
@@ -196,14 +196,14 @@ def logits(x: torch.Tensor, norm_weight: torch.Tensor, head: Weight, eps: float)
 
 
 LayerOperands = tuple[list[torch.Tensor], list[torch.Tensor], list["torch.Tensor | None"], list["torch.Tensor | None"]]
-"""Every layer's (norms, projection weights, their int8 scales, qkv bias) in ``decoder_layers``' order:
+"""Every layer's (norms, projection weights, their quantisation scales, qkv bias) in ``decoder_layers``' order:
 per layer the input and post-attention norms; the qkv, o, gate/up and down weights and scales; the bias."""
 
 
 def decoder_layers_apply(x: torch.Tensor, head_dim: int, quantised: bool) -> bool:
     """Whether ``decoder_layers`` can run a pass with residual stream x [T, C] over layers of this
-    head size, their projections int8 (``cascade.quantise``) or not."""
-    ours = head_dim in kernels.ATTENTION_HEAD_SIZES and (int8_kernel or not quantised)
+    head size, their projections quantised (``cascade.quantise``) or not."""
+    ours = head_dim in kernels.ATTENTION_HEAD_SIZES and (quantised_kernels or not quantised)
     return attention_kernel and ours and _on_cpu_layers(x)
 
 

@@ -250,7 +250,7 @@ class CausalLM(nn.Module):
     def _kernel_operands(self) -> fused.LayerOperands:
         """Every layer's ``Block.kernel_operands``, gathered once (~0.4 ms of module lookups, 4% of a
         SmolLM2 step at 1K) and gathered again when the output projection is no longer the one they
-        were gathered with: ``quantise_int8`` replaces it together with every layer's projections.
+        were gathered with: ``quantise`` replaces it together with every layer's projections.
         Moving weights (``move_to_huge_pages``) keeps the tensors, so the lists stay valid."""
         if self._operands is None or self._operands[0] is not self.lm_head:
             operands = [block.kernel_operands() for block in self.layers]

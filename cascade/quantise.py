@@ -1,4 +1,5 @@
-"""Int8 weights for a draft: half the bytes a pass reads, verified by the bf16 target.
+"""Int8 or 4-bit weights for a draft: a half or about 0.3 of the bytes a pass reads, verified by the
+bf16 target.
 
 A draft's proposals only decide how many tokens a round keeps, never which (the target verifies
 each one), so a draft may run on rounded weights and the output stays the target's own. Each
@@ -6,10 +7,14 @@ projection's weight becomes int8 per output row, symmetric (scale = the row's la
 127), as QuantSpec drafts with the target's own quantised weights. The embedding stays as loaded
 (a pass reads one row of it); a tied output projection is quantised apart from it.
 
-The int8 weight is kept packed for cascade's int8 kernel (``rows_times_int8.cpp``, which also
-quantises the activations, per 64 inputs): the fused passes of ``cascade.fused`` go through it on a
-CPU with AMX-INT8 or AVX512-VNNI. Everything else (prefill chunks, eager passes, other devices) unpacks the weight
-and takes the dense product with unquantised activations (``dense_int8_product``).
+4-bit weights (``Int4Linear``) hold levels 0..15 per input with a float16 scale and low per group of
+32 inputs of a row (asymmetric, as llama.cpp's Q4_K sub-blocks: the Qwen2.5 drafts, dequantised from
+Q4_K GGUFs, keep nearly their own weights), 5 bits a weight in all.
+
+The weights are kept packed for cascade's kernels (``rows_times_int8.cpp``, ``rows_times_int4.cpp``,
+which also quantise the activations, per 64 inputs): the fused passes of ``cascade.fused`` go through
+them on a CPU with AVX512-VNNI. Everything else (prefill chunks, eager passes, other devices) unpacks
+the weight and takes the dense product with unquantised activations (``dense_quantised_product``).
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ if TYPE_CHECKING:  # the model's fused passes import this module
 
 BLOCK_OUTPUTS, BLOCK_INPUTS = 16, 64
 """Output rows and inputs of one packed weight block (the int8 kernel's tile operand)."""
+GROUP_INPUTS = 32
+"""Inputs of a 4-bit weight's row that share a scale and a low."""
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -57,31 +64,97 @@ class Int8Linear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = dense_int8_product(x.reshape(-1, x.shape[-1]), self.weight, self.scales).to(x.dtype)  # [N, O]
-        out = out.reshape(*x.shape[:-1], -1)
-        return out if self.bias is None else out + self.bias
+        return quantised_forward(self, x)
 
 
-def dense_int8_product(rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """rows [N, I] times a packed int8 weight with scales [O] -> [N, O] in float32, unpacked."""
-    weight = unpack(packed, scales.shape[0], rows.shape[1]).to(rows.dtype)  # [O, I]
+def pack_int4(levels: torch.Tensor) -> torch.Tensor:
+    """Levels [O, I] in 0..15 -> uint8 [O' / 16, I' / 64, 8, 64], O and I padded with zeros to O', I':
+    per block of 16 outputs and 64 inputs, 4 lines per group of 32 inputs, line j holding inputs
+    4j..4j+3 of the group of each output in its low nibbles and inputs 16+4j..16+4j+3 in its high ones."""
+    outputs, inputs = levels.shape
+    padded = F.pad(levels.to(torch.uint8), (0, -inputs % BLOCK_INPUTS, 0, -outputs % BLOCK_OUTPUTS))  # [O', I']
+    blocks = padded.view(padded.shape[0] // BLOCK_OUTPUTS, BLOCK_OUTPUTS, -1, 2, 2, 4, 4)
+    # blocks [O'/16, 16 outputs, I'/64, group, half, line, 4 inputs]
+    lines = blocks.permute(0, 2, 3, 4, 5, 1, 6)  # [O'/16, I'/64, group, half, line, 16 outputs, 4 inputs]
+    packed = lines[:, :, :, 0] | (lines[:, :, :, 1] << 4)  # [O'/16, I'/64, group, line, 16, 4]
+    return packed.reshape(packed.shape[0], packed.shape[1], 8, 64).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor, outputs: int, inputs: int) -> torch.Tensor:
+    """``pack_int4``'s inverse: uint8 [O' / 16, I' / 64, 8, 64] -> levels [O, I] uint8."""
+    lines = packed.view(*packed.shape[:2], 2, 4, BLOCK_OUTPUTS, 4)  # [O'/16, I'/64, group, line, 16, 4]
+    halves = torch.stack([lines & 0x0F, lines >> 4], dim=3)  # [O'/16, I'/64, group, half, line, 16, 4]
+    levels = halves.permute(0, 5, 1, 2, 3, 4, 6)  # [O'/16, 16, I'/64, group, half, line, 4]
+    return levels.reshape(packed.shape[0] * BLOCK_OUTPUTS, -1)[:outputs, :inputs]
+
+
+class Int4Linear(nn.Module):
+    """``nn.Linear`` with 4-bit levels, packed, and per group of 32 inputs of a row a float16 scale
+    and low [O, I' / 32, 2]: a weight is scale * level + low, levels spanning each group's range."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        weight = linear.weight.detach().float()  # [O, I]
+        groups = F.pad(weight, (0, -weight.shape[1] % BLOCK_INPUTS)).view(weight.shape[0], -1, GROUP_INPUTS)
+        low = groups.amin(dim=-1).half().float()  # [O, G]
+        scale = ((groups.amax(dim=-1) - low) / 15).half().float()  # [O, G]
+        step = torch.where(scale > 0, scale, 1.0)[..., None]
+        levels = torch.round((groups - low[..., None]) / step).clamp(0, 15)  # [O, G, 32]
+        self.in_features = weight.shape[1]
+        self.register_buffer("weight", pack_int4(levels.view(weight.shape[0], -1)[:, : self.in_features]))
+        self.register_buffer("scales", torch.stack([scale, low], dim=-1).half())  # [O, G, 2]
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return quantised_forward(self, x)
+
+
+QuantisedLinear = Int8Linear | Int4Linear
+BITS = {8: Int8Linear, 4: Int4Linear}
+"""The quantised projection of each weight width ``quantise`` takes."""
+
+
+def quantised_forward(linear: QuantisedLinear, x: torch.Tensor) -> torch.Tensor:
+    """x [..., I] -> [..., O] through the unpacked weight (the eager path; short CPU passes take the kernels)."""
+    out = dense_quantised_product(x.reshape(-1, x.shape[-1]), linear.weight, linear.scales).to(x.dtype)  # [N, O]
+    out = out.reshape(*x.shape[:-1], -1)
+    return out if linear.bias is None else out + linear.bias
+
+
+def dense_quantised_product(rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """rows [N, I] times a packed int8 (scales [O]) or 4-bit (uint8, scales [O, G, 2]) weight -> [N, O]
+    in float32, the weight unpacked."""
+    inputs = rows.shape[1]
+    if packed.dtype == torch.uint8:
+        levels = unpack_int4(packed, scales.shape[0], scales.shape[1] * GROUP_INPUTS).float()  # [O, G * 32]
+        groups = levels.view(scales.shape[0], -1, GROUP_INPUTS) * scales[..., :1].float() + scales[..., 1:].float()
+        return F.linear(rows, groups.flatten(1)[:, :inputs].to(rows.dtype)).float()
+    weight = unpack(packed, scales.shape[0], inputs).to(rows.dtype)  # [O, I]
     return F.linear(rows, weight).float() * scales
 
 
-def quantise_int8(model: CausalLM) -> CausalLM:
-    """Replace ``model``'s projections (the output projection included) with ``Int8Linear`` in place."""
+def quantise(model: CausalLM, bits: int) -> CausalLM:
+    """Replace ``model``'s projections (the output projection included) with int8 (``bits`` 8) or
+    4-bit (4) ones in place."""
+    quantised = BITS[bits]
     for block in model.layers:
         attn, mlp = block.self_attn, block.mlp
-        attn.qkv_proj, attn.o_proj = Int8Linear(attn.qkv_proj), Int8Linear(attn.o_proj)
-        mlp.gate_up_proj, mlp.down_proj = Int8Linear(mlp.gate_up_proj), Int8Linear(mlp.down_proj)
-    model.lm_head = Int8Linear(model.lm_head)
+        attn.qkv_proj, attn.o_proj = quantised(attn.qkv_proj), quantised(attn.o_proj)
+        mlp.gate_up_proj, mlp.down_proj = quantised(mlp.gate_up_proj), quantised(mlp.down_proj)
+    model.lm_head = quantised(model.lm_head)
     return model
 
 
+def quantisation(model: CausalLM) -> str:
+    """How ``model``'s weights are stored: "int8", "int4" or "none"."""
+    bits = {Int8Linear: "int8", Int4Linear: "int4"}
+    return bits.get(type(model.lm_head), "none")
+
+
 def is_quantised(model: CausalLM) -> bool:
-    return isinstance(model.lm_head, Int8Linear)
+    return quantisation(model) != "none"
 
 
 def projection(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A projection's (weight, per-row scales), the scales None for an unquantised one."""
-    return (linear.weight, linear.scales) if isinstance(linear, Int8Linear) else (linear.weight, None)
+    """A projection's (weight, scales), the scales None for an unquantised one."""
+    return (linear.weight, linear.scales) if isinstance(linear, QuantisedLinear) else (linear.weight, None)

@@ -22,7 +22,7 @@ from cascade.model import CausalLM, PassOptions
 from cascade.models import checkpoint_path, default_model
 from cascade.pipeline import GenerationResult, Pipeline, StopRule, TokenCallback
 from cascade.prompt_cache import PromptCache, model_key
-from cascade.quantise import is_quantised, quantise_int8
+from cascade.quantise import quantisation, quantise
 from cascade.schedule import SCHEDULES, Schedule
 from cascade.stage import Stage
 from cascade.stop_strings import StopStrings
@@ -350,7 +350,7 @@ def prompt_cache(config: PipelineConfig, loaded: LoadedModel, model_config: Mode
         "fused_tokens": model.fused_tokens,
         "attention": model.attention,
         "rope_scaling": model_config.rope_scaling.model_dump() if model_config.rope_scaling else None,
-        "quantise": "int8" if is_quantised(model) else "none",
+        "quantise": quantisation(model),
         "frequent_tokens": model_config.frequent_tokens,  # the stored last logits are the kept tokens'
         **({"cross_tokenizer": True} if model_config.cross_tokenizer else {}),  # (keys stored before stay)
     }
@@ -409,7 +409,7 @@ def prepare_weights(
     proposable: torch.Tensor | None = None,
 ) -> None:
     """The output projection cut to the tokens the model may propose (its ``frequent_tokens``, of
-    the ``proposable`` ones [K] if given: a cross-tokenizer draft's shared tokens), int8 weights if
+    the ``proposable`` ones [K] if given: a cross-tokenizer draft's shared tokens), int8 or 4-bit weights if
     the config asks, and the weights moved into huge pages."""
     kept = None if config.frequent_tokens is None else frequent_output(loaded, config.frequent_tokens, role)
     if proposable is not None:
@@ -417,8 +417,9 @@ def prepare_weights(
         kept = proposable if kept is None else kept[torch.isin(kept, proposable)]
     if kept is not None:
         loaded.model.keep_output_tokens(kept)
-    if int8_weights(config.quantise, dtype, device):
-        quantise_int8(loaded.model)
+    bits = weight_bits(config.quantise, dtype, device)
+    if bits is not None:
+        quantise(loaded.model, bits)
     move_to_huge_pages(loaded.model)
 
 
@@ -433,11 +434,12 @@ def frequent_output(loaded: LoadedModel, count: int, role: str) -> torch.Tensor:
     return frequent_tokens(loaded.tokenizer, vocab_size, count).to(loaded.model.device)
 
 
-def int8_weights(setting: str, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether a model whose config says ``quantise: setting`` gets int8 weights here."""
+def weight_bits(setting: str, dtype: torch.dtype, device: torch.device) -> int | None:
+    """The weight width (8 or 4 bits) a model whose config says ``quantise: setting`` gets here, None
+    for its weights as loaded."""
     if setting == "auto":
-        return device.type == "cpu" and dtype == torch.bfloat16 and kernels.int8_kernel_available()
-    return setting == "int8"
+        return 8 if device.type == "cpu" and dtype == torch.bfloat16 and kernels.quantised_kernels_available() else None
+    return {"int8": 8, "int4": 4}.get(setting)
 
 
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:

@@ -32,11 +32,12 @@ class ModelConfig(Strict):
     null means the default model provisioned for this role."""
     rope_scaling: RopeScalingConfig | None = None
     """Override the checkpoint's rope scaling (e.g. YaRN to run SmolLM2 beyond 8K tokens)."""
-    quantise: Literal["none", "int8", "auto"] = "none"
-    """Draft only: int8 projections, per output channel (half the bytes a bf16 pass reads). The
-    target verifies every token, so the output is still the target's own; naming the target's own
-    checkpoint as the draft makes a quantised self-draft. auto: int8 where cascade's int8 kernel
-    runs (bf16 on a CPU with AMX-INT8 or AVX512-VNNI), elsewhere the weights as loaded (unpacking int8 weights for
+    quantise: Literal["none", "int8", "int4", "auto"] = "none"
+    """Draft only: int8 projections, per output channel (half the bytes a bf16 pass reads), or int4:
+    4-bit levels with a scale and a low per 32 inputs (5 bits a weight, as llama.cpp's Q4_K sub-blocks).
+    The target verifies every token, so the output is still the target's own; naming the target's own
+    checkpoint as the draft makes a quantised self-draft. auto: int8 where cascade's quantised kernels
+    run (bf16 on a CPU with AVX512-VNNI), elsewhere the weights as loaded (unpacking quantised weights for
     every product would be slower than bf16)."""
     frequent_tokens: int | None = Field(None, ge=256)
     """Draft only: keep the output projection's rows of this many tokens alone, the most frequent

@@ -1,8 +1,8 @@
-"""Int8 drafts: the packed weight holds the rounded weight; the AMX kernel computes exactly the
-integer sums of per-64-input quantised activations; fused int8 passes run the kernel and stay as
-close to the bf16 model as the eager int8 passes; a speculative run with an int8 draft (a separate
-draft, or the target's own weights) decodes exactly the target's greedy output; the target itself
-cannot be quantised."""
+"""Int8 and 4-bit drafts: the packed weight holds the rounded weight; the kernels compute exactly the
+integer sums of per-64-input quantised activations; fused quantised passes run the kernels and stay
+as close to the bf16 model as the eager quantised passes; a speculative run with a quantised draft (a
+separate draft, or the target's own weights) decodes exactly the target's greedy output; the target
+itself cannot be quantised."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ from pydantic import ValidationError
 from cascade import fused, kernels
 from cascade.checkpoint import load_model
 from cascade.graphs import MAX_GRAPH_TOKENS
-from cascade.quantise import Int8Linear, pack, quantise_int8, unpack
+from cascade.quantise import Int4Linear, Int8Linear, pack, pack_int4, quantise, unpack, unpack_int4
 from configs.schema import PipelineConfig
 from tests.conftest import make_checkpoint
 from tests.test_fused import CPU, SHORT_PASSES, decode, layer_op_calls, layer_op_calls_expected
 from tests.test_pipeline import PROMPT, generate, runtime_for
 
-needs_int8_kernel = pytest.mark.skipif(
-    not kernels.int8_kernel_available(), reason="cascade's int8 kernel needs AMX-INT8 or AVX512-VNNI and a C++ compiler"
+needs_quantised_kernels = pytest.mark.skipif(
+    not kernels.quantised_kernels_available(), reason="cascade's quantised kernels need AVX512-VNNI and a C++ compiler"
 )
 SHAPES = [(960, 576), (96, 1536), (101, 64), (7, 37), (33, 130), (16, 64)]
 
@@ -57,7 +57,7 @@ def reference_int8_product(rows: torch.Tensor, quantised: Int8Linear) -> torch.T
     return (sums * row_scales.double().squeeze(-1)[:, None, :]).sum(-1) * quantised.scales.double()
 
 
-@needs_int8_kernel
+@needs_quantised_kernels
 @pytest.mark.parametrize("num_rows", [1, 2, 5, 16])
 @pytest.mark.parametrize("outputs, inputs", SHAPES)
 def test_int8_kernel_equals_its_arithmetic_in_float64(num_rows, outputs, inputs):
@@ -72,7 +72,7 @@ def test_int8_kernel_equals_its_arithmetic_in_float64(num_rows, outputs, inputs)
     assert (got.double() - exact).abs().max() <= 0.02 * exact.abs().max()  # int8 keeps ~2 digits
 
 
-@needs_int8_kernel
+@needs_quantised_kernels
 @pytest.mark.parametrize("num_rows", [1, 3, 16])
 def test_int8_kernel_amx_and_vnni_paths_compute_the_same_sums(num_rows):
     if "amx_int8" not in kernels.compiled_features():
@@ -88,7 +88,7 @@ def test_int8_kernel_amx_and_vnni_paths_compute_the_same_sums(num_rows):
     assert torch.equal(tiles, vectors)  # exact int32 block sums either way
 
 
-@needs_int8_kernel
+@needs_quantised_kernels
 def test_int8_kernel_refuses_what_it_cannot_take():
     quantised = Int8Linear(linear(32, 128, seed=0))
     with pytest.raises(RuntimeError, match="rows have 64 columns, the packed weight 128"):
@@ -99,11 +99,65 @@ def test_int8_kernel_refuses_what_it_cannot_take():
         torch.ops.cascade_kernels.rows_times_int8(torch.randn(1, 128), quantised.weight, quantised.scales)
 
 
-@needs_int8_kernel
-def test_fused_int8_passes_run_the_layer_ops_and_stay_as_close_to_bf16_as_eager_int8(tmp_path):
+@pytest.mark.parametrize("outputs, inputs", SHAPES)
+def test_int4_packing_keeps_every_level_and_rounding_stays_within_half_a_step(outputs, inputs):
+    layer = linear(outputs, inputs, seed=outputs + inputs)
+    quantised = Int4Linear(layer)
+    levels = unpack_int4(quantised.weight, outputs, inputs)
+    assert levels.max() <= 15 and torch.equal(unpack_int4(pack_int4(levels), outputs, inputs), levels)
+    scale, low = (part.double().repeat_interleave(32, dim=1)[:, :inputs] for part in quantised.scales.unbind(-1))
+    error = (levels.double() * scale + low - layer.weight.double()).abs()
+    assert (error <= scale / 2 + 2**-11 * low.abs() + 1e-12).all()  # half a step, and the low's float16 rounding
+
+
+def reference_int4_product(rows: torch.Tensor, quantised: Int4Linear) -> torch.Tensor:
+    """The int4 kernel's arithmetic: activations rounded per 64 inputs as for int8, integer sums per
+    group of 32 times its scale, plus its low times the group's sum of activations, in float64."""
+    outputs, inputs = quantised.scales.shape[0], rows.shape[1]
+    levels = unpack_int4(quantised.weight, outputs, inputs).double()  # [O, I]
+    blocks = torch.nn.functional.pad(rows.float(), (0, -inputs % 64)).view(rows.shape[0], -1, 64)  # [T, B, 64]
+    row_scales = blocks.abs().amax(dim=-1, keepdim=True) / 127  # [T, B, 1] float32
+    activations = torch.round(blocks * torch.where(row_scales > 0, 1 / row_scales, 0)).double()
+    groups = activations.view(rows.shape[0], -1, 32)  # [T, G, 32]
+    padded = torch.nn.functional.pad(levels, (0, -inputs % 64)).view(outputs, -1, 32)  # [O, G, 32]
+    scale, low = quantised.scales.double().unbind(-1)  # [O, G] each
+    sums = torch.einsum("tgi,ogi->tog", groups, padded) * scale + groups.sum(-1)[:, None, :] * low  # [T, O, G]
+    return (sums.view(*sums.shape[:2], -1, 2).sum(-1) * row_scales.double().squeeze(-1)[:, None, :]).sum(-1)
+
+
+@needs_quantised_kernels
+@pytest.mark.parametrize("num_rows", [1, 2, 5, 16])
+@pytest.mark.parametrize("outputs, inputs", SHAPES)
+def test_int4_kernel_equals_its_arithmetic_in_float64(num_rows, outputs, inputs):
+    quantised = Int4Linear(linear(outputs, inputs, seed=num_rows))
+    rows = torch.randn(num_rows, inputs, generator=torch.Generator().manual_seed(inputs)).bfloat16()
+    rows[0, :3] = 0
+    got = torch.ops.cascade_kernels.rows_times_int4(rows, quantised.weight, quantised.scales)
+    assert got.dtype == torch.float32 and got.shape == (num_rows, outputs)
+    expected = reference_int4_product(rows, quantised)
+    torch.testing.assert_close(got.double(), expected, atol=1e-4 * expected.abs().max().item(), rtol=1e-5)
+    exact = rows.double() @ linear(outputs, inputs, seed=num_rows).weight.double().T
+    assert (got.double() - exact).norm() <= 0.15 * exact.norm()  # 16 levels per group: ~10% of each weight's spread
+
+
+@needs_quantised_kernels
+def test_int4_kernel_refuses_what_it_cannot_take():
+    quantised, product = Int4Linear(linear(32, 128, seed=0)), torch.ops.cascade_kernels.rows_times_int4
+    rows = torch.randn(1, 128).bfloat16()
+    with pytest.raises(RuntimeError, match="rows have 64 columns, the packed weight 128"):
+        product(rows[:, :64], quantised.weight, quantised.scales)
+    with pytest.raises(RuntimeError, match="float16 scales and lows"):
+        product(rows, quantised.weight, quantised.scales.float())
+    with pytest.raises(RuntimeError, match="do not fit a packed weight"):
+        product(rows, quantised.weight, quantised.scales[:8])
+
+
+@needs_quantised_kernels
+@pytest.mark.parametrize("bits", [8, 4])
+def test_fused_quantised_passes_run_the_layer_ops_and_stay_as_close_to_bf16_as_eager_ones(tmp_path, bits):
     checkpoint = make_checkpoint(tmp_path / "m", "qwen2-bias")
     reference = decode(load_model(checkpoint, torch.bfloat16, CPU), "full", 0, SHORT_PASSES).float()
-    model = quantise_int8(load_model(checkpoint, torch.bfloat16, CPU))
+    model = quantise(load_model(checkpoint, torch.bfloat16, CPU), bits)
     fused.use_cpu_kernels()
     eager_error = (decode(model, "full", 0, SHORT_PASSES).float() - reference).abs().mean()
     decode(model, "full", MAX_GRAPH_TOKENS, SHORT_PASSES)  # compiles
@@ -113,41 +167,44 @@ def test_fused_int8_passes_run_the_layer_ops_and_stay_as_close_to_bf16_as_eager_
     assert layer_op_calls(profile) == layer_op_calls_expected(model, SHORT_PASSES)
 
 
-@needs_int8_kernel
-def test_a_model_quantised_after_fused_passes_runs_its_int8_weights(tmp_path):
+@needs_quantised_kernels
+def test_a_model_quantised_after_fused_passes_runs_its_quantised_weights(tmp_path):
     """The layer op's operands are gathered once per model: quantising afterwards must not leave the
     passes on the bf16 weights gathered before."""
     checkpoint = make_checkpoint(tmp_path / "m", "qwen2-bias")
     fused.use_cpu_kernels()
-    quantised_first = quantise_int8(load_model(checkpoint, torch.bfloat16, CPU))
+    quantised_first = quantise(load_model(checkpoint, torch.bfloat16, CPU), 4)
     expected = decode(quantised_first, "full", MAX_GRAPH_TOKENS, SHORT_PASSES)
     model = load_model(checkpoint, torch.bfloat16, CPU)
     bf16 = decode(model, "full", MAX_GRAPH_TOKENS, SHORT_PASSES)
-    quantise_int8(model)
+    quantise(model, 4)
     assert torch.equal(decode(model, "full", MAX_GRAPH_TOKENS, SHORT_PASSES), expected)
     assert not torch.equal(expected, bf16)
 
 
-@pytest.mark.parametrize("self_draft", [False, True], ids=["int8-draft", "int8-self-draft"])
-def test_speculation_with_an_int8_draft_decodes_the_targets_greedy_output(self_draft, tiny_dir, tiny_draft_dir):
+@pytest.mark.parametrize("self_draft", [False, True], ids=["draft", "self-draft"])
+@pytest.mark.parametrize("setting, linear_type", [("int8", Int8Linear), ("int4", Int4Linear)])
+def test_speculation_with_a_quantised_draft_decodes_the_targets_greedy_output(
+    setting, linear_type, self_draft, tiny_dir, tiny_draft_dir
+):
     expected = generate(runtime_for("autoregressive", tiny_dir, tiny_draft_dir), PROMPT).token_ids
     draft = tiny_dir if self_draft else tiny_draft_dir
-    runtime = runtime_for("speculative", tiny_dir, draft, ["draft.quantise=int8", "stages.0.schedule=fixed"])
-    assert isinstance(runtime.draft.model.lm_head, Int8Linear)
+    runtime = runtime_for("speculative", tiny_dir, draft, [f"draft.quantise={setting}", "stages.0.schedule=fixed"])
+    assert isinstance(runtime.draft.model.lm_head, linear_type)
     result = generate(runtime, PROMPT)
     assert result.token_ids == expected
     draft_stage = result.stats.stages[0]
     assert draft_stage.rounds > 0
-    if self_draft:  # the target's own weights, rounded, agree with it far more often than chance (the
-        assert draft_stage.acceptance_rate > 0.5  # tiny model's near-uniform logits flip under rounding)
+    if self_draft and setting == "int8":  # the target's own weights, rounded, agree with it far more often
+        assert draft_stage.acceptance_rate > 0.5  # than chance (16 levels flip the tiny model's near-uniform logits)
 
 
-@needs_int8_kernel
+@needs_quantised_kernels
 def test_an_int8_draft_catches_up_in_passes_its_kernels_take(tiny_dir, tiny_draft_dir, monkeypatch):
     """A draft the cost model bypassed resumes on every token it skipped: with int8 weights those go
     in passes of at most the compiled kernels' width (a wider pass would unpack every weight), the
     last of them with the token whose logits are asked for."""
-    for name in ("cpu_layers", "int8_kernel", "attention_kernel"):  # the runtime sets them: restore them after
+    for name in ("cpu_layers", "quantised_kernels", "attention_kernel"):  # the runtime sets them: restore them after
         monkeypatch.setattr(fused, name, getattr(fused, name))
     runtime = runtime_for("speculative", tiny_dir, tiny_draft_dir, ["draft.quantise=int8"], dtype="bfloat16")
     draft = runtime.pipeline_for(len(PROMPT) + 40, 8).stages[0]
@@ -165,15 +222,15 @@ def test_the_target_cannot_be_quantised():
     with pytest.raises(ValidationError, match="target.quantise: 'int8' would change the output"):
         PipelineConfig.model_validate({"stages": stages, "target": {"quantise": "int8"}})
     with pytest.raises(ValidationError, match="quantise"):
-        PipelineConfig.model_validate({"stages": stages, "draft": {"quantise": "int4"}})
+        PipelineConfig.model_validate({"stages": stages, "draft": {"quantise": "int2"}})
 
 
 def test_the_speculative_preset_quantises_its_draft_where_the_int8_kernel_runs(tiny_dir, tiny_draft_dir, monkeypatch):
     assert not isinstance(runtime_for("speculative", tiny_dir, tiny_draft_dir).draft.model.lm_head, Int8Linear)
-    for name in ("cpu_layers", "int8_kernel", "attention_kernel"):  # the runtime sets them: restore them after
+    for name in ("cpu_layers", "quantised_kernels", "attention_kernel"):  # the runtime sets them: restore them after
         monkeypatch.setattr(fused, name, getattr(fused, name))
     for available in (True, False):
-        monkeypatch.setattr(kernels, "int8_kernel_available", lambda available=available: available)
+        monkeypatch.setattr(kernels, "quantised_kernels_available", lambda available=available: available)
         runtime = runtime_for("speculative", tiny_dir, tiny_draft_dir, dtype="bfloat16")
         assert isinstance(runtime.draft.model.lm_head, Int8Linear) == available  # auto: int8 where the int8 kernel runs
         assert not isinstance(runtime.target.model.lm_head, Int8Linear)

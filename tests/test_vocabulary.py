@@ -16,7 +16,7 @@ from cascade import vocabulary
 from cascade.checkpoint import load_model
 from cascade.errors import CascadeError
 from cascade.graphs import MAX_GRAPH_TOKENS
-from cascade.quantise import quantise_int8
+from cascade.quantise import quantise
 from configs.schema import PipelineConfig
 from tests.conftest import make_checkpoint
 from tests.test_fused import CPU, SHORT_PASSES, decode, needs_compiler
@@ -88,7 +88,7 @@ def test_a_cut_model_gives_its_kept_tokens_the_whole_models_logits(fused_tokens,
     ids = kept_ids(whole.spec.vocab_size)
     cut.keep_output_tokens(ids)
     if int8:
-        whole, cut = quantise_int8(whole), quantise_int8(cut)
+        whole, cut = quantise(whole, 8), quantise(cut, 8)
     expected = decode(whole, "full", fused_tokens, SHORT_PASSES)
     assert_cut_logits(decode(cut, "full", fused_tokens, SHORT_PASSES), expected, ids)
     assert cut.lm_head.weight.shape[0] < whole.lm_head.weight.shape[0]

@@ -7,7 +7,8 @@ attention over a bf16 KV cache, each key and value read once for every query hea
 and every token of the pass, key blocks split across threads (see ``attention.cpp``; scores from
 AMX tiles where the CPU has them, else from AVX512-BF16 products). ``rows_times_int8``: the same
 product for an int8 weight packed by ``cascade.quantise``, the activations quantised per 64 inputs
-(see ``rows_times_int8.cpp``; AMX-INT8 or AVX512-VNNI). Where the build fails or the CPU lacks
+(see ``rows_times_int8.cpp``; AMX-INT8 or AVX512-VNNI); ``rows_times_int4``: for a 4-bit weight with
+a scale and a low per 32 inputs (``rows_times_int4.cpp``; AVX512-VNNI). Where the build fails or the CPU lacks
 AVX512-BF16, ``weight_kernel_available()`` is false, a warning says why, and callers keep PyTorch's
 own kernels.
 """
@@ -30,9 +31,9 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("rows_times_weight.cpp", "attention.cpp", "rows_times_int8.cpp", "layer.cpp")
+    for name in ("rows_times_weight.cpp", "attention.cpp", "rows_times_int8.cpp", "rows_times_int4.cpp", "layer.cpp")
 ]
-HEADERS = [Path(__file__).with_name(name) for name in ("tiles.h", "products.h", "vector_math.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("tiles.h", "products.h", "quantised_rows.h", "vector_math.h")]
 MAX_KERNEL_ROWS = 16
 """Most activation rows per product the kernel takes (decode steps, proposals, verifications of up
 to 15 proposals); wider passes (prefill chunks) are compute-bound and go to oneDNN."""
@@ -108,9 +109,10 @@ def compiled_features() -> frozenset[str]:
 
 
 @cache
-def int8_kernel_available() -> bool:
-    """Whether ``torch.ops.cascade_kernels.rows_times_int8`` runs here (AMX-INT8 or AVX512-VNNI)."""
-    return weight_kernel_available() and not {"amx_int8", "avx512_vnni"}.isdisjoint(compiled_features())
+def quantised_kernels_available() -> bool:
+    """Whether ``torch.ops.cascade_kernels.rows_times_int8`` and ``rows_times_int4`` run here (both
+    need AVX512-VNNI; AMX-INT8 speeds the int8 one up)."""
+    return weight_kernel_available() and "avx512_vnni" in compiled_features()
 
 
 @cache

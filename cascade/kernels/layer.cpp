@@ -14,8 +14,8 @@
 // slots, attention over every slot up to them) in one call: no Python per layer. A pass may hold
 // several sequences, each with its own cache, which share each read of the weights (a batch).
 //
-// The products are cascade's kernels (products.h): bf16 weights, or int8 ones packed by
-// cascade.quantise where a scales tensor comes with them. Elementwise work runs in float32 and
+// The products are cascade's kernels (products.h): bf16 weights, or int8 or 4-bit (uint8) ones packed
+// by cascade.quantise where a scales tensor comes with them. Elementwise work runs in float32 and
 // rounds to bf16 where the model's other passes round: after each norm, each projection, the
 // rotation, the SiLU product and each residual sum.
 
@@ -39,8 +39,9 @@ namespace {
 using at::BFloat16;
 
 at::Tensor product(const at::Tensor& rows, const at::Tensor& weight, const std::optional<at::Tensor>& scales) {
-  return scales.has_value() ? cascade_kernels::rows_times_int8(rows, weight, *scales)
-                            : cascade_kernels::rows_times_weight(rows, weight);
+  if (!scales.has_value()) return cascade_kernels::rows_times_weight(rows, weight);
+  return weight.scalar_type() == at::kByte ? cascade_kernels::rows_times_int4(rows, weight, *scales)
+                                           : cascade_kernels::rows_times_int8(rows, weight, *scales);
 }
 
 #if defined(__AVX512BF16__)

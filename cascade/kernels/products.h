@@ -14,6 +14,10 @@ at::Tensor rows_times_weight(const at::Tensor& rows, const at::Tensor& weight);
 // float32 (rows_times_int8.cpp).
 at::Tensor rows_times_int8(const at::Tensor& rows, const at::Tensor& packed, const at::Tensor& scales);
 
+// rows [T, I] bf16 (T <= 16) x a 4-bit weight packed by cascade.quantise, scales and lows per 32
+// inputs [O, I' / 32, 2] float16 -> [T, O] float32 (rows_times_int4.cpp).
+at::Tensor rows_times_int4(const at::Tensor& rows, const at::Tensor& packed, const at::Tensor& scales);
+
 // query [H, T, D] over keys and values [H_kv, S, D] (rows contiguous) -> [H, T, D] bf16; causal: the
 // pass's T tokens are the last T keys and read one another causally (attention.cpp).
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, double scale,

@@ -30,12 +30,13 @@
 #include <cstring>
 
 #include "products.h"
+#include "quantised_rows.h"
 #include "tiles.h"
 
 namespace {
 
 constexpr int64_t kBlockOutputs = 16;  // output rows per packed block (int32 columns of a tile)
-constexpr int64_t kBlockInputs = 64;  // inputs per packed block (int8 bytes of a tile row)
+using cascade_quantised::kBlockInputs;  // inputs per packed block (int8 bytes of a tile row)
 constexpr int64_t kMaxRows = 16;
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -96,38 +97,6 @@ void vnni_block_sums(const int8_t* quantised, int64_t stride, const int8_t* weig
 
 using BlockSums = void (*)(const int8_t*, int64_t, const int8_t*, int64_t, int32_t*);
 
-// One row's 64-input block (count valid inputs, the rest zero) -> 64 int8 and its scale.
-float quantise_block(const at::BFloat16* source, int64_t count, int8_t* target) {
-  __m512 values[4];
-  __m512 largest = _mm512_setzero_ps();
-  for (int part = 0; part < 4; ++part) {
-    const int64_t valid = std::clamp<int64_t>(count - part * 16, 0, 16);
-    const __mmask16 mask = (__mmask16)((1u << valid) - 1);
-    const __m256i raw = _mm256_maskz_loadu_epi16(mask, source + part * 16);
-    values[part] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));  // bf16 -> float
-    largest = _mm512_max_ps(largest, _mm512_abs_ps(values[part]));
-  }
-  const float scale = _mm512_reduce_max_ps(largest) / 127.0f;
-  const __m512 inverse = _mm512_set1_ps(scale > 0.0f ? 1.0f / scale : 0.0f);
-  for (int part = 0; part < 4; ++part) {
-    const __m512i rounded = _mm512_cvt_roundps_epi32(_mm512_mul_ps(values[part], inverse),
-                                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(target + part * 16), _mm512_cvtsepi32_epi8(rounded));
-  }
-  return scale;
-}
-
-// rows [T, I] -> quantised [T, blocks * 64] int8 and row_scales [blocks, T].
-void quantise_rows(const at::BFloat16* rows, int64_t num_rows, int64_t inner, int64_t blocks,
-                   int8_t* quantised, float* row_scales) {
-  for (int64_t t = 0; t < num_rows; ++t) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      row_scales[b * num_rows + t] = quantise_block(rows + t * inner + b * kBlockInputs, inner - b * kBlockInputs,
-                                                    quantised + (t * blocks + b) * kBlockInputs);
-    }
-  }
-}
-
 // Output rows [16 * block, 16 * block + 16) for every activation row.
 void output_block(BlockSums block_sums, const int8_t* quantised, const float* row_scales, const int8_t* weight,
                   const float* scales, float* out, int64_t num_rows, int64_t blocks, int64_t outputs, int64_t block) {
@@ -181,7 +150,7 @@ at::Tensor rows_times_int8(const at::Tensor& rows, const at::Tensor& packed, con
   const int64_t num_rows = source.size(0);
   at::Tensor quantised = at::empty({num_rows, blocks * kBlockInputs}, source.options().dtype(at::kChar));
   at::Tensor row_scales = at::empty({blocks, num_rows}, source.options().dtype(at::kFloat));
-  quantise_rows(source.data_ptr<at::BFloat16>(), num_rows, inner, blocks, quantised.data_ptr<int8_t>(),
+  cascade_quantised::quantise_rows(source.data_ptr<at::BFloat16>(), num_rows, inner, blocks, quantised.data_ptr<int8_t>(),
                 row_scales.data_ptr<float>());
   at::Tensor out = at::empty({num_rows, outputs}, source.options().dtype(at::kFloat));
   const int64_t output_blocks = packed.size(0), threads = at::get_num_threads();
