@@ -58,21 +58,6 @@ def reference_int8_product(rows: torch.Tensor, quantised: Int8Linear) -> torch.T
 
 
 @needs_quantised_kernels
-@pytest.mark.parametrize("num_rows", [1, 2, 5, 16])
-@pytest.mark.parametrize("outputs, inputs", SHAPES)
-def test_int8_kernel_equals_its_arithmetic_in_float64(num_rows, outputs, inputs):
-    quantised = Int8Linear(linear(outputs, inputs, seed=num_rows))
-    rows = torch.randn(num_rows, inputs, generator=torch.Generator().manual_seed(inputs)).bfloat16()
-    rows[0, :3] = 0  # a block's zeros stay zero
-    got = torch.ops.cascade_kernels.rows_times_int8(rows, quantised.weight, quantised.scales)
-    assert got.dtype == torch.float32 and got.shape == (num_rows, outputs)
-    expected = reference_int8_product(rows, quantised)
-    torch.testing.assert_close(got.double(), expected, atol=1e-4 * expected.abs().max().item(), rtol=1e-5)
-    exact = rows.double() @ linear(outputs, inputs, seed=num_rows).weight.double().T
-    assert (got.double() - exact).abs().max() <= 0.02 * exact.abs().max()  # int8 keeps ~2 digits
-
-
-@needs_quantised_kernels
 @pytest.mark.parametrize("num_rows", [1, 3, 16])
 def test_int8_kernel_amx_and_vnni_paths_compute_the_same_sums(num_rows):
     if "amx_int8" not in kernels.compiled_features():
@@ -125,19 +110,30 @@ def reference_int4_product(rows: torch.Tensor, quantised: Int4Linear) -> torch.T
     return (sums.view(*sums.shape[:2], -1, 2).sum(-1) * row_scales.double().squeeze(-1)[:, None, :]).sum(-1)
 
 
+# format -> (its layer, its kernel, the kernel's arithmetic in float64, how far from the exact product it
+# may be: ~1% with 255 levels a row and activations rounded per 64; ~10% with 16 levels a group of 32)
+KERNELS = {
+    "int8": (Int8Linear, "rows_times_int8", reference_int8_product, 0.02),
+    "int4": (Int4Linear, "rows_times_int4", reference_int4_product, 0.15),
+}
+
+
 @needs_quantised_kernels
 @pytest.mark.parametrize("num_rows", [1, 2, 5, 16])
 @pytest.mark.parametrize("outputs, inputs", SHAPES)
-def test_int4_kernel_equals_its_arithmetic_in_float64(num_rows, outputs, inputs):
-    quantised = Int4Linear(linear(outputs, inputs, seed=num_rows))
+@pytest.mark.parametrize("kind", KERNELS)
+def test_quantised_kernel_equals_its_arithmetic_in_float64(kind, num_rows, outputs, inputs):
+    layer, kernel, reference, error = KERNELS[kind]
+    weights = linear(outputs, inputs, seed=num_rows)
+    quantised = layer(weights)
     rows = torch.randn(num_rows, inputs, generator=torch.Generator().manual_seed(inputs)).bfloat16()
-    rows[0, :3] = 0
-    got = torch.ops.cascade_kernels.rows_times_int4(rows, quantised.weight, quantised.scales)
+    rows[0, :3] = 0  # a block's zeros stay zero
+    got = getattr(torch.ops.cascade_kernels, kernel)(rows, quantised.weight, quantised.scales)
     assert got.dtype == torch.float32 and got.shape == (num_rows, outputs)
-    expected = reference_int4_product(rows, quantised)
+    expected = reference(rows, quantised)
     torch.testing.assert_close(got.double(), expected, atol=1e-4 * expected.abs().max().item(), rtol=1e-5)
-    exact = rows.double() @ linear(outputs, inputs, seed=num_rows).weight.double().T
-    assert (got.double() - exact).norm() <= 0.15 * exact.norm()  # 16 levels per group: ~10% of each weight's spread
+    exact = rows.double() @ weights.weight.double().T
+    assert (got.double() - exact).norm() <= error * exact.norm()
 
 
 @needs_quantised_kernels
