@@ -318,13 +318,10 @@ bool takes_tiles(int64_t group) {
 #endif
 }
 
-// Rows whose sums of 32 dimensions stay in registers together (16 accumulators: more spill).
-constexpr int kChunkSumRows = 8;
-
-// out [Rows, D] for dimensions [32c, 32c + 32) = weights x values of keys [k0, k1) for Rows rows
-// (weight pairs [Rows, kBlockKeys / 2]): per key pair the two keys' 64 bytes of those dimensions,
-// interleaved as value_pair interleaves them, meet every row at once, so each sum takes the same
-// products in the same order as value_pair's would. With `Ahead`, the same bytes of the next
+// out [Rows, D] for dimensions [32c, 32c + 32) = weights x values of keys [k0, k1) for Rows rows (at
+// most kValueRows<32>: more spill their sums; weight pairs [Rows, kBlockKeys / 2]): per key pair the
+// two keys' 64 bytes of those dimensions, interleaved as value_pair interleaves them, meet every row
+// at once, so each sum takes the same products in the same order as value_pair's would. With `Ahead`, the same bytes of the next
 // block's rows are asked for on the way: a block's chunks ask for each line of its successor once.
 template <int D, int Rows, bool Ahead>
 void chunk_values(const Operands& op, const int32_t* weight_pairs, int64_t k0, int64_t k1, int c, float* out) {
@@ -362,7 +359,7 @@ constexpr bool kValuesInScratch = kBlockKeys * D * 2 <= 32 * 1024;
 // pair the values in registers as they go. More rows pair them once into `paired` (the thread's
 // scratch) and read them from there, group by group, asking for two rows of the next block's values
 // every `groups` steps (the asks spread over all the groups' steps); or, for heads whose pairs
-// overflow L1 (kValuesInScratch), take them 32 dimensions at a time for up to kChunkSumRows rows per
+// overflow L1 (kValuesInScratch), take them 32 dimensions at a time for up to kValueRows<32> rows per
 // pass over the block's keys, the first rows of each chunk asking for the next block's.
 template <int D>
 void block_values(const Operands& op, const at::BFloat16* weights, int64_t rows, int64_t k0, int64_t k1,
@@ -381,7 +378,7 @@ void block_values(const Operands& op, const at::BFloat16* weights, int64_t rows,
   }
   if constexpr (!kValuesInScratch<D>) {
     for (int c = 0; c < kBlocks; ++c) {
-      in_row_groups<kChunkSumRows>(rows, [&](int64_t r, auto count) {
+      in_row_groups<kValueRows<32>>(rows, [&](int64_t r, auto count) {
         constexpr int kRows = decltype(count)::value;
         const int32_t* row_weights = weight_pairs + r * pair_stride;
         if (r == 0) return chunk_values<D, kRows, true>(op, row_weights, k0, k1, c, out);
