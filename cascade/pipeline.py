@@ -195,20 +195,22 @@ class Pipeline:
         stage = self.stages[0]
         logits = stage.extend(context, 1)  # [1, V]
         drawn = self._draw_from_logits(logits)
-        while len(drawn) < count and not self._in_doubt(stage.stop_below, logits, drawn):
+        while len(drawn) < count and not self._in_doubt(stage.stop_below, logits[-1:], drawn.probs):
             logits = stage.feed(drawn.ids[-1:], 1)
             drawn += self._draw_from_logits(logits)
         return drawn
 
-    @staticmethod
-    def _in_doubt(stop_below: float | None, logits: torch.Tensor, drawn: Draw) -> bool:
-        """Whether the last token was drafted while the most likely one had less than ``stop_below``
-        probability, in the distribution it was drawn from (greedy: the softmax of ``logits`` [1, V]).
-        The stage's own draws alone decide, so where the proposals end changes no output."""
+    def _in_doubt(self, stop_below: float | None, logits: torch.Tensor, probs: torch.Tensor | None = None) -> bool:
+        """Whether every row of ``logits`` [R, V] had its most likely next token under ``stop_below``
+        probability, in the distribution the stage draws from (the last R rows of ``probs`` where it
+        drew them; greedy: the softmax of the logits): the tokens drafted below them were drafted in
+        doubt. The stage's own distributions alone decide, so where its proposals end changes no
+        output."""
         if stop_below is None:
             return False
-        probs = logits[-1].float().softmax(-1) if drawn.probs is None else drawn.probs[-1]  # [V]
-        return probs.max().item() < stop_below
+        if probs is None:
+            probs = logits.float().softmax(-1) if self.greedy else token_probs(logits, self.sampling)
+        return bool((probs[-len(logits) :].max(-1).values < stop_below).all())
 
     def _round(self, level: int, context: list[int], room: int) -> Draw:
         """One round of stage ``level``: >= 1 tokens of its distribution (at most ``room`` + 1)."""
@@ -277,18 +279,20 @@ class Pipeline:
         rows = [0] + [node + 1 for node in path]  # the verifier's distribution at each emitted token
         tokens = [node_tokens[node] for node in path] + [next_token]
         drawn = Draw.of(tokens, None if probs is None else probs[rows], logits.device)
-        return Verdict(len(path), next_token), drawn, verifying, depth
+        return Verdict(len(path), next_token), drawn, verifying, len(growth.tokens)
 
     def _propose_tree(self, context: list[int], depth: int) -> TreeGrowth:
-        """The lowest stage's tree of ``depth`` levels after ``context``, a pass per level but the last."""
+        """The lowest stage's tree of ``depth`` levels after ``context``, a pass per level but the
+        last; fewer levels where every node a level was drawn below was in doubt (``stop_below``)."""
         stage = self.stages[0]
         logits = stage.extend(context, 1)  # [1, V]: after the root
         plan = self._tree_plans[min(depth, len(self._tree_plans))]  # deeper: the whole tree
         growth = TreeGrowth(plan, stage.dynamic_tree, logits.device)
         for index, level in enumerate(plan.levels):
             feed = growth.grow(level, logits)
-            if index + 1 < len(plan.levels):
-                logits = stage.feed(growth.tokens[-1], len(level.depths), feed)  # [W, V]
+            if index + 1 == len(plan.levels) or self._in_doubt(stage.stop_below, logits):
+                break
+            logits = stage.feed(growth.tokens[-1], len(level.depths), feed)  # [W, V]
         return growth
 
     def _verify(self, level: int, proposal: Draw, logits: torch.Tensor):

@@ -217,10 +217,11 @@ class TreeGrowth:
         return TreePass(level.depths, self._last_reads)
 
     def whole(self) -> TreePass:
-        """The verifier's pass over every node."""
+        """The verifier's pass over every node grown (the plan's levels, or its first ones)."""
         nodes = sum(len(tokens) for tokens in self.tokens)
         reads = torch.cat([torch.nn.functional.pad(rows, (0, nodes - rows.shape[1])) for rows in self.reads])
-        return TreePass(torch.cat([level.depths for level in self.plan.levels]), reads)  # [N], [N, N]
+        depths = [level.depths for level in self.plan.levels[: len(self.tokens)]]
+        return TreePass(torch.cat(depths), reads)  # [N], [N, N]
 
 
 def choice_ranks(ranked: torch.Tensor, choices: torch.Tensor) -> torch.Tensor:

@@ -119,9 +119,10 @@ class StageConfig(Strict):
     """End a round's proposals early, after the first token drafted while the most likely next token
     had less than this probability (the stage's own next-token distribution, as it draws from it;
     the softmax of its logits when greedy): confident runs go up to gamma, doubtful ones are verified
-    at once (dynamic draft length, as transformers' ``assistant_confidence_threshold``). Only the
-    first stage, in chains; it decides from the stage's own draws alone, so the output is unchanged.
-    null: always gamma tokens."""
+    at once (dynamic draft length, as transformers' ``assistant_confidence_threshold``). A token tree
+    stops growing after the first level all of whose nodes were drawn below doubtful ones. Only the
+    first stage; it decides from the stage's own distributions alone, so the output is unchanged.
+    null: always gamma tokens (a tree: all its levels)."""
 
     @property
     def speculative_tokens(self) -> int:
@@ -252,10 +253,10 @@ class PipelineConfig(Strict):
     @model_validator(mode="after")
     def _early_stops_fit(self) -> PipelineConfig:
         for index, stage in enumerate(self.stages):
-            if stage.stop_below is not None and (index != 0 or len(self.stages) == 1 or stage.tree is not None):
+            if stage.stop_below is not None and (index != 0 or len(self.stages) == 1):
                 raise ValueError(
                     f"stages.{index}.stop_below: only the first stage of two or more ends its proposals "
-                    "early (it decodes by itself), in chains (tree: null); set stop_below: null here"
+                    "early (it decodes by itself); set stop_below: null here"
                 )
         return self
 

@@ -116,7 +116,7 @@ def test_a_draft_ending_its_rounds_in_doubt_stays_exact(
 
     rounds, proposed, _ = first_stage("stages.0.stop_below=0.99")
     assert rounds > 1 and proposed == rounds
-    assert first_stage("stages.0.stop_below=1e-9") == first_stage()
+    assert first_stage("stages.0.stop_below=1e-9") == first_stage("stages.0.stop_below=null")
 
 
 @pytest.mark.parametrize("schedule", ["fixed", "heuristic", "cost_model"])

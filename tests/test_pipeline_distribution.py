@@ -155,6 +155,20 @@ def test_a_draft_ending_its_rounds_in_doubt_emits_the_target_distribution(sampli
     assert stats.rounds < stats.proposed < 4 * stats.rounds  # rounds of 1 to 4 proposals
 
 
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["plain", "transformed"])
+@pytest.mark.parametrize("dynamic", [False, True], ids=["fixed-shape", "dynamic"])
+def test_token_trees_ending_in_doubt_emit_the_target_distribution(dynamic, sampling):
+    """Trees of up to 4 levels that stop growing below a level whose every node's most likely next
+    token had less than 0.6 (the close draft has rows on both sides of it)."""
+    stages = cascade_of([CLOSE, TARGET], [4])
+    stages[0].tree, stages[0].dynamic_tree = TokenTree.best_first([0.5, 0.3, 0.1], nodes=9, depth=4), dynamic
+    stages[0].stop_below = 0.6
+    pipeline = Pipeline(stages, sampling, prefill_chunk=16)
+    assert follows_target(emitted_transitions(pipeline), sampling) > P_FLOOR
+    stats = stages[0].stats
+    assert stats.rounds < stats.proposed < 4 * stats.rounds  # trees of 1 to 4 levels
+
+
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 @pytest.mark.parametrize("sampling", SAMPLINGS, ids=["plain", "transformed"])
 def test_three_levels_emit_the_target_distribution(sampling, schedule):

@@ -203,6 +203,28 @@ def test_bf16_tree_rounds_greedy_equal_autoregressive_through_cascades_kernels(
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["fixed-shape", "dynamic"])
+def test_a_tree_stops_growing_below_a_level_drafted_in_doubt_and_stays_exact(dynamic, tiny_dir, tiny_draft_dir):
+    """A random draft's most likely token has far less than 0.99 of its probability, so each tree
+    ends at its first level (the root's children); far more than 1e-9, so trees grow as without
+    ``stop_below``."""
+    autoregressive = generate(runtime_for("autoregressive", tiny_dir, tiny_draft_dir), PROMPT).token_ids
+    first_level = len(TokenTree.best_first([0.6, 0.2, 0.1], nodes=12, depth=8).level(1))
+
+    def proposer(stop_below):
+        shape = f"stages.0.tree.dynamic={str(dynamic).lower()}"
+        settings = [*TREE_SETTINGS, shape, f"stages.0.stop_below={stop_below}"]
+        result = generate(runtime_for("speculative", tiny_dir, tiny_draft_dir, settings), PROMPT)
+        assert result.token_ids == autoregressive
+        stats = result.stats.stages[0]
+        return stats.rounds, stats.proposed, stats.tree_nodes
+
+    rounds, proposed, nodes = proposer(0.99)
+    assert rounds > 1 and proposed == rounds and nodes == first_level * rounds
+    whole = proposer("null")
+    assert proposer(1e-9) == whole and whole[1] > whole[0]
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["fixed-shape", "dynamic"])
 def test_a_tree_accepts_what_a_chain_of_its_depth_rejects(dynamic, tiny_dir, tiny_draft_dir):
     stats = {}
     for shape, settings in (
