@@ -283,7 +283,8 @@ class Pipeline:
 
     def _propose_tree(self, context: list[int], depth: int) -> TreeGrowth:
         """The lowest stage's tree of ``depth`` levels after ``context``, a pass per level but the
-        last; fewer levels where every node a level was drawn below was in doubt (``stop_below``)."""
+        last; fewer levels where every node a level was drawn below was in doubt (``stop_below``:
+        then the host reads each fed level's confidence, once per level)."""
         stage = self.stages[0]
         logits = stage.extend(context, 1)  # [1, V]: after the root
         plan = self._tree_plans[min(depth, len(self._tree_plans))]  # deeper: the whole tree

@@ -15,8 +15,9 @@
 // 16-output block is one contiguous stream; its scales ([16, I' / 32, 2] float16, contiguous) are
 // gathered group by group, the next block's asked for a line per group. For one activation row the
 // hardware prefetcher follows the weight's stream alone (asking for the next block's lines as well
-// made those products 10-20% slower on the 2-core EPYC); a wider pass asks for them. Weights are the unsigned operand of vpdpbusd and the activations the
-// signed one, so the integer sums are exact with no offset to take off.
+// made those products 10-20% slower on the 2-core EPYC); a wider pass asks for them. Weights are
+// the unsigned operand of vpdpbusd and the activations the signed one, so the integer sums are exact
+// with no offset to take off.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
