@@ -740,14 +740,17 @@ BlockResults key_blocks(const at::Tensor& grouped, const at::Tensor& keys, const
   return jobs[0].results;
 }
 
-// Each row's output [D] of `results`, merged from its blocks, into out [H_kv, R, D].
+// Each row's output [D] of `results`, merged from its blocks, into out [H_kv, R, D]: rows split over the
+// threads (a 6-token pass of the Qwen 1.5B over 32K keys merges 72 rows of 128 blocks a layer; on one
+// thread that was ~5% of its attention), each row's blocks in key order as before, so the same bits.
 void merge_rows(const BlockResults& results, int64_t kv_heads, at::BFloat16* out) {
-  for (int64_t head = 0; head < kv_heads; ++head) {
-    for (int64_t r = 0; r < results.rows; ++r) {
+  at::parallel_for(0, kv_heads * results.rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t head = i / results.rows, r = i % results.rows;
       merge_row(results.blocks, results.dim, [&](int64_t b) { return results.at(head, b, r); },
-                out + (head * results.rows + r) * results.dim);
+                out + i * results.dim);
     }
-  }
+  });
 }
 
 // The pass's attention for head size D into `out` [H_kv, R, D] (R = group x tokens): its key blocks,
