@@ -34,6 +34,11 @@ class CachePolicyConfig(BaseModel):
         stage, the cache setting that does it). Any policy: place tokens at their slots."""
         return "positions within its cache", "kind=streaming"
 
+    def holds_every_prompt_token(self, prompt_tokens: int) -> bool:
+        """Whether this policy's prefill of a ``prompt_tokens``-token prompt leaves every token's K/V
+        at its own position, as a full cache's does: a stored prefill (the prompt cache) then serves it."""
+        return False
+
     def check_prompt(self, prompt_tokens: int) -> None:
         """Raise ValueError (with what is allowed) if this policy cannot serve such a prompt.
 

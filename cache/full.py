@@ -18,6 +18,9 @@ class FullCacheConfig(CachePolicyConfig):
     kind: Literal["full"] = "full"
     """Policy selector."""
 
+    def holds_every_prompt_token(self, prompt_tokens: int) -> bool:
+        return True
+
 
 @register_policy(FullCacheConfig)
 class FullCache(SlotCache):

@@ -61,6 +61,11 @@ class StreamingCacheConfig(CachePolicyConfig):
     def rotary_positions(self, sequence_tokens: int) -> int:
         return min(sequence_tokens, self.most_held)  # slot i is position i
 
+    def holds_every_prompt_token(self, prompt_tokens: int) -> bool:
+        """A prompt that fits before the first eviction, every token of it fed."""
+        fed = self.prefill_tail is None or prompt_tokens - self.prefill_tail <= self.sinks
+        return fed and prompt_tokens <= self.most_held
+
     def within_positions(self, positions: int) -> tuple[str, str]:
         """Narrow the window: the widest with which this policy reads at most ``positions`` positions."""
         window = positions - self.sinks

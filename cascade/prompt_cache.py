@@ -1,6 +1,8 @@
-"""Prefilled prompts on disk: a full-cache stage whose prompt begins with one prefilled before, with
-the same model and settings, loads that prefix's K/V instead of recomputing it, and the last
-logits too when the whole prompt was prefilled before.
+"""Prefilled prompts on disk: a stage whose cache holds its prompt whole (a full cache, or a
+streaming one while the prompt fits before its first eviction: ``holds_every_prompt_token``) and
+whose prompt begins with one prefilled before, with the same model and settings, loads that
+prefix's K/V instead of recomputing it, and the last logits too when the whole prompt was
+prefilled before.
 
 A prompt's prefill is stored as it ran: one file per ``chunk``-token pass (each layer's keys and
 values [1, H_kv, chunk, D] and the pass's token ids, checked on load), the last pass's file holding
@@ -35,7 +37,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from cache import full, slots
-from cache.full import FullCache
+from cache.slots import SlotCache
 from cascade import atomic, attention, checkpoint, fused, model, rope
 
 logger = logging.getLogger(__name__)
@@ -107,7 +109,7 @@ class PromptCache:
         """The file that completes prompt_ids' stored prefill: its last pass's, with the logits."""
         return self.passes(prompt_ids, chunk)[-1][0]
 
-    def load(self, prompt_ids: torch.Tensor, chunk: int, cache: FullCache) -> tuple[int, torch.Tensor | None]:
+    def load(self, prompt_ids: torch.Tensor, chunk: int, cache: SlotCache) -> tuple[int, torch.Tensor | None]:
         """Fill the emptied ``cache`` with the longest stored prefix of prompt_ids [T], whole passes
         from the start -> (its length, the last logits [V] if it is the whole prompt, else None)."""
         logits = None
@@ -125,7 +127,7 @@ class PromptCache:
             touch(path)
         return cache.length, logits
 
-    def _load_pass(self, path: Path, pass_ids: torch.Tensor, cache: FullCache) -> torch.Tensor | None:
+    def _load_pass(self, path: Path, pass_ids: torch.Tensor, cache: SlotCache) -> torch.Tensor | None:
         """Append one stored pass of pass_ids [N] to ``cache`` -> its logits [V] if it has them."""
         with safe_open(path, framework="pt", device=str(cache.layout.device)) as stored:
             if not torch.equal(stored.get_tensor("prompt").cpu(), pass_ids.cpu().to(torch.int64)):
@@ -139,7 +141,7 @@ class PromptCache:
                 cache.hold_last_queries(stored.get_tensor("last_queries"))  # [L, H, D]
             return stored.get_tensor("logits") if "logits" in stored.keys() else None  # [V]
 
-    def save(self, prompt_ids: torch.Tensor, chunk: int, cache: FullCache, logits: torch.Tensor) -> None:
+    def save(self, prompt_ids: torch.Tensor, chunk: int, cache: SlotCache, logits: torch.Tensor) -> None:
         """Store the passes of prompt_ids' [T] prefill (now in ``cache``) not stored yet, the last
         with its logits [V]."""
         passes = self.passes(prompt_ids, chunk)
@@ -159,7 +161,7 @@ class PromptCache:
 
     @staticmethod
     def _pass_tensors(
-        prompt_ids: torch.Tensor, span: range, cache: FullCache, logits: torch.Tensor | None
+        prompt_ids: torch.Tensor, span: range, cache: SlotCache, logits: torch.Tensor | None
     ) -> dict[str, torch.Tensor]:
         tensors = {"prompt": prompt_ids[span.start : span.stop].cpu().to(torch.int64)}
         if logits is not None:

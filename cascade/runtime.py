@@ -91,7 +91,7 @@ class Runtime:
     target: LoadedModel
     draft: LoadedModel | None
     prompt_caches: dict[str, PromptCache] = field(default_factory=dict)
-    """Per model role, where its full-cache stages store and load prefilled prompts."""
+    """Per model role, where its stages store and load the prefilled prompts their caches hold whole."""
     capture: Capture | None = None
     """How stages capture their short passes as graphs (None: all passes run eagerly)."""
     stages: list[Stage] = field(default_factory=list)

@@ -9,7 +9,6 @@ import torch
 from cache import build_policy
 from cache.base import CacheLayout, CachePolicy, TreePass
 from cache.config import CachePolicyConfig
-from cache.full import FullCacheConfig
 from cascade.clock import Clock
 from cascade.graphs import Capture, PassGraphs
 from cascade.model import CausalLM
@@ -45,7 +44,8 @@ class Stage:
         """``schedule``: how many tokens this stage proposes per round (None for the last stage).
         ``source``: the full-cache stage of the same model whose prompt KV this stage's policy
         reads; such a stage gets its cache when the source has prefilled, and no prefill of its own.
-        ``prompt_cache``: where a full-cache stage loads and stores its prefilled prompts.
+        ``prompt_cache``: where this stage loads and stores its prefilled prompts (those its
+        policy holds whole, as a full cache does: ``holds_every_prompt_token``).
         ``capture``: how short passes are captured as graphs (None: every pass runs eagerly).
         ``tree``: the token tree this stage proposes (at most gamma levels of it), if it does;
         ``dynamic_tree``: its levels' widths, filled by this stage's path probabilities each round.
@@ -55,7 +55,7 @@ class Stage:
         self.cache_config = cache_config
         self.layout = layout
         self.source = source
-        self.prompt_cache = prompt_cache if isinstance(cache_config, FullCacheConfig) else None
+        self.prompt_cache = prompt_cache
         self.capture = capture
         self.tree = tree
         self.dynamic_tree = dynamic_tree
@@ -98,14 +98,15 @@ class Stage:
             return None
         self.cache.restart()
         started = self.clock.mark()
-        reused, logits = self.prompt_cache.load(prompt_ids, chunk, self.cache) if self.prompt_cache else (0, None)
+        store = self.prompt_cache if self.cache_config.holds_every_prompt_token(prompt_ids.numel()) else None
+        reused, logits = store.load(prompt_ids, chunk, self.cache) if store else (0, None)
         self.stats.prefill_loaded = logits is not None
         self.stats.prefill_reused = reused
         if logits is None:
             with labelled(f"{self.name} prefill"):
                 logits = self._prefill(prompt_ids, chunk, reused)
-            if self.prompt_cache:
-                self.prompt_cache.save(prompt_ids, chunk, self.cache, logits)
+            if store:
+                store.save(prompt_ids, chunk, self.cache, logits)
         self.clock.add(self.stats, "prefill_s", started, self.clock.mark())
         return logits
 

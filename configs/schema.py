@@ -142,8 +142,9 @@ class LongDocumentsConfig(Strict):
 
 class PromptCacheConfig(Strict):
     dir: str | None = None
-    """Directory where full-cache stages store prefilled prompts and load them when the same prompt
-    comes again with the same model and settings (bitwise the same K/V); null: always prefill."""
+    """Directory where stages store the prefilled prompts their caches hold whole (full caches;
+    streaming ones while the prompt fits their window) and load them when the same prompt comes
+    again with the same model and settings (bitwise the same K/V); null: always prefill."""
     max_gb: float = Field(16.0, gt=0.0)
     """Beyond this size the least recently used stored prompts are deleted (SmolLM2 in bf16:
     about 23 MB per thousand prompt tokens)."""

@@ -42,7 +42,7 @@ def test_a_run_ends_with_a_one_line_summary_unless_quiet(tiny_dir):
     assert result.returncode == 0, result.stderr
     summary = result.stderr.strip().splitlines()[-1]
     assert summary.startswith("[") and summary.endswith("x]"), result.stderr
-    assert " prompt tokens, 6 new at " in summary and "0:draft/full accepted " in summary, summary
+    assert " prompt tokens, 6 new at " in summary and "0:draft/streaming accepted " in summary, summary
     assert "predicted speed-up over autoregressive" in summary, summary
     quiet = generate(*flags)
     assert quiet.returncode == 0 and not quiet.stdout.strip() and "prompt tokens" not in quiet.stderr, quiet.stderr

@@ -31,15 +31,18 @@ def runtime_for(tiny_dir, tiny_draft_dir, cache_dir, **settings):
     return build_runtime(config)
 
 
-def prefilled(runtime, prompt=PROMPT):
-    """The target stage after its prefill, and the logits it returned."""
+def prefilled(runtime, prompt=PROMPT, stage=-1):
+    """The pipeline's ``stage`` (the target's by default) after its prefill, and the logits it returned."""
     pipeline = runtime.pipeline_for(len(prompt), 8)
     prompt_ids = torch.tensor(prompt, device=runtime.target.model.device)
-    logits = pipeline.target.prefill(prompt_ids, runtime.config.prefill_chunk)
-    return pipeline.target, logits
+    logits = pipeline.stages[stage].prefill(prompt_ids, runtime.config.prefill_chunk)
+    return pipeline.stages[stage], logits
 
 
-def test_second_generation_loads_every_full_stage_and_generates_the_same(tmp_path, tiny_dir, tiny_draft_dir):
+def test_second_generation_loads_every_stage_holding_the_prompt_whole_and_generates_the_same(
+    tmp_path, tiny_dir, tiny_draft_dir
+):
+    """The draft's streaming cache (the preset's) holds these 40 tokens before its first eviction."""
     runtime = runtime_for(tiny_dir, tiny_draft_dir, tmp_path)
     first = runtime.generate(PROMPT, 12, stop_at_eos=False)
     second = runtime.generate(PROMPT, 12, stop_at_eos=False)
@@ -60,6 +63,26 @@ def test_loaded_prefill_is_bitwise_the_computed_one(tmp_path, tiny_dir, tiny_dra
     assert torch.equal(loaded_logits, computed_logits)
     assert loaded.cache.last_queries_at == computed.cache.last_queries_at == len(PROMPT) - 1
     assert torch.equal(loaded.cache.last_queries, computed.cache.last_queries)  # a retrieval stage's first selection
+
+
+def test_a_streaming_stage_loads_a_prompt_within_its_window_bitwise_and_prefills_a_longer_one(
+    tmp_path, tiny_dir, tiny_draft_dir
+):
+    window = {"stages.0.cache.window": 36, "stages.0.cache.evict_every": 1}  # holds 4 + 36 tokens
+    computed, computed_logits = prefilled(runtime_for(tiny_dir, tiny_draft_dir, tmp_path, **window), stage=0)
+    loaded, loaded_logits = prefilled(runtime_for(tiny_dir, tiny_draft_dir, tmp_path, **window), stage=0)
+    assert loaded.stats.prefill_loaded and not computed.stats.prefill_loaded
+    assert torch.equal(loaded.cache.keys, computed.cache.keys) and torch.equal(loaded_logits, computed_logits)
+    assert torch.equal(loaded.cache.values, computed.cache.values)
+    stored = len(list(tmp_path.glob("*.safetensors")))
+    narrower = {"stages.0.cache.window": 35, "stages.0.cache.evict_every": 1}  # the 40th token evicts one
+    for _ in range(2):
+        stage, _ = prefilled(runtime_for(tiny_dir, tiny_draft_dir, tmp_path, **narrower), stage=0)
+        assert not stage.stats.prefill_loaded and stage.stats.prefill_reused == 0
+    tail = {"stages.0.cache.prefill_tail": 30}  # within the window, but 6 tokens left unfed
+    stage, _ = prefilled(runtime_for(tiny_dir, tiny_draft_dir, tmp_path, **tail), stage=0)
+    assert not stage.stats.prefill_loaded and stage.stats.prefill_reused == 0
+    assert len(list(tmp_path.glob("*.safetensors"))) == stored  # neither stored its prefill
 
 
 def test_other_prompts_chunks_and_dtypes_are_not_served_from_the_store(tmp_path, tiny_dir, tiny_draft_dir):
