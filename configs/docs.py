@@ -31,7 +31,9 @@ cache/; edit those, not this page. tests/test_docs.py fails when it is stale. --
 
 A config is YAML (a preset in `configs/presets/`, or your own file given with `--config`); any setting
 can be overridden with `--set dotted.key=value` (values are YAML; list items by index, e.g.
-`--set stages.0.cache.budget=2048`). Every model is strict: an unknown key is an error that lists
+`--set stages.0.cache.budget=2048`). Setting a cache's `kind` to another keeps only the settings
+the new kind has (`--set stages.0.cache.kind=full` over the `speculative` preset's streaming draft);
+set the new kind's own after it. Every model is strict: an unknown key is an error that lists
 the allowed ones. [Generating](generating.md) explains the settings in use; this page lists them all.
 """
 

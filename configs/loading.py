@@ -80,8 +80,17 @@ def set_value(data: dict[str, Any], key: str, value: Any) -> None:
         node = _child(node, part, key)
     if isinstance(node, list):
         node[_index(node, leaf, key)] = value
-    else:
-        node[leaf] = value
+        return
+    if parents and parents[-1] == "cache" and leaf == "kind" and value in POLICIES and node.get(leaf) != value:
+        _keep_settings_of(node, value)
+    node[leaf] = value
+
+
+def _keep_settings_of(cache: dict[str, Any], kind: str) -> None:
+    """A cache group switched to ``kind`` keeps only the settings that kind has (``--set
+    stages.0.cache.kind=full`` over a preset's streaming window): the rest were the old kind's."""
+    for name in [name for name in cache if name not in POLICIES[kind].config.model_fields]:
+        del cache[name]
 
 
 def _child(node: Any, part: str, key: str) -> Any:

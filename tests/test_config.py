@@ -28,6 +28,19 @@ def test_overrides_and_flags_apply_in_order():
     assert config.target.path == "123"
 
 
+def test_a_cache_switched_to_another_kind_keeps_only_that_kinds_settings():
+    """The preset's streaming draft switched to a full cache, or to a policy sharing some of its settings;
+    a setting given after the switch is checked against the new kind."""
+    _, config = load_config("speculative", overrides=["stages.0.cache.kind=full"])
+    assert config.stages[0].cache.kind == "full"
+    _, config = load_config("speculative", overrides=["stages.0.cache.kind=streaming", "stages.0.cache.window=64"])
+    assert (config.stages[0].cache.window, config.stages[0].cache.prefill_tail) == (64, 4096)  # same kind: kept
+    _, config = load_config("self-spec", overrides=["stages.0.cache.budget=2048", "stages.0.cache.kind=h2o"])
+    assert config.stages[0].cache.kind == "h2o" and config.stages[0].cache.budget == 2048
+    with pytest.raises(CascadeError, match="stages.0.cache.window: unknown setting; allowed here: kind"):
+        load_config("speculative", overrides=["stages.0.cache.kind=full", "stages.0.cache.window=64"])
+
+
 @pytest.mark.parametrize(
     "override,message",
     [
