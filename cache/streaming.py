@@ -61,10 +61,15 @@ class StreamingCacheConfig(CachePolicyConfig):
     def rotary_positions(self, sequence_tokens: int) -> int:
         return min(sequence_tokens, self.most_held)  # slot i is position i
 
+    def unfed_prompt(self, length: int) -> range:
+        """The prompt positions a prefill of ``length`` tokens leaves out: between the sinks and the tail."""
+        if self.prefill_tail is None:
+            return range(0)
+        return range(self.sinks, max(self.sinks, length - self.prefill_tail))
+
     def holds_every_prompt_token(self, prompt_tokens: int) -> bool:
         """A prompt that fits before the first eviction, every token of it fed."""
-        fed = self.prefill_tail is None or prompt_tokens - self.prefill_tail <= self.sinks
-        return fed and prompt_tokens <= self.most_held
+        return not self.unfed_prompt(prompt_tokens) and prompt_tokens <= self.most_held
 
     def within_positions(self, positions: int) -> tuple[str, str]:
         """Narrow the window: the widest with which this policy reads at most ``positions`` positions."""
@@ -84,7 +89,8 @@ class StreamingCacheConfig(CachePolicyConfig):
 class StreamingCache(SlotCache):
     def __init__(self, layout: CacheLayout, config: StreamingCacheConfig, source: CachePolicy | None = None) -> None:
         super().__init__(layout, min(layout.capacity, config.most_held + pending_room(layout)))
-        self.sinks, self.window, self.prefill_tail = config.sinks, config.window, config.prefill_tail
+        self.config = config
+        self.sinks, self.window = config.sinks, config.window
         self.eviction_batch = config.eviction_batch
         self._exact_keys: torch.Tensor | None = None
         """[L, B, H_kv, buffer, D] float32: the window's keys as re-rotated, before rounding
@@ -107,9 +113,7 @@ class StreamingCache(SlotCache):
             self._evict(excess)
 
     def unfed_prompt(self, length: int) -> range:
-        if self.prefill_tail is None:
-            return range(0)
-        return range(self.sinks, max(self.sinks, length - self.prefill_tail))
+        return self.config.unfed_prompt(length)
 
     def skip(self, count: int) -> None:
         if count and (self.committed != self.length or self.used_slots > self.sinks):
