@@ -14,7 +14,8 @@ With ``--acceptance`` (the retrieval stage's per-token acceptance at each contex
 speed-up over autoregressive decoding the cost model predicts at any gamma, from the measured pass
 times and from the rooflines, i.e. what faster kernels alone could reach at that acceptance. With
 ``--draft-shape`` and ``--draft-acceptance`` (the draft's per-token acceptance by the retrieval
-stage) it also prints the ceiling of ``triforce``'s three tiers.
+stage) it also prints the ceiling of ``triforce``'s three tiers; with ``--speculative-acceptance``
+(the draft's per-token acceptance by the full-cache target), that of ``speculative``'s two.
 
 The model is the provisioned SmolLM2 or ``--target`` (a catalog name or a directory; YaRN-stretched
 to the context where it needs it), or with ``--shape`` a random-weight model of a published shape,
@@ -34,6 +35,8 @@ per level but the last, one verification pass.
         [--roofline-of docs/results/data/roofline_h100_smollm2_cuda_matmul.json]
     python scripts/roofline.py --shape llama-2-7b --draft-shape llama-68m --contexts 120000 \
         [--acceptance 0.9 --draft-acceptance 0.7]
+    python scripts/roofline.py --shape qwen2.5-coder-1.5b --draft-shape qwen2.5-coder-0.5b \
+        --draft-window 4092 --contexts 1000 32000 --speculative-acceptance 0.9 0.7
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from pathlib import Path
 from typing import get_args
 
 import torch
-from transformers import LlamaConfig
+from transformers import LlamaConfig, PreTrainedConfig, Qwen2Config
 
 from cache import build_policy
 from cache.base import TreePass
@@ -68,7 +71,7 @@ from cascade.runtime import pass_options
 from cascade.tree import TokenTree
 from configs.schema import TreeConfig
 
-SHAPES = {  # random-weight models in published shapes (Llama-2-7B and TriForce's 68M draft)
+SHAPES = {  # random-weight models in published shapes: Llama-2-7B, TriForce's 68M draft, the Qwen2.5-Coder pair
     "llama-2-7b": LlamaConfig(
         hidden_size=4096,
         intermediate_size=11008,
@@ -84,6 +87,24 @@ SHAPES = {  # random-weight models in published shapes (Llama-2-7B and TriForce'
         num_attention_heads=12,
         num_key_value_heads=12,
         vocab_size=32000,
+    ),
+    "qwen2.5-coder-1.5b": Qwen2Config(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        rope_theta=1e6,
+    ),
+    "qwen2.5-coder-0.5b": Qwen2Config(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        rope_theta=1e6,
     ),
 }
 
@@ -113,6 +134,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="also time this shape's draft step (streaming cache of --draft-window tokens)",
     )
     parser.add_argument("--draft-window", type=int, default=256)
+    parser.add_argument(
+        "--speculative-acceptance",
+        type=float,
+        nargs="+",
+        metavar="A",
+        help="with --draft-shape: the draft's per-token acceptance by the full-cache target at each "
+        "context (one value, or one per context): also print speculative's speed-up ceiling there",
+    )
     parser.add_argument(
         "--acceptance",
         type=float,
@@ -199,7 +228,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(
             "--draft-acceptance needs --draft-shape (the draft's step) and --acceptance (the retrieval stage's own)"
         )
-    for option in ("acceptance", "draft_acceptance"):
+    if args.speculative_acceptance is not None and not args.draft_shape:
+        parser.error("--speculative-acceptance needs --draft-shape (the draft's step)")
+    for option in ("acceptance", "draft_acceptance", "speculative_acceptance"):
         setattr(args, option, per_context(parser, option, getattr(args, option), len(args.contexts)))
     return args
 
@@ -218,10 +249,12 @@ def per_context(
     return values * contexts if len(values) == 1 else values
 
 
-def random_model(config: LlamaConfig, dtype: torch.dtype, device: torch.device, options: PassOptions) -> CausalLM:
-    """A model of ``config``'s shape with random weights (std 0.02; norms at 1), built on ``device``."""
+def random_model(config: PreTrainedConfig, dtype: torch.dtype, device: torch.device, options: PassOptions) -> CausalLM:
+    """A model of ``config``'s shape with random weights (std 0.02; norms at 1), built on ``device``:
+    an output projection of its own (untied, as the provisioned checkpoints), q/k/v biases for Qwen2."""
     config.max_position_embeddings = 1 << 20  # cost only: positions past the trained range are fine
-    spec = model_spec(config, {"lm_head.weight": None})  # an output projection of its own (untied)
+    names = ["lm_head.weight"] + (["model.layers.0.self_attn.q_proj.bias"] if config.model_type == "qwen2" else [])
+    spec = model_spec(config, dict.fromkeys(names))
     rotary = Rotary(*rope_frequencies(config), device=device)
     with torch.device("meta"):
         model = CausalLM(spec, rotary, options)
@@ -249,9 +282,9 @@ def pass_figures(
         cache.rollback(start)
 
     seconds = median_seconds(run, args.repeats, model.device)
-    weight_bytes = sum(p.nbytes for p in model.parameters())
+    weight_bytes = model.pass_weight_bytes()
     kv_bytes = cache.read_bytes() + (cache.selection_read_bytes() if selects else 0)
-    weights = sum(p.numel() for p in model.parameters())
+    weights = weight_bytes // model.dtype.itemsize  # the weights a pass multiplies by (unquantised models)
     keys_read = kv_bytes // cache.layout.bytes_per_token
     attention_flops = 4 * spec.num_layers * spec.num_heads * spec.head_dim * keys_read * tokens
     flops = 2 * weights * tokens + attention_flops
@@ -308,6 +341,17 @@ def self_spec_ceiling(
             step[key],
             widest,
         )
+    return ceiling
+
+
+def speculative_ceiling(draft: dict, step: dict, verification: dict, acceptance: float) -> dict:
+    """The best (gamma, speed-up) of ``speculative`` (the draft proposing to the full-cache target) at
+    per-token ``acceptance``, from measured pass times and from rooflines."""
+    widest = verification["tokens"] - 1
+    ceiling = {"acceptance": acceptance}
+    verify_costs = verification_cost(step, verification)
+    for (name, key), verify in zip((("measured", "ms"), ("roofline", "roofline_ms")), verify_costs, strict=True):
+        ceiling[name] = best_speedup(acceptance, draft[key], verify, step[key], widest)
     return ceiling
 
 
@@ -387,6 +431,7 @@ def context_figures(
     peak: float,
     acceptance: float | None,
     draft_acceptance: float | None,
+    speculative_acceptance: float | None,
 ) -> dict:
     model, scaling = load_target(args, path, context)
     layout = model.cache_layout(context + 64, args.gamma + 2)
@@ -439,8 +484,9 @@ def context_figures(
         draft = random_model(SHAPES[args.draft_shape], model.dtype, model.device, model.options)
         window = StreamingCacheConfig(sinks=4, window=args.draft_window)
         streaming = build_policy(window, draft.cache_layout(context + 64, args.gamma + 2))
-        for start in range(0, 4 + args.draft_window, args.gamma + 2):  # fill its window within its pending room
-            filled_cache(streaming, min(args.gamma + 2, 4 + args.draft_window - start))
+        held = min(4 + args.draft_window, context)  # its window, or the whole context within it
+        for start in range(0, held, args.gamma + 2):  # filled within its pending room
+            filled_cache(streaming, min(args.gamma + 2, held - start))
         draft_step = pass_figures(draft, streaming, 1, args, bandwidth, peak)
         passes[f"draft {args.draft_shape}, streaming {4 + args.draft_window}, 1 token"] = draft_step
     figures = {"context": context, "rope_scaling": scaling, "fused_tokens": model.fused_tokens, "passes": passes}
@@ -451,6 +497,8 @@ def context_figures(
     for schedule, ceilings in reselecting_ceilings.items():
         if ceilings:
             figures[f"{schedule}_ceilings"] = ceilings
+    if speculative_acceptance is not None:
+        figures["speculative_ceiling"] = speculative_ceiling(draft_step, step, verification, speculative_acceptance)
     if draft_acceptance is not None:
         figures["triforce_ceiling"] = triforce_ceiling(
             draft_step, proposal, retrieval_verification, step, verification, draft_acceptance, acceptance
@@ -476,8 +524,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     print("| context | pass | measured ms | memory-bound ms | compute-bound ms | measured / roofline |")
     print("|---:|---|---:|---:|---:|---:|")
-    for context, acceptance, draft_acceptance in zip(args.contexts, args.acceptance, args.draft_acceptance):
-        figures = context_figures(args, path, context, bandwidth, peak, acceptance, draft_acceptance)
+    acceptances = zip(args.contexts, args.acceptance, args.draft_acceptance, args.speculative_acceptance, strict=True)
+    for context, acceptance, draft_acceptance, speculative_acceptance in acceptances:
+        figures = context_figures(
+            args, path, context, bandwidth, peak, acceptance, draft_acceptance, speculative_acceptance
+        )
         rows.append(figures)
         for name, row in figures["passes"].items():
             print(
@@ -507,6 +558,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"{ceiling['depth']}), re-selecting every round ({scoring}, {ceiling['accepted_run']:.2f} accepted "
                 f"per round): {ceiling['measured']['speedup']:.2f}x from measured passes, "
                 f"{ceiling['roofline']['speedup']:.2f}x at the rooflines"
+            )
+        if "speculative_ceiling" in figures:
+            ceiling = figures["speculative_ceiling"]
+            print(
+                f"speculative ceiling at {figures['context']} (acceptance {ceiling['acceptance']:.2f}): "
+                f"{ceiling['measured']['speedup']:.2f}x at gamma {ceiling['measured']['gamma']} from measured "
+                f"passes, {ceiling['roofline']['speedup']:.2f}x at gamma {ceiling['roofline']['gamma']} "
+                "at the rooflines"
             )
         if "triforce_ceiling" in figures:
             ceiling = figures["triforce_ceiling"]

@@ -49,6 +49,8 @@ def test_roofline_times_every_pass_of_a_random_shape(tmp_path):
         "0.8",
         "--draft-acceptance",
         "0.6",
+        "--speculative-acceptance",
+        "0.75",
         "--reselect",
         "mean_key",
         "attention",
@@ -146,6 +148,13 @@ def test_roofline_times_every_pass_of_a_random_shape(tmp_path):
     triforce = report["contexts"][0]["triforce_ceiling"]
     assert triforce["draft_acceptance"] == 0.6 and 0 <= triforce["measured"]["draft_gamma"] <= 3
     assert "triforce ceiling at 300 (acceptance 0.60 / 0.80)" in printed
+    speculative = report["contexts"][0]["speculative_ceiling"]
+    assert speculative["acceptance"] == 0.75 and 1 <= speculative["measured"]["gamma"] <= 3
+    assert "speculative ceiling at 300 (acceptance 0.75)" in printed
+    layers = 2 * (4 * 768 * 768 + 3 * 768 * 3072 + 2 * 768)  # attention, MLP and norms of 2 layers
+    weight_bytes = 2 * (layers + 768 + 32000 * 768 + 768)  # the final norm, the output projection, one embedding row
+    assert (full_step["bytes_read"] - weight_bytes) % token_bytes == 0  # the weights a pass reads, then whole tokens
+    assert 300 * token_bytes <= full_step["bytes_read"] - weight_bytes <= 301 * token_bytes
 
 
 def test_the_self_spec_ceiling_is_the_best_gamma_of_the_cost_model():
@@ -158,6 +167,16 @@ def test_the_self_spec_ceiling_is_the_best_gamma_of_the_cost_model():
     assert ceiling["measured"]["speedup"] == pytest.approx(244 / 180)
     assert ceiling["roofline"]["gamma"] == 3  # 2.952 * 30 / (3 * 10 + 30): still memory-bound at 4 tokens
     assert ceiling["roofline"]["speedup"] == pytest.approx(2.952 * 30 / 60)
+
+
+def test_the_speculative_ceiling_is_the_best_gamma_of_the_draft_against_the_full_cache():
+    draft = {"ms": 10.0, "roofline_ms": 5.0}
+    step = {"ms": 100.0, "memory_ms": 30.0, "compute_ms": 5.0, "roofline_ms": 30.0}
+    verification = {"tokens": 4, "ms": 130.0}  # measured g + 1 tokens: 100 + 10 g ms
+    ceiling = load_roofline_script().speculative_ceiling(draft, step, verification, 0.8)
+    assert ceiling["measured"]["gamma"] == 3  # 2.952 * 100 / (3 * 10 + 130) beats 2.44 * 100 / 140
+    assert ceiling["measured"]["speedup"] == pytest.approx(295.2 / 160)
+    assert ceiling["roofline"]["gamma"] == 3 and ceiling["roofline"]["speedup"] == pytest.approx(2.952 * 30 / 45)
 
 
 def test_the_tree_ceiling_costs_a_selecting_root_a_pass_per_level_but_the_last_and_one_verification():
