@@ -9,7 +9,9 @@ projection's weight becomes int8 per output row, symmetric (scale = the row's la
 
 4-bit weights (``Int4Linear``) hold levels 0..15 per input with a float16 scale and low per group of
 32 inputs of a row (asymmetric, as llama.cpp's Q4_K sub-blocks: the Qwen2.5 drafts, dequantised from
-Q4_K GGUFs, keep nearly their own weights), 5 bits a weight in all.
+Q4_K GGUFs, keep nearly their own weights), 5 bits a weight in all. Coarser groups (a multiple of 32
+inputs sharing one scale and low) are stored as groups of 32 that repeat it: the same bytes and
+kernel, the values a coarser quantisation gives, to see what it costs a draft's acceptance.
 
 The weights are kept packed for cascade's kernels (``rows_times_int8.cpp``, ``rows_times_int4.cpp``,
 which also quantise the activations, per 64 inputs): the fused passes of ``cascade.fused`` go through
@@ -19,6 +21,8 @@ the weight and takes the dense product with unquantised activations (``dense_qua
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -90,19 +94,26 @@ def unpack_int4(packed: torch.Tensor, outputs: int, inputs: int) -> torch.Tensor
 
 class Int4Linear(nn.Module):
     """``nn.Linear`` with 4-bit levels, packed, and per group of 32 inputs of a row a float16 scale
-    and low [O, I' / 32, 2]: a weight is scale * level + low, levels spanning each group's range."""
+    and low [O, I' / 32, 2]: a weight is scale * level + low, levels spanning each group's range.
+    With ``group_inputs`` a multiple of 32, that many inputs (zeros past the row's end) share one
+    scale and low, repeated over their groups of 32."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, group_inputs: int = GROUP_INPUTS) -> None:
         super().__init__()
+        if group_inputs <= 0 or group_inputs % GROUP_INPUTS:
+            raise ValueError(f"int4 groups take a positive multiple of {GROUP_INPUTS} inputs, not {group_inputs}")
         weight = linear.weight.detach().float()  # [O, I]
-        groups = F.pad(weight, (0, -weight.shape[1] % BLOCK_INPUTS)).view(weight.shape[0], -1, GROUP_INPUTS)
+        padding = -weight.shape[1] % math.lcm(BLOCK_INPUTS, group_inputs)
+        groups = F.pad(weight, (0, padding)).view(weight.shape[0], -1, group_inputs)  # [O, G, group_inputs]
         low = groups.amin(dim=-1).half().float()  # [O, G]
         scale = ((groups.amax(dim=-1) - low) / 15).half().float()  # [O, G]
         step = torch.where(scale > 0, scale, 1.0)[..., None]
-        levels = torch.round((groups - low[..., None]) / step).clamp(0, 15)  # [O, G, 32]
+        levels = torch.round((groups - low[..., None]) / step).clamp(0, 15)  # [O, G, group_inputs]
         self.in_features = weight.shape[1]
         self.register_buffer("weight", pack_int4(levels.view(weight.shape[0], -1)[:, : self.in_features]))
-        self.register_buffer("scales", torch.stack([scale, low], dim=-1).half())  # [O, G, 2]
+        stored = -(-self.in_features // BLOCK_INPUTS) * BLOCK_INPUTS // GROUP_INPUTS  # groups of 32 packed
+        scales = torch.stack([scale, low], dim=-1).repeat_interleave(group_inputs // GROUP_INPUTS, dim=1)
+        self.register_buffer("scales", scales[:, :stored].half().contiguous())  # [O, I' / 32, 2]
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -110,8 +121,6 @@ class Int4Linear(nn.Module):
 
 
 QuantisedLinear = Int8Linear | Int4Linear
-BITS = {8: Int8Linear, 4: Int4Linear}
-"""The quantised projection of each weight width ``quantise`` takes."""
 
 
 def quantised_forward(linear: QuantisedLinear, x: torch.Tensor) -> torch.Tensor:
@@ -133,10 +142,10 @@ def dense_quantised_product(rows: torch.Tensor, packed: torch.Tensor, scales: to
     return F.linear(rows, weight).float() * scales
 
 
-def quantise(model: CausalLM, bits: int) -> CausalLM:
+def quantise(model: CausalLM, bits: int, group_inputs: int = GROUP_INPUTS) -> CausalLM:
     """Replace ``model``'s projections (the output projection included) with int8 (``bits`` 8) or
-    4-bit (4) ones in place."""
-    quantised = BITS[bits]
+    4-bit (4, ``group_inputs`` sharing a scale and low) ones in place."""
+    quantised = Int8Linear if bits == 8 else functools.partial(Int4Linear, group_inputs=group_inputs)
     for block in model.layers:
         attn, mlp = block.self_attn, block.mlp
         attn.qkv_proj, attn.o_proj = quantised(attn.qkv_proj), quantised(attn.o_proj)

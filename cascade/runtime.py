@@ -419,7 +419,7 @@ def prepare_weights(
         loaded.model.keep_output_tokens(kept)
     bits = weight_bits(config.quantise, dtype, device)
     if bits is not None:
-        quantise(loaded.model, bits)
+        quantise(loaded.model, bits, config.int4_group)
     move_to_huge_pages(loaded.model)
 
 

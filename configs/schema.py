@@ -39,6 +39,11 @@ class ModelConfig(Strict):
     checkpoint as the draft makes a quantised self-draft. auto: int8 where cascade's quantised kernels
     run (bf16 on a CPU with AVX512-VNNI), elsewhere the weights as loaded (unpacking quantised weights for
     every product would be slower than bf16)."""
+    int4_group: int = Field(32, ge=32, le=4096)
+    """Draft only, with quantise int4: the inputs of a weight row that share one scale and low, a
+    multiple of 32. Coarser groups are stored as groups of 32 that repeat theirs (the same bytes and
+    speed), to measure what a coarser quantisation costs in acceptance: a checkpoint dequantised from
+    a 4-bit GGUF (both Qwen2.5-Coder models) keeps nearly its own weights in groups of 32."""
     frequent_tokens: int | None = Field(None, ge=256)
     """Draft only: keep the output projection's rows of this many tokens alone, the most frequent
     in the Python standard library's source (special tokens first), as FR-Spec does. A proposal
@@ -50,6 +55,17 @@ class ModelConfig(Strict):
     least a quarter of the draft's tokens). It then proposes among the tokens both vocabularies
     hold (token-level intersection): lossless greedy and sampled; it must be the first stage, and
     proposes chains, not token trees. Off: a draft with another vocabulary is refused."""
+
+    @model_validator(mode="after")
+    def _int4_groups(self) -> ModelConfig:
+        if self.int4_group % 32:
+            raise ValueError(f"int4_group must be a multiple of 32 inputs; got {self.int4_group}")
+        if self.int4_group != 32 and self.quantise != "int4":
+            raise ValueError(
+                f"int4_group {self.int4_group} groups int4 weights, but quantise is {self.quantise!r}; "
+                "set quantise: int4, or leave int4_group at 32"
+            )
+        return self
 
 
 MIN_TEMPERATURE = 1e-4

@@ -95,6 +95,27 @@ def test_int4_packing_keeps_every_level_and_rounding_stays_within_half_a_step(ou
     assert (error <= scale / 2 + 2**-11 * low.abs() + 1e-12).all()  # half a step, and the low's float16 rounding
 
 
+@pytest.mark.parametrize("group_inputs", [64, 128, 256])
+def test_coarser_int4_groups_share_one_scale_and_low_and_round_within_half_their_step(group_inputs):
+    outputs, inputs = 48, 320  # 320: the last group of 128 or 256 inputs ends in zeros
+    layer = linear(outputs, inputs, seed=group_inputs)
+    quantised, finest = Int4Linear(layer, group_inputs), Int4Linear(layer)
+    assert quantised.scales.shape == finest.scales.shape == (outputs, 10, 2)  # stored per 32 inputs
+    first_of_its_group = torch.arange(10) // (group_inputs // 32) * (group_inputs // 32)
+    assert torch.equal(quantised.scales, quantised.scales[:, first_of_its_group])
+
+    def rounding_error(q: Int4Linear) -> torch.Tensor:
+        levels = unpack_int4(q.weight, outputs, inputs).double()
+        scale, low = (part.double().repeat_interleave(32, dim=1)[:, :inputs] for part in q.scales.unbind(-1))
+        error = (levels * scale + low - layer.weight.double()).abs()
+        assert (error <= scale / 2 + 2**-11 * low.abs() + 1e-12).all()  # half a step, and the low's rounding
+        return error.mean()
+
+    assert rounding_error(quantised) > rounding_error(finest)  # wider ranges, coarser steps
+    with pytest.raises(ValueError, match="multiple of 32 inputs, not 48"):
+        Int4Linear(layer, 48)
+
+
 def reference_int4_product(rows: torch.Tensor, quantised: Int4Linear) -> torch.Tensor:
     """The int4 kernel's arithmetic: activations rounded per 64 inputs as for int8, integer sums per
     group of 32 times its scale, plus its low times the group's sum of activations, in float64."""
@@ -134,6 +155,15 @@ def test_quantised_kernel_equals_its_arithmetic_in_float64(kind, num_rows, outpu
     torch.testing.assert_close(got.double(), expected, atol=1e-4 * expected.abs().max().item(), rtol=1e-5)
     exact = rows.double() @ weights.weight.double().T
     assert (got.double() - exact).norm() <= error * exact.norm()
+
+
+@needs_quantised_kernels
+def test_the_int4_kernel_takes_coarser_groups_as_its_arithmetic_says():
+    quantised = Int4Linear(linear(96, 1536, seed=5), 128)
+    rows = torch.randn(3, 1536, generator=torch.Generator().manual_seed(6)).bfloat16()
+    got = torch.ops.cascade_kernels.rows_times_int4(rows, quantised.weight, quantised.scales)
+    expected = reference_int4_product(rows, quantised)
+    torch.testing.assert_close(got.double(), expected, atol=1e-4 * expected.abs().max().item(), rtol=1e-5)
 
 
 @needs_quantised_kernels
@@ -213,12 +243,23 @@ def test_an_int8_draft_catches_up_in_passes_its_kernels_take(tiny_dir, tiny_draf
     assert widths == [16, 8, 16] and draft.cache.length == len(context)
 
 
+def test_a_draft_takes_its_int4_groups_from_the_config(tiny_dir):
+    runtime = runtime_for("speculative", tiny_dir, tiny_dir, ["draft.quantise=int4", "draft.int4_group=128"])
+    scales = runtime.draft.model.lm_head.scales  # [O, I' / 32, 2]
+    assert torch.equal(scales, scales[:, torch.arange(scales.shape[1]) // 4 * 4])
+    assert not torch.equal(scales, Int4Linear(runtime.target.model.lm_head).scales)
+
+
 def test_the_target_cannot_be_quantised():
     stages = [{"model": "target", "cache": {"kind": "full"}}]
     with pytest.raises(ValidationError, match="target.quantise: 'int8' would change the output"):
         PipelineConfig.model_validate({"stages": stages, "target": {"quantise": "int8"}})
     with pytest.raises(ValidationError, match="quantise"):
         PipelineConfig.model_validate({"stages": stages, "draft": {"quantise": "int2"}})
+    with pytest.raises(ValidationError, match="int4_group 128 groups int4 weights, but quantise is 'int8'"):
+        PipelineConfig.model_validate({"stages": stages, "draft": {"quantise": "int8", "int4_group": 128}})
+    with pytest.raises(ValidationError, match="int4_group must be a multiple of 32 inputs; got 100"):
+        PipelineConfig.model_validate({"stages": stages, "draft": {"quantise": "int4", "int4_group": 100}})
 
 
 def test_the_speculative_preset_quantises_its_draft_where_the_int8_kernel_runs(tiny_dir, tiny_draft_dir, monkeypatch):
