@@ -351,6 +351,7 @@ def prompt_cache(config: PipelineConfig, loaded: LoadedModel, model_config: Mode
         "attention": model.attention,
         "rope_scaling": model_config.rope_scaling.model_dump() if model_config.rope_scaling else None,
         "quantise": quantisation(model),
+        **({"int4_group": model_config.int4_group} if model_config.int4_group != 32 else {}),  # (as below)
         "frequent_tokens": model_config.frequent_tokens,  # the stored last logits are the kept tokens'
         **({"cross_tokenizer": True} if model_config.cross_tokenizer else {}),  # (keys stored before stay)
     }

@@ -94,6 +94,14 @@ def test_other_prompts_chunks_and_dtypes_are_not_served_from_the_store(tmp_path,
     assert len(list(tmp_path.glob("*.safetensors"))) == 3 + 1 + 2 + 3  # PROMPT[:-1] shares two passes
 
 
+def test_a_draft_in_coarser_int4_groups_is_not_served_the_finer_ones_prefill(tmp_path, tiny_dir, tiny_draft_dir):
+    int4 = {"draft.quantise": "int4"}
+    prefilled(runtime_for(tiny_dir, tiny_draft_dir, tmp_path, **int4), stage=0)
+    coarser, _ = prefilled(runtime_for(tiny_dir, tiny_draft_dir, tmp_path, **int4, **{"draft.int4_group": 64}), stage=0)
+    again, _ = prefilled(runtime_for(tiny_dir, tiny_draft_dir, tmp_path, **int4), stage=0)
+    assert not coarser.stats.prefill_loaded and again.stats.prefill_loaded
+
+
 def test_damaged_or_foreign_files_are_reported_deleted_and_recomputed(tmp_path, tiny_dir, tiny_draft_dir, caplog):
     reference, reference_logits = prefilled(runtime_for(tiny_dir, tiny_draft_dir, None))
     runtime = runtime_for(tiny_dir, tiny_draft_dir, tmp_path)
