@@ -71,6 +71,20 @@ from cascade.runtime import pass_options
 from cascade.tree import TokenTree
 from configs.schema import TreeConfig
 
+
+def qwen25_coder(hidden: int, intermediate: int, layers: int, heads: int) -> Qwen2Config:
+    """A Qwen2.5-Coder shape: 2 KV heads, the 151,936-token vocabulary, rope theta 1e6."""
+    return Qwen2Config(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        rope_theta=1e6,
+    )
+
+
 SHAPES = {  # random-weight models in published shapes: Llama-2-7B, TriForce's 68M draft, the Qwen2.5-Coder pair
     "llama-2-7b": LlamaConfig(
         hidden_size=4096,
@@ -88,24 +102,8 @@ SHAPES = {  # random-weight models in published shapes: Llama-2-7B, TriForce's 6
         num_key_value_heads=12,
         vocab_size=32000,
     ),
-    "qwen2.5-coder-1.5b": Qwen2Config(
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        rope_theta=1e6,
-    ),
-    "qwen2.5-coder-0.5b": Qwen2Config(
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        rope_theta=1e6,
-    ),
+    "qwen2.5-coder-1.5b": qwen25_coder(hidden=1536, intermediate=8960, layers=28, heads=12),
+    "qwen2.5-coder-0.5b": qwen25_coder(hidden=896, intermediate=4864, layers=24, heads=14),
 }
 
 
