@@ -39,7 +39,7 @@ class ModelConfig(Strict):
     checkpoint as the draft makes a quantised self-draft. auto: int8 where cascade's quantised kernels
     run (bf16 on a CPU with AVX512-VNNI), elsewhere the weights as loaded (unpacking quantised weights for
     every product would be slower than bf16)."""
-    int4_group: int = Field(32, ge=32, le=4096)
+    int4_group: int = Field(32, ge=32, le=4096, multiple_of=32)
     """Draft only, with quantise int4: the inputs of a weight row that share one scale and low, a
     multiple of 32. Coarser groups are stored as groups of 32 that repeat theirs (the same bytes and
     speed), to measure what a coarser quantisation costs in acceptance: a checkpoint dequantised from
@@ -57,9 +57,7 @@ class ModelConfig(Strict):
     proposes chains, not token trees. Off: a draft with another vocabulary is refused."""
 
     @model_validator(mode="after")
-    def _int4_groups(self) -> ModelConfig:
-        if self.int4_group % 32:
-            raise ValueError(f"int4_group must be a multiple of 32 inputs; got {self.int4_group}")
+    def _int4_groups_need_int4(self) -> ModelConfig:
         if self.int4_group != 32 and self.quantise != "int4":
             raise ValueError(
                 f"int4_group {self.int4_group} groups int4 weights, but quantise is {self.quantise!r}; "

@@ -324,8 +324,9 @@ def best_speedup(
 def self_spec_ceiling(
     step: dict, proposal: dict, verification: dict, acceptance: float, selecting: dict | None = None
 ) -> dict:
-    """The best (gamma, speed-up) of ``self-spec`` at ``acceptance``, from measured pass times and from
-    rooflines, for gammas up to the verification pass's width - 1; with a ``selecting`` proposal, the
+    """The best (gamma, speed-up) of ``self-spec`` at ``acceptance`` (or of ``speculative``, with the
+    draft's step as the ``proposal``), from measured pass times and from rooflines, for gammas up to
+    the verification pass's width - 1; with a ``selecting`` proposal, the
     first proposal of every round is that one (chunks re-selected once per round)."""
     widest = verification["tokens"] - 1
     ceiling = {"acceptance": acceptance}
@@ -339,17 +340,6 @@ def self_spec_ceiling(
             step[key],
             widest,
         )
-    return ceiling
-
-
-def speculative_ceiling(draft: dict, step: dict, verification: dict, acceptance: float) -> dict:
-    """The best (gamma, speed-up) of ``speculative`` (the draft proposing to the full-cache target) at
-    per-token ``acceptance``, from measured pass times and from rooflines."""
-    widest = verification["tokens"] - 1
-    ceiling = {"acceptance": acceptance}
-    verify_costs = verification_cost(step, verification)
-    for (name, key), verify in zip((("measured", "ms"), ("roofline", "roofline_ms")), verify_costs, strict=True):
-        ceiling[name] = best_speedup(acceptance, draft[key], verify, step[key], widest)
     return ceiling
 
 
@@ -496,7 +486,7 @@ def context_figures(
         if ceilings:
             figures[f"{schedule}_ceilings"] = ceilings
     if speculative_acceptance is not None:
-        figures["speculative_ceiling"] = speculative_ceiling(draft_step, step, verification, speculative_acceptance)
+        figures["speculative_ceiling"] = self_spec_ceiling(step, draft_step, verification, speculative_acceptance)
     if draft_acceptance is not None:
         figures["triforce_ceiling"] = triforce_ceiling(
             draft_step, proposal, retrieval_verification, step, verification, draft_acceptance, acceptance

@@ -173,7 +173,7 @@ def test_the_speculative_ceiling_is_the_best_gamma_of_the_draft_against_the_full
     draft = {"ms": 10.0, "roofline_ms": 5.0}
     step = {"ms": 100.0, "memory_ms": 30.0, "compute_ms": 5.0, "roofline_ms": 30.0}
     verification = {"tokens": 4, "ms": 130.0}  # measured g + 1 tokens: 100 + 10 g ms
-    ceiling = load_roofline_script().speculative_ceiling(draft, step, verification, 0.8)
+    ceiling = load_roofline_script().self_spec_ceiling(step, draft, verification, 0.8)
     assert ceiling["measured"]["gamma"] == 3  # 2.952 * 100 / (3 * 10 + 130) beats 2.44 * 100 / 140
     assert ceiling["measured"]["speedup"] == pytest.approx(295.2 / 160)
     assert ceiling["roofline"]["gamma"] == 3 and ceiling["roofline"]["speedup"] == pytest.approx(2.952 * 30 / 45)
