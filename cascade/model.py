@@ -45,6 +45,24 @@ class ModelSpec:
         return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
 
 
+WIDE_PASS_ROWS = compiled_kernels.MAX_KERNEL_ROWS
+"""Rows above which a bf16 projection on a CPU without AVX512-BF16 runs in float32 (``Linear``)."""
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose wide bf16 passes (prefill chunks) on a CPU without AVX512-BF16 multiply in
+    float32: oneDNN emulates bf16 products there (a 512-token chunk's products ran 7x slower than
+    float32's on a 2-core Zen 3). The weight is widened per call (a few percent of such a product's
+    time); the output is rounded to bf16 as a bf16 product's is. Short passes are cascade's kernels'."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        emulated = x.dtype == torch.bfloat16 and x.device.type == "cpu" and not compiled_kernels.cpu_has_avx512_bf16()
+        if emulated and x.numel() > WIDE_PASS_ROWS * x.shape[-1]:
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+        return super().forward(x)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -60,8 +78,8 @@ class Attention(nn.Module):
         super().__init__()
         self.spec = spec
         self.layer = layer
-        self.qkv_proj = nn.Linear(spec.hidden_size, spec.qkv_size, bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(spec.num_heads * spec.head_dim, spec.hidden_size, bias=False)
+        self.qkv_proj = Linear(spec.hidden_size, spec.qkv_size, bias=spec.qkv_bias)
+        self.o_proj = Linear(spec.num_heads * spec.head_dim, spec.hidden_size, bias=False)
         self.scale = spec.head_dim**-0.5
 
     def forward(
@@ -80,8 +98,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
+        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -193,7 +211,7 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(Block(spec, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.rotary = rotary
         self.output_ids: torch.Tensor | None = None
         """[K] int64, sorted: the tokens of the output projection's rows once it keeps only some
@@ -235,7 +253,7 @@ class CausalLM(nn.Module):
         instead of the vocabulary's, and every other token's logit is -inf. For a model that only
         proposes (a draft, after FR-Spec): its distribution no longer covers the vocabulary."""
         ids = torch.unique(token_ids.to(self.device))  # [K] sorted
-        head = nn.Linear(self.spec.hidden_size, len(ids), bias=False, device=self.device, dtype=self.dtype)
+        head = Linear(self.spec.hidden_size, len(ids), bias=False, device=self.device, dtype=self.dtype)
         with torch.no_grad():
             head.weight.copy_(self.lm_head.weight[ids])
         self.lm_head, self.output_ids = head, ids

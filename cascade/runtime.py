@@ -39,17 +39,12 @@ def pick_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def cpu_has_avx512_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            return any("avx512_bf16" in line for line in cpuinfo if line.startswith("flags"))
-    except OSError:
-        return False
-
-
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto``: bfloat16 on CUDA and on CPUs whose short passes read bf16 weights at memory speed
+    (AVX512-BF16, or cascade's AVX2 kernels, which widen bf16 in registers: half the bytes of
+    float32), else float32."""
     if name == "auto":
-        fast_bf16 = device.type == "cuda" or cpu_has_avx512_bf16()
+        fast_bf16 = device.type == "cuda" or kernels.cpu_has_avx512_bf16() or kernels.weight_kernel_available()
         return torch.bfloat16 if fast_bf16 else torch.float32
     return getattr(torch, name)
 
@@ -286,11 +281,11 @@ def build_runtime(config: PipelineConfig) -> Runtime:
     device = pick_device()
     if config.prefill_chunk is None:
         config = config.model_copy(update={"prefill_chunk": PREFILL_CHUNKS[device.type]})
-    dtype = resolve_dtype(config.dtype, device)
     target_path = model_path(config.target, "target")
     uses_draft = any(stage.model == "draft" for stage in config.stages)
     draft_path = model_path(config.draft, "draft", target_path) if uses_draft or config.draft.path is not None else None
-    # after the models are found: a process's first pass options build the CPU kernels (minutes, once)
+    # after the models are found: the dtype and a process's first pass options build the CPU kernels (minutes, once)
+    dtype = resolve_dtype(config.dtype, device)
     options = pass_options(config.kernels, config.attention, device, dtype)
     target = read_model(target_path, config.target, dtype, device, options)
     prepare_weights(target, config.target, "target", dtype, device)

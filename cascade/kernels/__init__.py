@@ -8,9 +8,10 @@ and every token of the pass, key blocks split across threads (see ``attention.cp
 AMX tiles where the CPU has them, else from AVX512-BF16 products). ``rows_times_int8``: the same
 product for an int8 weight packed by ``cascade.quantise``, the activations quantised per 64 inputs
 (see ``rows_times_int8.cpp``; AMX-INT8 or AVX512-VNNI); ``rows_times_int4``: for a 4-bit weight with
-a scale and a low per 32 inputs (``rows_times_int4.cpp``; AVX512-VNNI). Where the build fails or the CPU lacks
-AVX512-BF16, ``weight_kernel_available()`` is false, a warning says why, and callers keep PyTorch's
-own kernels.
+a scale and a low per 32 inputs (``rows_times_int4.cpp``; AVX512-VNNI). A CPU without AVX512-BF16
+but with AVX2 and FMA gets the bf16 product, the layer ops and attention in float32 arithmetic
+(``rows_times_weight_avx2.cpp``, ``attention_avx2.h``). Where the build fails or the CPU has neither,
+``weight_kernel_available()`` is false, a warning says why, and callers keep PyTorch's own kernels.
 """
 
 from __future__ import annotations
@@ -31,9 +32,19 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("rows_times_weight.cpp", "attention.cpp", "rows_times_int8.cpp", "rows_times_int4.cpp", "layer.cpp")
+    for name in (
+        "rows_times_weight.cpp",
+        "rows_times_weight_avx2.cpp",
+        "attention.cpp",
+        "rows_times_int8.cpp",
+        "rows_times_int4.cpp",
+        "layer.cpp",
+    )
 ]
-HEADERS = [Path(__file__).with_name(name) for name in ("tiles.h", "products.h", "quantised_rows.h", "vector_math.h")]
+HEADERS = [
+    Path(__file__).with_name(name)
+    for name in ("tiles.h", "products.h", "quantised_rows.h", "vector_math.h", "attention_avx2.h")
+]
 MAX_KERNEL_ROWS = 16
 """Most activation rows per product the kernel takes (decode steps, proposals, verifications of up
 to 15 proposals); wider passes (prefill chunks) are compute-bound and go to oneDNN."""
@@ -70,6 +81,16 @@ def _exclusive(handle):
 
 
 @cache
+def cpu_has_avx512_bf16() -> bool:
+    """Whether this CPU multiplies bf16 pairs (oneDNN's bf16 matrix products then run at about twice
+    float32's rate; without it they are emulated, several times slower than float32)."""
+    try:
+        return "avx512_bf16" in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+
+
+@cache
 def weight_kernel_available() -> bool:
     """Whether ``torch.ops.cascade_kernels.rows_times_weight`` runs at memory speed here (built and
     loaded on first call; a failure is logged once and leaves PyTorch's kernels in use)."""
@@ -96,15 +117,21 @@ def weight_kernel_available() -> bool:
             first_line,
         )
         return False
-    if "avx512_bf16" not in compiled_features():
-        logger.warning("this CPU lacks AVX512-BF16: weight products use PyTorch's kernels")
+    if not compiled_features() & VECTOR_FEATURES:
+        logger.warning("this CPU has neither AVX512-BF16 nor AVX2 with FMA: weight products use PyTorch's kernels")
         return False
     return True
 
 
+VECTOR_FEATURES = frozenset({"avx512_bf16", "avx2"})
+"""The instruction sets the bf16 kernels take (``vector_math.h``): AVX512-BF16's bf16 pair products, or
+on CPUs without them (Zen 1-3, Intel's before Sapphire Rapids but Cooper Lake) AVX2 and FMA, bf16
+widened to float32 in registers."""
+
+
 @cache
 def compiled_features() -> frozenset[str]:
-    """What the loaded build compiled for: avx512_bf16, amx_bf16, avx512_vnni, amx_int8 (see ``features()``)."""
+    """What the loaded build compiled for: avx512_bf16 or avx2, amx_bf16, avx512_vnni, amx_int8 (see ``features()``)."""
     return frozenset(torch.ops.cascade_kernels.features())
 
 
@@ -117,8 +144,8 @@ def quantised_kernels_available() -> bool:
 
 @cache
 def attention_kernel_available() -> bool:
-    """Whether ``torch.ops.cascade_kernels.decode_attention`` runs here (it needs AVX512-BF16, as the
-    weight kernel does; AMX only speeds its scores up)."""
+    """Whether ``torch.ops.cascade_kernels.decode_attention`` runs here (it needs AVX512-BF16 or AVX2,
+    as the weight kernel does; AMX only speeds its scores up)."""
     return weight_kernel_available()
 
 

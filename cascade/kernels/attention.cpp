@@ -58,16 +58,10 @@
 
 namespace {
 
-#if defined(__AVX512BF16__)
+#if defined(CASCADE_KERNELS)
 
-using cascade_vector::exp16;
-
-constexpr int64_t kChunkRows = 16;  // rows of an AMX tile: the rows of a pass a tile takes at once
-constexpr int64_t kPairInputs = 32;  // bf16 inputs of one AMX tile row or one 512-bit register
-constexpr int64_t kGroupKeys = 16;  // keys scored together, one per float32 lane
 constexpr int64_t kBlockKeys = 256;  // keys per task
 constexpr int64_t kMaxDim = 128;  // the largest head size taken
-constexpr int kScoreRows = 4;  // query rows scored together: 8 chains of products in flight
 constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
 
 struct Operands {
@@ -76,6 +70,17 @@ struct Operands {
   int64_t key_stride, value_stride;  // elements between consecutive keys (values)
   float scale;
 };
+
+#endif
+
+#if defined(CASCADE_AVX512)
+
+using cascade_vector::exp16;
+
+constexpr int64_t kChunkRows = 16;  // rows of an AMX tile: the rows of a pass a tile takes at once
+constexpr int64_t kPairInputs = 32;  // bf16 inputs of one AMX tile row or one 512-bit register
+constexpr int64_t kGroupKeys = 16;  // keys scored together, one per float32 lane
+constexpr int kScoreRows = 4;  // query rows scored together: 8 chains of products in flight
 
 // Ask for a bf16 row of D values (whole cache lines) ahead of its use; past the cache's end the
 // hint is dropped (prefetches never fault).
@@ -600,6 +605,60 @@ void block_scores(const Operands& op, const at::BFloat16* queries, const std::ve
   vector_scores<D>(op, reinterpret_cast<const int32_t*>(queries), rows, k0, k1, scores);
 }
 
+// A thread's working memory for a pass of `rows` rows per KV head.
+template <int D>
+Scratch thread_scratch(int64_t rows) {
+  thread_local std::unique_ptr<char, decltype(&std::free)> memory{nullptr, &std::free};
+  thread_local int64_t held = 0;
+  const int64_t score_bytes = rows * kBlockKeys * 4, weight_bytes = rows * kBlockKeys * 2;
+  const int64_t value_bytes = kBlockKeys * ((D + 31) / 32) * 64, key_bytes = kBlockKeys * std::max(D, 32) * 2;
+  const int64_t bytes = score_bytes + weight_bytes + value_bytes + key_bytes;  // multiples of 64
+  if (bytes > held) {
+    memory.reset(static_cast<char*>(std::aligned_alloc(64, bytes)));
+    TORCH_CHECK(memory != nullptr, "decode_attention: no memory for ", bytes, " bytes of working space");
+    held = bytes;
+  }
+  char* base = memory.get();
+  return {reinterpret_cast<float*>(base), reinterpret_cast<at::BFloat16*>(base + score_bytes),
+          reinterpret_cast<__m512i*>(base + score_bytes + weight_bytes),
+          reinterpret_cast<__m512i*>(base + score_bytes + weight_bytes + value_bytes)};
+}
+
+// What a pass's key blocks share beyond its rows: whether they take tiles (takes_tiles) and the
+// operands of key tile scores (key_tile_operands).
+template <int D>
+struct PassOperands {
+  bool tiles;
+  std::vector<at::Tensor> query_pairs;
+
+  PassOperands(const at::Tensor& grouped, int64_t group)
+      : tiles(takes_tiles<D>(group)), query_pairs(key_tile_operands(grouped, D, tiles)) {}
+};
+
+// One (KV head, key block) task: rows `queries` [rows, D] of KV head `head` over keys [k0, k1), row r
+// seeing keys up to last_visible[r] -> its partial sums [rows, D], maxima and totals [rows].
+template <int D>
+void block_task(const Operands& op, const PassOperands<D>& pass, const at::BFloat16* queries, int64_t head,
+                const int32_t* last_visible, int64_t rows, int64_t k0, int64_t k1, const Scratch& scratch,
+                float* partial, float* maxima, float* totals) {
+#if defined(__AMX_BF16__)
+  if constexpr (D % kPairInputs == 0) {  // tiles take 32 dimensions at a time
+    if (pass.tiles) return tile_block<D>(op, queries, last_visible, rows, k0, k1, scratch, partial, maxima, totals);
+  }
+#endif
+  block_scores<D>(op, queries, pass.query_pairs, head, rows, k0, k1, scratch.scores);
+  block_weights(op, last_visible, rows, k0, k1, scratch.scores, scratch.weights, maxima, totals);
+  block_values<D>(op, scratch.weights, rows, k0, k1, scratch.value_pairs, partial);
+}
+
+#endif  // CASCADE_AVX512
+
+#if defined(CASCADE_AVX2)
+#include "attention_avx2.h"
+#endif
+
+#if defined(CASCADE_KERNELS)
+
 // One row's output from its blocks in key order: `block(b)` -> (partial sums [D], maximum, total) of
 // block b; rounded to bf16 into out [D].
 template <typename Block>
@@ -634,24 +693,6 @@ struct BlockResults {
   }
 };
 
-template <int D>
-Scratch thread_scratch(int64_t rows) {
-  thread_local std::unique_ptr<char, decltype(&std::free)> memory{nullptr, &std::free};
-  thread_local int64_t held = 0;
-  const int64_t score_bytes = rows * kBlockKeys * 4, weight_bytes = rows * kBlockKeys * 2;
-  const int64_t value_bytes = kBlockKeys * ((D + 31) / 32) * 64, key_bytes = kBlockKeys * std::max(D, 32) * 2;
-  const int64_t bytes = score_bytes + weight_bytes + value_bytes + key_bytes;  // multiples of 64
-  if (bytes > held) {
-    memory.reset(static_cast<char*>(std::aligned_alloc(64, bytes)));
-    TORCH_CHECK(memory != nullptr, "decode_attention: no memory for ", bytes, " bytes of working space");
-    held = bytes;
-  }
-  char* base = memory.get();
-  return {reinterpret_cast<float*>(base), reinterpret_cast<at::BFloat16*>(base + score_bytes),
-          reinterpret_cast<__m512i*>(base + score_bytes + weight_bytes),
-          reinterpret_cast<__m512i*>(base + score_bytes + weight_bytes + value_bytes)};
-}
-
 // The last key each of `rows` rows (token t = r % tokens of a pass of `tokens` tokens) sees of
 // `num_keys`: every key, or (causal) those up to its own, the pass's tokens being the last keys.
 std::vector<int32_t> last_visible_keys(int64_t rows, int64_t tokens, int64_t num_keys, bool causal) {
@@ -670,16 +711,14 @@ struct KeyBlocks {
   const at::Tensor& values;
   float scale;
   std::vector<int32_t> last_visible;
-  bool tiles;  // takes_tiles
-  std::vector<at::Tensor> query_pairs;  // key_tile_operands
+  PassOperands<D> pass;
   BlockResults results;
   int64_t tasks;
 
   KeyBlocks(const at::Tensor& grouped_, const at::Tensor& keys_, const at::Tensor& values_, float scale_,
             std::vector<int32_t> last_visible_, int64_t group)
       : grouped(grouped_), keys(keys_), values(values_), scale(scale_), last_visible(std::move(last_visible_)),
-        tiles(takes_tiles<D>(group)),
-        query_pairs(key_tile_operands(grouped_, D, tiles)) {
+        pass(grouped_, group) {
     const int64_t kv_heads = grouped.size(0), rows = grouped.size(1), num_keys = keys.size(1);
     const int64_t blocks = (num_keys + kBlockKeys - 1) / kBlockKeys;
     tasks = kv_heads * blocks;
@@ -697,16 +736,7 @@ struct KeyBlocks {
                       scale};
     float *maxima = results.maxima + task * rows, *totals = results.totals + task * rows;
     float* partial = results.partial + task * rows * D;
-#if defined(__AMX_BF16__)
-    if constexpr (D % kPairInputs == 0) {  // tiles take 32 dimensions at a time
-      if (tiles) {
-        return tile_block<D>(op, queries, last_visible.data(), rows, k0, k1, scratch, partial, maxima, totals);
-      }
-    }
-#endif
-    block_scores<D>(op, queries, query_pairs, head, rows, k0, k1, scratch.scores);
-    block_weights(op, last_visible.data(), rows, k0, k1, scratch.scores, scratch.weights, maxima, totals);
-    block_values<D>(op, scratch.weights, rows, k0, k1, scratch.value_pairs, partial);
+    block_task<D>(op, pass, queries, head, last_visible.data(), rows, k0, k1, scratch, partial, maxima, totals);
   }
 };
 
@@ -825,7 +855,7 @@ void attend_sequences(const std::vector<at::Tensor>& grouped, at::TensorList key
   for (size_t b = 0; b < grouped.size(); ++b) merge_rows(jobs[b].results, grouped[b].size(0), outs[b].data_ptr<at::BFloat16>());
 }
 
-#endif  // __AVX512BF16__
+#endif  // CASCADE_KERNELS
 
 // Fails unless query [H, T, D] may attend over keys / values [H_kv, S, D] (and tail_mask [T, M]).
 void check_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
@@ -872,14 +902,14 @@ at::Tensor attention_pass(const at::Tensor& query, const at::Tensor& keys, const
                           bool causal, const std::optional<at::Tensor>& tail_mask) {
   check_attention(query, keys, values, tail_mask);
   at::Tensor out = at::empty_like(query, query.options().memory_format(at::MemoryFormat::Contiguous));
-#if defined(__AVX512BF16__)
+#if defined(CASCADE_KERNELS)
   const at::Tensor grouped = grouped_rows(query, keys.size(0));
   const std::optional<at::Tensor> mask = tail_mask.has_value() ? std::optional(tail_mask->contiguous()) : std::nullopt;
   with_head_size(query.size(2), [&](auto dim) {
     attend_pass<decltype(dim)::value>(grouped, keys, values, (float)scale, query.size(1), causal, mask, out.data_ptr<at::BFloat16>());
   });
 #else
-  TORCH_CHECK(false, "decode_attention: this build has no AVX512-BF16 (see features())");
+  TORCH_CHECK(false, "decode_attention: this build has neither AVX512-BF16 nor AVX2 with FMA (see features())");
 #endif
   return out;
 }
@@ -907,12 +937,12 @@ std::vector<at::Tensor> decode_attention_sequences(const std::vector<at::Tensor>
     outs.push_back(at::empty_like(queries[b], queries[b].options().memory_format(at::MemoryFormat::Contiguous)));
     tokens.push_back(queries[b].size(1));
   }
-#if defined(__AVX512BF16__)
+#if defined(CASCADE_KERNELS)
   with_head_size(queries[0].size(2), [&](auto dim) {
     attend_sequences<decltype(dim)::value>(grouped, keys, values, (float)scale, tokens, outs);
   });
 #else
-  TORCH_CHECK(false, "decode_attention: this build has no AVX512-BF16 (see features())");
+  TORCH_CHECK(false, "decode_attention: this build has neither AVX512-BF16 nor AVX2 with FMA (see features())");
 #endif
   return outs;
 }

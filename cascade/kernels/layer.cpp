@@ -17,7 +17,8 @@
 // The products are cascade's kernels (products.h): bf16 weights, or int8 or 4-bit (uint8) ones packed
 // by cascade.quantise where a scales tensor comes with them. Elementwise work runs in float32 and
 // rounds to bf16 where the model's other passes round: after each norm, each projection, the
-// rotation, the SiLU product and each residual sum.
+// rotation, the SiLU product and each residual sum (AVX-512, or AVX2 where the CPU lacks AVX512-BF16;
+// see vector_math.h).
 
 #include <torch/library.h>
 #include <torch/torch.h>
@@ -59,6 +60,13 @@ inline void store_rounded(BFloat16* target, __m512 values, __mmask16 lanes) {
   _mm256_mask_storeu_epi16(target, lanes, (__m256i)_mm512_cvtneps_pbh(values));
 }
 
+#elif defined(CASCADE_AVX2)
+
+using cascade_vector::rounded8;
+using cascade_vector::store_rounded8;
+using cascade_vector::sum8;
+using cascade_vector::widen8;
+
 #endif
 
 // x [T, C] bf16 -> x / rms(x) * weight, bf16: each row's squares summed in 16 float32 lanes, then across them.
@@ -83,8 +91,31 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
       store_rounded(target + t * width + c, _mm512_mul_ps(scaled, load_floats(gain + c, lanes)), lanes);
     }
   }
+#elif defined(CASCADE_AVX2)
+  const auto* source = x.data_ptr<BFloat16>();
+  const auto* gain = weight.data_ptr<BFloat16>();
+  auto* target = out.data_ptr<BFloat16>();
+  const int64_t whole = width / 8 * 8;
+  for (int64_t t = 0; t < rows; ++t) {
+    const BFloat16* row = source + t * width;
+    __m256 squares = _mm256_setzero_ps();
+    for (int64_t c = 0; c < whole; c += 8) {
+      const __m256 values = widen8(row + c);
+      squares = _mm256_fmadd_ps(values, values, squares);
+    }
+    float sum = sum8(squares);
+    for (int64_t c = whole; c < width; ++c) sum += static_cast<float>(row[c]) * static_cast<float>(row[c]);
+    const float inverse = 1.0f / std::sqrt(sum / width + static_cast<float>(eps));
+    for (int64_t c = 0; c < whole; c += 8) {
+      const __m256 scaled = _mm256_mul_ps(widen8(row + c), _mm256_set1_ps(inverse));
+      store_rounded8(target + t * width + c, _mm256_mul_ps(scaled, widen8(gain + c)));
+    }
+    for (int64_t c = whole; c < width; ++c) {
+      target[t * width + c] = BFloat16(static_cast<float>(row[c]) * inverse * static_cast<float>(gain[c]));
+    }
+  }
 #else
-  TORCH_CHECK(false, "cascade layer kernels: this build has no AVX512-BF16");
+  TORCH_CHECK(false, "cascade layer kernels: this build has neither AVX512-BF16 nor AVX2 with FMA");
 #endif
   return out;
 }
@@ -162,8 +193,19 @@ at::Tensor add_rounded(const at::Tensor& residual, const at::Tensor& update) {
     const __m512 sum = _mm512_add_ps(load_floats(base + i, lanes), rounded(_mm512_maskz_loadu_ps(lanes, delta + i)));
     store_rounded(target + i, sum, lanes);
   }
+#elif defined(CASCADE_AVX2)
+  const auto* base = residual.data_ptr<BFloat16>();
+  const float* delta = update.data_ptr<float>();
+  auto* target = out.data_ptr<BFloat16>();
+  const int64_t count = residual.numel(), whole = count / 8 * 8;
+  for (int64_t i = 0; i < whole; i += 8) {
+    store_rounded8(target + i, _mm256_add_ps(widen8(base + i), rounded8(_mm256_loadu_ps(delta + i))));
+  }
+  for (int64_t i = whole; i < count; ++i) {
+    target[i] = BFloat16(static_cast<float>(base[i]) + static_cast<float>(BFloat16(delta[i])));
+  }
 #else
-  TORCH_CHECK(false, "cascade layer kernels: this build has no AVX512-BF16");
+  TORCH_CHECK(false, "cascade layer kernels: this build has neither AVX512-BF16 nor AVX2 with FMA");
 #endif
   return out;
 }
@@ -185,8 +227,26 @@ at::Tensor gated(const at::Tensor& gate_up) {
       store_rounded(target + t * width + f, _mm512_mul_ps(silu, up), lanes);
     }
   }
+#elif defined(CASCADE_AVX2)
+  using cascade_vector::exp8;
+  const float* source = gate_up.data_ptr<float>();
+  auto* target = out.data_ptr<BFloat16>();
+  const int64_t whole = width / 8 * 8;
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* gates = source + t * 2 * width;
+    const float* ups = gates + width;
+    for (int64_t f = 0; f < whole; f += 8) {
+      const __m256 gate = rounded8(_mm256_loadu_ps(gates + f)), up = rounded8(_mm256_loadu_ps(ups + f));
+      const __m256 silu = _mm256_div_ps(gate, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), gate))));
+      store_rounded8(target + t * width + f, _mm256_mul_ps(silu, up));
+    }
+    for (int64_t f = whole; f < width; ++f) {
+      const float gate = static_cast<float>(BFloat16(gates[f])), up = static_cast<float>(BFloat16(ups[f]));
+      target[t * width + f] = BFloat16(gate / (1.0f + std::exp(-gate)) * up);
+    }
+  }
 #else
-  TORCH_CHECK(false, "post_attention: this build has no AVX512-BF16");
+  TORCH_CHECK(false, "post_attention: this build has neither AVX512-BF16 nor AVX2 with FMA");
 #endif
   return out;
 }

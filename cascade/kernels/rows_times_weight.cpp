@@ -16,8 +16,9 @@
 // as the block reads its own: without that, rows of a few hundred inputs streamed at half the
 // memory's speed.
 //
-// Built with -march=native: on a CPU without AVX512-BF16 `features()` lacks it, the Python
-// side keeps PyTorch's kernels, and the op refuses to run.
+// Built with -march=native: on a CPU without AVX512-BF16 but with AVX2 and FMA the product is
+// rows_times_weight_avx2.cpp's (`features()` says "avx2"); with neither, the Python side keeps
+// PyTorch's kernels and the op refuses to run.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -250,8 +251,10 @@ at::Tensor rows_times_weight(const at::Tensor& rows, const at::Tensor& weight) {
     single_row(rows_data, weight_data, out_data, num_rows, o, inner, outputs);
   }
   return out;
+#elif defined(CASCADE_AVX2)
+  return rows_times_weight_avx2(rows, weight);
 #else
-  TORCH_CHECK(false, "rows_times_weight: this build has no AVX512-BF16 (see features())");
+  TORCH_CHECK(false, "rows_times_weight: this build has neither AVX512-BF16 nor AVX2 with FMA (see features())");
   return {};
 #endif
 }
@@ -261,12 +264,14 @@ at::Tensor rows_times_weight(const at::Tensor& rows, const at::Tensor& weight) {
 namespace {
 
 // The instruction sets this build compiled its kernels for (-march=native): "avx512_bf16" (the weight
-// product, the layer ops and attention), "amx_bf16" (tiles for both), "avx512_vnni" and "amx_int8" (the
-// int8 product).
+// product, the layer ops and attention), or else "avx2" (the same ops in float32 arithmetic),
+// "amx_bf16" (tiles for both), "avx512_vnni" and "amx_int8" (the int8 product).
 std::vector<std::string> features() {
   std::vector<std::string> compiled;
 #if defined(__AVX512BF16__)
   compiled.push_back("avx512_bf16");
+#elif defined(CASCADE_AVX2)
+  compiled.push_back("avx2");
 #endif
 #if defined(__AMX_BF16__)
   compiled.push_back("amx_bf16");

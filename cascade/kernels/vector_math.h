@@ -1,7 +1,23 @@
-// AVX-512 helpers shared by cascade's CPU kernels (included after <immintrin.h>).
+// Vector helpers shared by cascade's CPU kernels (included after <immintrin.h>), and which of the
+// kernels' two instruction sets this build takes (-march=native):
+// - CASCADE_AVX512: AVX512-BF16 (bf16 pair products; Zen 4, Sapphire Rapids and later);
+// - CASCADE_AVX2: AVX2 with FMA and no AVX512-BF16 (Zen 1-3, Haswell to Alder Lake): bf16 widened to
+//   float32 by a shift or a mask, float32 fused multiply-adds.
+// CASCADE_KERNELS: either; without it every op refuses to run and Python keeps PyTorch's kernels.
 #pragma once
 
 #include <immintrin.h>
+
+#include <cstdint>
+
+#if defined(__AVX512BF16__)
+#define CASCADE_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CASCADE_AVX2 1
+#endif
+#if defined(CASCADE_AVX512) || defined(CASCADE_AVX2)
+#define CASCADE_KERNELS 1
+#endif
 
 #if defined(__AVX512F__)
 
@@ -43,6 +59,80 @@ inline __m512 sum_each(const __m512 (&v)[16]) {
                                     _mm512_shuffle_ps(eighths[0], eighths[1], 0xEE));
   // lane L holds the sum of v[order[L]]; the order is its own inverse
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15), sums);
+}
+
+}  // namespace cascade_vector
+
+#endif
+
+#if defined(CASCADE_AVX2)
+
+namespace cascade_vector {
+
+// 8 bf16 values (16 bytes) -> float32, exactly: each value's bits become a float's high half.
+inline __m256 widen8(const void* source) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(source));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+// 16 bf16 values loaded as 8 pairs -> the even ones (0, 2, .., 14) and the odd ones, as float32.
+inline __m256 even_values(__m256i pairs) { return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)); }
+inline __m256 odd_values(__m256i pairs) {
+  return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+}
+
+// float32 -> the nearest bf16 (ties to even) as the high halves of 8 float32 lanes, low halves zero:
+// the value a bf16 rounding keeps, still a float. NaN stays NaN (quiet).
+inline __m256i bf16_bits(__m256 values) {
+  const __m256i bits = _mm256_castps_si256(values);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i nearest = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+  const __m256i kept = _mm256_and_si256(nearest, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u)));
+  const __m256 nan = _mm256_cmp_ps(values, values, _CMP_UNORD_Q);
+  return _mm256_blendv_epi8(kept, _mm256_set1_epi32(0x7FC00000), _mm256_castps_si256(nan));
+}
+inline __m256 rounded8(__m256 values) { return _mm256_castsi256_ps(bf16_bits(values)); }
+
+// 8 float32 -> 8 bf16 (16 bytes) at target, rounded to nearest even.
+inline void store_rounded8(void* target, __m256 values) {
+  const __m256i halves = _mm256_srli_epi32(bf16_bits(values), 16);  // [0, b0, 0, b1, ...] per 128-bit lane
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(halves), _mm256_extractf128_si256(halves, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(target), packed);
+}
+
+// The sum of 8 lanes, always added in the same order: the halves, then pairs, then the last two.
+inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+inline float max8(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+// e^x for 8 floats, the polynomial exp16 uses; 2^n built in the exponent bits. Below -87.3 (and -inf)
+// gives 0; above 88.7 the result saturates at ~3.4e38.
+inline __m256 exp8(__m256 x) {
+  const __m256 clamped = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
+  const __m256 t = _mm256_mul_ps(clamped, _mm256_set1_ps(1.44269504088896341f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.69314718055994531f));  // f ln 2
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 120));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 24));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 6));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  // n in [-126, 128]: 2^n as exponent bits, n = 128 as 2^127 * 2
+  const __m256i n_int = _mm256_cvtps_epi32(_mm256_min_ps(n, _mm256_set1_ps(127.f)));
+  const __m256 power = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n_int, _mm256_set1_epi32(127)), 23));
+  const __m256 carry = _mm256_blendv_ps(_mm256_set1_ps(1.f), _mm256_set1_ps(2.f), _mm256_cmp_ps(n, _mm256_set1_ps(127.f), _CMP_GT_OQ));
+  const __m256 out = _mm256_mul_ps(_mm256_mul_ps(p, power), carry);
+  return _mm256_blendv_ps(out, _mm256_setzero_ps(), _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ));
 }
 
 }  // namespace cascade_vector

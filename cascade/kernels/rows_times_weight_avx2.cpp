@@ -1,0 +1,138 @@
+// rows_times_weight for CPUs with AVX2 and FMA but no AVX512-BF16 (CASCADE_AVX2, see vector_math.h).
+//
+// rows [T, I] bf16 x weight [O, I] bf16 -> out [T, O] float32, reading the weight once. There is no
+// bf16 product instruction, so each 256-bit load of 16 weight values is widened in registers: the
+// even values by a shift, the odd ones by a mask (each bf16 is the high half of its float32). The
+// activation rows are widened once per call into the same order (per 16 inputs, the 8 even then the 8
+// odd ones), so each load meets them with two fused multiply-adds. An output's sum runs over the
+// inputs in order in two accumulators (even, odd), then goes through one fixed horizontal sum (sum8)
+// and adds the inputs past the last multiple of 16 one by one: a product's value does not depend on
+// how many rows the pass holds, so a verification pass equals the decode steps it replaces bit for bit.
+// One activation row (a decode step) takes 4 weight rows at a time (8 independent sums in flight);
+// wider passes take each weight row for up to 4 activation rows at a time, the row staying in L1 for
+// the next 4. The weight's rows are split between the threads in contiguous ranges.
+
+#include <ATen/Parallel.h>
+#include <torch/torch.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "products.h"
+#include "vector_math.h"
+
+#if defined(CASCADE_AVX2)
+
+namespace {
+
+using at::BFloat16;
+using cascade_vector::even_values;
+using cascade_vector::odd_values;
+using cascade_vector::sum8;
+
+constexpr int64_t kBlockInputs = 16;  // bf16 inputs per 256-bit load
+constexpr int64_t kStepRows = 4;  // weight rows a one-row product takes at once
+constexpr int64_t kActivationRows = 4;  // activation rows a weight row meets at once in a wider pass
+
+// rows [T, I] bf16 -> [T, I / 16 * 16] float32, each 16 inputs as their 8 even values then their 8 odd ones.
+at::Tensor widened_rows(const at::Tensor& rows) {
+  const int64_t num_rows = rows.size(0), inner = rows.size(1), width = inner / kBlockInputs * kBlockInputs;
+  at::Tensor out = at::empty({num_rows, width}, rows.options().dtype(at::kFloat));
+  const auto* source = rows.data_ptr<BFloat16>();
+  float* target = out.data_ptr<float>();
+  for (int64_t t = 0; t < num_rows; ++t) {
+    for (int64_t i = 0; i < width; i += kBlockInputs) {
+      const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(source + t * inner + i));
+      _mm256_storeu_ps(target + t * width + i, even_values(pairs));
+      _mm256_storeu_ps(target + t * width + i + 8, odd_values(pairs));
+    }
+  }
+  return out;
+}
+
+// The products of the inputs past the last multiple of 16, one by one in order.
+inline float tail_sum(const BFloat16* row, const BFloat16* weight_row, int64_t from, int64_t inner) {
+  float sum = 0.f;
+  for (int64_t i = from; i < inner; ++i) sum += static_cast<float>(row[i]) * static_cast<float>(weight_row[i]);
+  return sum;
+}
+
+struct Operands {
+  const BFloat16* rows;  // [T, I]
+  const float* widened;  // [T, width] (widened_rows)
+  const BFloat16* weight;  // [O, I]
+  float* out;  // [T, O]
+  int64_t inner, width, outputs;
+};
+
+// out[row + t, o + r] for t < Acts activation rows and r < Rows weight rows.
+template <int Acts, int Rows>
+__attribute__((always_inline)) inline void tile(const Operands& op, int64_t row, int64_t o) {
+  __m256 even[Acts][Rows], odd[Acts][Rows];
+  for (int t = 0; t < Acts; ++t) {
+    for (int r = 0; r < Rows; ++r) even[t][r] = odd[t][r] = _mm256_setzero_ps();
+  }
+  for (int64_t i = 0; i < op.width; i += kBlockInputs) {
+    for (int r = 0; r < Rows; ++r) {
+      const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(op.weight + (o + r) * op.inner + i));
+      const __m256 w_even = even_values(pairs), w_odd = odd_values(pairs);
+      for (int t = 0; t < Acts; ++t) {
+        const float* x = op.widened + (row + t) * op.width + i;
+        even[t][r] = _mm256_fmadd_ps(_mm256_loadu_ps(x), w_even, even[t][r]);
+        odd[t][r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + 8), w_odd, odd[t][r]);
+      }
+    }
+  }
+  for (int t = 0; t < Acts; ++t) {
+    for (int r = 0; r < Rows; ++r) {
+      const float tail = tail_sum(op.rows + (row + t) * op.inner, op.weight + (o + r) * op.inner, op.width, op.inner);
+      op.out[(row + t) * op.outputs + o + r] = sum8(_mm256_add_ps(even[t][r], odd[t][r])) + tail;
+    }
+  }
+}
+
+// Weight row o times every activation row, up to 4 at a time.
+inline void weight_row(const Operands& op, int64_t num_rows, int64_t o) {
+  int64_t row = 0;
+  for (; row + kActivationRows <= num_rows; row += kActivationRows) tile<kActivationRows, 1>(op, row, o);
+  switch (num_rows - row) {
+    case 3: tile<3, 1>(op, row, o); break;
+    case 2: tile<2, 1>(op, row, o); break;
+    case 1: tile<1, 1>(op, row, o); break;
+    default: break;
+  }
+}
+
+}  // namespace
+
+namespace cascade_kernels {
+
+at::Tensor rows_times_weight_avx2(const at::Tensor& rows, const at::Tensor& weight) {
+  const at::Tensor packed = rows.contiguous();
+  const int64_t num_rows = packed.size(0), inner = packed.size(1), outputs = weight.size(0);
+  at::Tensor out = at::empty({num_rows, outputs}, packed.options().dtype(at::kFloat));
+  const at::Tensor widened = widened_rows(packed);
+  const Operands op{packed.data_ptr<BFloat16>(), widened.data_ptr<float>(), weight.data_ptr<BFloat16>(),
+                    out.data_ptr<float>(), inner, widened.size(1), outputs};
+  const int64_t block_rows = num_rows == 1 ? kStepRows : 1;
+  const int64_t blocks = outputs / block_rows;
+  const int64_t threads = at::get_num_threads();
+  const int64_t grain = std::max<int64_t>(64 / block_rows, (blocks + threads - 1) / threads);  // a range per thread
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t block = begin; block < end; ++block) {
+      if (num_rows == 1) {
+        tile<1, kStepRows>(op, 0, block * kStepRows);
+      } else {
+        weight_row(op, num_rows, block);
+      }
+    }
+  });
+  for (int64_t o = blocks * block_rows; o < outputs; ++o) weight_row(op, num_rows, o);
+  return out;
+}
+
+}  // namespace cascade_kernels
+
+#endif  // CASCADE_AVX2
