@@ -8,9 +8,10 @@
 // inputs in order in two accumulators (even, odd), then goes through one fixed horizontal sum (sum8)
 // and adds the inputs past the last multiple of 16 one by one: a product's value does not depend on
 // how many rows the pass holds, so a verification pass equals the decode steps it replaces bit for bit.
-// One activation row (a decode step) takes 4 weight rows at a time (8 independent sums in flight);
-// wider passes take each weight row for up to 4 activation rows at a time, the row staying in L1 for
-// the next 4. The weight's rows are split between the threads in contiguous ranges.
+// One activation row (a decode step) reads the weight row after row, in memory order (each thread's
+// contiguous range of rows one stream for the hardware prefetcher; two chains of multiply-adds
+// keep up with ~20 GB/s a core). Wider passes take two weight rows at a time for three activation
+// rows at a time (12 sums in registers), the two rows staying in L1 for the next three.
 
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
@@ -33,8 +34,8 @@ using cascade_vector::odd_values;
 using cascade_vector::sum8;
 
 constexpr int64_t kBlockInputs = 16;  // bf16 inputs per 256-bit load
-constexpr int64_t kStepRows = 4;  // weight rows a one-row product takes at once
-constexpr int64_t kActivationRows = 4;  // activation rows a weight row meets at once in a wider pass
+constexpr int64_t kActivationRows = 3;  // activation rows a block of weight rows meets at once
+constexpr int64_t kPassRows = 2;  // weight rows a block of a pass wider than one row holds
 
 // rows [T, I] bf16 -> [T, I / 16 * 16] float32, each 16 inputs as their 8 even values then their 8 odd ones.
 at::Tensor widened_rows(const at::Tensor& rows) {
@@ -67,42 +68,48 @@ struct Operands {
   int64_t inner, width, outputs;
 };
 
-// out[row + t, o + r] for t < Acts activation rows and r < Rows weight rows.
+// out[row + t, o + r] for t < Acts activation rows and r < Rows weight rows (2 x Acts x Rows <= 12
+// accumulators, the activations read as operands of the multiply-adds).
 template <int Acts, int Rows>
 __attribute__((always_inline)) inline void tile(const Operands& op, int64_t row, int64_t o) {
   __m256 even[Acts][Rows], odd[Acts][Rows];
   for (int t = 0; t < Acts; ++t) {
     for (int r = 0; r < Rows; ++r) even[t][r] = odd[t][r] = _mm256_setzero_ps();
   }
+  const BFloat16* weight_rows = op.weight + o * op.inner;
+  const float* x = op.widened + row * op.width;
   for (int64_t i = 0; i < op.width; i += kBlockInputs) {
+    __m256 w_even[Rows], w_odd[Rows];
     for (int r = 0; r < Rows; ++r) {
-      const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(op.weight + (o + r) * op.inner + i));
-      const __m256 w_even = even_values(pairs), w_odd = odd_values(pairs);
-      for (int t = 0; t < Acts; ++t) {
-        const float* x = op.widened + (row + t) * op.width + i;
-        even[t][r] = _mm256_fmadd_ps(_mm256_loadu_ps(x), w_even, even[t][r]);
-        odd[t][r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + 8), w_odd, odd[t][r]);
+      if constexpr (Rows > 1) {  // the next block's rows, as fast as this block reads its own
+        _mm_prefetch(reinterpret_cast<const char*>(weight_rows + (Rows + r) * op.inner + i), _MM_HINT_T0);
+      }
+      const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(weight_rows + r * op.inner + i));
+      w_even[r] = even_values(pairs);
+      w_odd[r] = odd_values(pairs);
+    }
+    for (int t = 0; t < Acts; ++t) {
+      for (int r = 0; r < Rows; ++r) {
+        even[t][r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + t * op.width + i), w_even[r], even[t][r]);
+        odd[t][r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + t * op.width + i + 8), w_odd[r], odd[t][r]);
       }
     }
   }
   for (int t = 0; t < Acts; ++t) {
     for (int r = 0; r < Rows; ++r) {
-      const float tail = tail_sum(op.rows + (row + t) * op.inner, op.weight + (o + r) * op.inner, op.width, op.inner);
+      const float tail = tail_sum(op.rows + (row + t) * op.inner, weight_rows + r * op.inner, op.width, op.inner);
       op.out[(row + t) * op.outputs + o + r] = sum8(_mm256_add_ps(even[t][r], odd[t][r])) + tail;
     }
   }
 }
 
-// Weight row o times every activation row, up to 4 at a time.
-inline void weight_row(const Operands& op, int64_t num_rows, int64_t o) {
+// Weight rows [o, o + Rows) times every activation row, 3 at a time, then the 1 or 2 left.
+template <int Rows>
+inline void weight_rows(const Operands& op, int64_t num_rows, int64_t o) {
   int64_t row = 0;
-  for (; row + kActivationRows <= num_rows; row += kActivationRows) tile<kActivationRows, 1>(op, row, o);
-  switch (num_rows - row) {
-    case 3: tile<3, 1>(op, row, o); break;
-    case 2: tile<2, 1>(op, row, o); break;
-    case 1: tile<1, 1>(op, row, o); break;
-    default: break;
-  }
+  for (; row + kActivationRows <= num_rows; row += kActivationRows) tile<kActivationRows, Rows>(op, row, o);
+  if (num_rows - row == 2) tile<2, Rows>(op, row, o);
+  if (num_rows - row == 1) tile<1, Rows>(op, row, o);
 }
 
 }  // namespace
@@ -116,20 +123,19 @@ at::Tensor rows_times_weight_avx2(const at::Tensor& rows, const at::Tensor& weig
   const at::Tensor widened = widened_rows(packed);
   const Operands op{packed.data_ptr<BFloat16>(), widened.data_ptr<float>(), weight.data_ptr<BFloat16>(),
                     out.data_ptr<float>(), inner, widened.size(1), outputs};
-  const int64_t block_rows = num_rows == 1 ? kStepRows : 1;
-  const int64_t blocks = outputs / block_rows;
+  const int64_t block_rows = num_rows == 1 ? 1 : kPassRows, blocks = outputs / block_rows;
   const int64_t threads = at::get_num_threads();
-  const int64_t grain = std::max<int64_t>(64 / block_rows, (blocks + threads - 1) / threads);  // a range per thread
+  const int64_t grain = std::max<int64_t>(16, (blocks + threads - 1) / threads);  // a range of rows per thread
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; ++block) {
       if (num_rows == 1) {
-        tile<1, kStepRows>(op, 0, block * kStepRows);
+        tile<1, 1>(op, 0, block);
       } else {
-        weight_row(op, num_rows, block);
+        weight_rows<kPassRows>(op, num_rows, block * kPassRows);
       }
     }
   });
-  for (int64_t o = blocks * block_rows; o < outputs; ++o) weight_row(op, num_rows, o);
+  if (blocks * block_rows < outputs) weight_rows<1>(op, num_rows, outputs - 1);
   return out;
 }
 
