@@ -10,7 +10,7 @@ import torch
 from cascade import kernels
 
 pytestmark = pytest.mark.skipif(
-    not kernels.weight_kernel_available(), reason="cascade's weight kernel does not build or lacks AVX512-BF16 here"
+    not kernels.weight_kernel_available(), reason="cascade's weight kernel does not build here, or the CPU has neither AVX512-BF16 nor AVX2"
 )
 
 
@@ -21,7 +21,7 @@ def product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 @pytest.fixture(params=["amx", "avx512"])
 def path(request):
     if request.param == "amx" and "amx_bf16" not in kernels.compiled_features():
-        pytest.skip("this CPU has no AMX: only the AVX512-BF16 path runs")
+        pytest.skip("this CPU has no AMX: only the vector (AVX512-BF16 or AVX2) path runs")
     torch.ops.cascade_kernels.set_amx(request.param == "amx")
     yield request.param
     torch.ops.cascade_kernels.set_amx(True)

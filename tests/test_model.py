@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from cache.full import FullCache
+from cascade import model as model_module
 from cascade.checkpoint import load_model, stretch_factor
 from cascade.errors import CascadeError
 from tests.conftest import FAMILIES, make_checkpoint
@@ -139,3 +140,24 @@ def test_weights_that_do_not_match_the_config_are_refused_by_name(damage, messag
         (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(CascadeError, match=re.escape(message)):
         load_model(path, torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("emulated", [True, False])
+def test_a_wide_bf16_projection_rounds_its_float32_product_once(monkeypatch, emulated):
+    """Where the CPU emulates bf16 products (no AVX512-BF16), a prefill chunk's projection multiplies
+    in float32 and rounds to bf16 once, as a bf16 product does: within half a bf16 step of the exact
+    product; a short pass (kernel-sized) keeps nn.Linear's own product."""
+    monkeypatch.setattr(model_module.compiled_kernels, "cpu_has_avx512_bf16", lambda: not emulated)
+    generator = torch.Generator().manual_seed(7)
+    linear = model_module.Linear(96, 40, bias=True).bfloat16()
+    with torch.no_grad():
+        for parameter in linear.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator))
+        wide = torch.randn(2, model_module.WIDE_PASS_ROWS + 3, 96, generator=generator).bfloat16()
+        got = linear(wide)
+        short = wide[:, :2]
+        assert torch.equal(linear(short), torch.nn.functional.linear(short, linear.weight, linear.bias))
+    exact = wide.double() @ linear.weight.double().T + linear.bias.double()
+    assert got.dtype == torch.bfloat16 and got.shape == (2, model_module.WIDE_PASS_ROWS + 3, 40)
+    half_step = exact.abs() * 2.0**-8 + 1e-3  # float32 summation error is far below a bf16 step
+    assert ((got.double() - exact).abs() <= half_step).all()

@@ -8,7 +8,9 @@
 // pass's own tokens are the last T keys). decode_attention_tree takes a token tree's pass: token t
 // sees every key before the tree's and, of the last M, those a [T, M] mask allows (its ancestors).
 //
-// Per block of 256 keys, in bf16 products with float32 accumulation (AVX512-BF16):
+// On a CPU without AVX512-BF16 but with AVX2 and FMA, each block's work is attention_avx2.h's (the
+// keys and values widened to float32 in registers); the split, the merge and the tree's keys are
+// this file's either way. Per block of 256 keys, in bf16 products with float32 accumulation (AVX512-BF16):
 // - values: each two keys' rows interleaved into (key, key + 1) pairs, in registers as the sums use
 //   them where the rows fit in one group of accumulators (a decode step), else once per block into
 //   scratch (heads up to 64 dimensions), or 32 dimensions at a time as the sums use them (128);
