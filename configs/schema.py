@@ -185,7 +185,8 @@ class PipelineConfig(Strict):
     eager pass costs its kernel launches whatever its length: an H200 prefilled 16K tokens of
     SmolLM2 at 212K tokens/s in passes of 4096, at 57K in passes of 1024)."""
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
-    """Weights and KV dtype; auto picks bfloat16 on CUDA and on CPUs where cascade's kernels build (AVX-512 BF16, or AVX2 with FMA), else float32."""
+    """Weights and KV dtype; auto picks bfloat16 on CUDA and on CPUs where cascade's kernels build
+    (AVX-512 BF16, or AVX2 with FMA), else float32."""
     seed: int = Field(0, ge=0, le=2**64 - 1)
     """Seed of the sampling random generator."""
     kernels: Literal["compiled", "eager"] = "compiled"

@@ -10,7 +10,8 @@ import torch
 from cascade import kernels
 
 pytestmark = pytest.mark.skipif(
-    not kernels.weight_kernel_available(), reason="cascade's weight kernel does not build here, or the CPU has neither AVX512-BF16 nor AVX2"
+    not kernels.weight_kernel_available(),
+    reason="cascade's weight kernel does not build here, or the CPU has neither AVX512-BF16 nor AVX2",
 )
 
 
