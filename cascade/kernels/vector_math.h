@@ -9,6 +9,8 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <initializer_list>
+#include <initializer_list>
 
 #if defined(__AVX512BF16__)
 #define CASCADE_AVX512 1
@@ -18,6 +20,21 @@
 #if defined(CASCADE_AVX512) || defined(CASCADE_AVX2)
 #define CASCADE_KERNELS 1
 #endif
+
+namespace cascade_vector {
+
+// e^f for f in [-ln 2 / 2, ln 2 / 2] (relative error ~2e-7): the degree-6 Taylor polynomial by Horner's
+// rule, on any vector type given its multiply-add and broadcast.
+template <typename Vector, typename MulAdd, typename Broadcast>
+inline Vector exp_polynomial(Vector f, MulAdd multiply_add, Broadcast broadcast) {
+  Vector p = broadcast(1.f / 720);
+  for (const float coefficient : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) {
+    p = multiply_add(p, f, broadcast(coefficient));
+  }
+  return p;
+}
+
+}  // namespace cascade_vector
 
 #if defined(__AVX512F__)
 
@@ -29,13 +46,8 @@ inline __m512 exp16(__m512 x) {
   const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718055994531f));  // f ln 2
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  const __m512 p = exp_polynomial(f, [](__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); },
+                                  [](float c) { return _mm512_set1_ps(c); });
   const __m512 out = _mm512_scalef_ps(p, n);
   return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-1e30f), _CMP_LT_OQ), out, _mm512_setzero_ps());
 }
@@ -113,20 +125,15 @@ inline float max8(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
 }
 
-// e^x for 8 floats, the polynomial exp16 uses; 2^n built in the exponent bits. Below -87.3 (and -inf)
+// e^x for 8 floats, as exp16 computes it but for 2^n built in the exponent bits. Below -87.3 (and -inf)
 // gives 0; above 88.7 the result saturates at ~3.4e38.
 inline __m256 exp8(__m256 x) {
   const __m256 clamped = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
   const __m256 t = _mm256_mul_ps(clamped, _mm256_set1_ps(1.44269504088896341f));
   const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.69314718055994531f));  // f ln 2
-  __m256 p = _mm256_set1_ps(1.f / 720);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 120));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 24));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 6));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  const __m256 p = exp_polynomial(f, [](__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); },
+                                  [](float c) { return _mm256_set1_ps(c); });
   // n in [-126, 128]: 2^n as exponent bits, n = 128 as 2^127 * 2
   const __m256i n_int = _mm256_cvtps_epi32(_mm256_min_ps(n, _mm256_set1_ps(127.f)));
   const __m256 power = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n_int, _mm256_set1_epi32(127)), 23));
