@@ -5,13 +5,14 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 
 def rope_frequencies(config: PreTrainedConfig) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [D/2] and the cos/sin scale (YaRN's mscale; 1.0 otherwise)."""
     rope_type = config.rope_parameters.get("rope_type", "default")
     if rope_type == "default":
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding  # 4 s to import: when used
+
         return LlamaRotaryEmbedding.compute_default_rope_parameters(config)
     return ROPE_INIT_FUNCTIONS[rope_type](config)
 

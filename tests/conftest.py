@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -45,6 +46,14 @@ FAMILIES = {
     ),
     "mistral": (MistralConfig, dict(sliding_window=None)),
 }
+
+
+def pytest_configure(config) -> None:
+    """Under pytest-xdist each worker takes its share of the cores: workers that each ran on all of
+    them would wait on each other's threads."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
 
 
 def make_checkpoint(

@@ -20,12 +20,14 @@ import fcntl
 import hashlib
 import logging
 import platform
+import shutil
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
 import torch
 
+from cascade import atomic
 from cascade.home import cascade_home
 
 logger = logging.getLogger(__name__)
@@ -51,12 +53,29 @@ to 15 proposals); wider passes (prefill chunks) are compute-bound and go to oneD
 
 
 def build_directory() -> Path:
-    """Per source version and CPU (the build uses -march=native)."""
+    """Per source version, CPU (the build uses -march=native) and PyTorch installation (the build's
+    commands name its headers and libraries)."""
     code = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
-    digest = hashlib.sha256(code + platform.processor().encode() + cpu_model().encode())
+    machine = platform.processor() + cpu_model() + str(Path(torch.__file__).parent)
+    digest = hashlib.sha256(code + machine.encode())
     path = cascade_home() / "build" / f"kernels-{torch.__version__}-{digest.hexdigest()[:12]}"
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def staged_sources(directory: Path) -> list[str]:
+    """The sources, copied with their headers into ``directory/src`` (under the build lock), where the
+    build reads them. Its commands then name the same files whichever checkout or installed copy of
+    cascade asks for the build: ninja rebuilds when a command changes, and two source trees on one
+    machine would otherwise rebuild the same directory in turn."""
+    staged = directory / "src"
+    staged.mkdir(exist_ok=True)
+    for path in (*SOURCES, *HEADERS):
+        copy = staged / path.name
+        if not copy.exists():  # the directory's name fixes what it holds: a copy is never stale
+            with atomic.replacing(copy) as partial:
+                shutil.copyfile(path, partial)
+    return [str(staged / path.name) for path in SOURCES]
 
 
 def cpu_model() -> str:
@@ -103,7 +122,7 @@ def weight_kernel_available() -> bool:
             (directory / "lock").unlink(missing_ok=True)  # a build killed midway leaves torch's lock file
             cpp_extension.load(  # -fopenmp: at::parallel_for is inlined OpenMP, run by torch's own libgomp
                 name="cascade_kernels",
-                sources=[str(path) for path in SOURCES],
+                sources=staged_sources(directory),
                 extra_cflags=["-O3", "-march=native", "-fopenmp"],
                 build_directory=str(directory),
                 is_python_module=False,
