@@ -273,8 +273,9 @@ def start_six_documents(tiny_dir: Path, tmp_path: Path, **popen) -> tuple[list[s
         *tiny_settings(tiny_dir, max_new=48),
     ]
     job = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, **popen)
-    deadline = time.monotonic() + 120
-    while (not output.exists() or not output.read_text().count("\n")) and time.monotonic() < deadline:
+    deadline = time.monotonic() + 600  # a process start, a compile and a document: minutes on a loaded machine
+    while not (output.exists() and output.read_text().count("\n")) and job.poll() is None:
+        assert time.monotonic() < deadline, "the job finished no document in 10 minutes"
         time.sleep(0.05)
     return command, folder, output, job
 
