@@ -25,3 +25,14 @@ def test_another_pytorch_installation_builds_in_another_directory(home, monkeypa
     assert kernels.build_directory() == here and here.parent == home / "build"
     monkeypatch.setattr(torch, "__file__", "/elsewhere/site-packages/torch/__init__.py")
     assert kernels.build_directory() != here
+
+
+def test_a_home_whose_build_links_to_another_homes_builds_in_that_home(home, monkeypatch, tmp_path_factory):
+    """tests/scripts.py's ``linked_home`` does this for every script it runs: the build's commands name
+    the resolved directory, else each linked home would rebuild the shared one (~4 minutes here)."""
+    shared = kernels.build_directory()
+    linked = tmp_path_factory.mktemp("linked-home")
+    (linked / "build").symlink_to(home / "build", target_is_directory=True)
+    monkeypatch.setenv("CASCADE_HOME", str(linked))
+    assert kernels.build_directory() == shared
+    assert kernels.staged_sources(kernels.build_directory())[0].startswith(str(home / "build"))

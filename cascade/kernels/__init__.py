@@ -54,13 +54,14 @@ to 15 proposals); wider passes (prefill chunks) are compute-bound and go to oneD
 
 def build_directory() -> Path:
     """Per source version, CPU (the build uses -march=native) and PyTorch installation (the build's
-    commands name its headers and libraries)."""
+    commands name its headers and libraries). Resolved: a ``$CASCADE_HOME`` whose ``build`` links to
+    another home's names the same files, so ninja sees the same commands and does not rebuild."""
     code = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     machine = platform.processor() + cpu_model() + str(Path(torch.__file__).parent)
     digest = hashlib.sha256(code + machine.encode())
     path = cascade_home() / "build" / f"kernels-{torch.__version__}-{digest.hexdigest()[:12]}"
     path.mkdir(parents=True, exist_ok=True)
-    return path
+    return path.resolve()
 
 
 def staged_sources(directory: Path) -> list[str]:
