@@ -188,7 +188,7 @@ def _flex_under_mask(
     with ``valid_lengths`` [B] (and ``_block_indices``) only the ``FLEX_KEY_BLOCK``-key blocks holding
     the first that many keys are read: a buffer kept from a longer request costs no more than its
     valid part (the mask still hides the rest of the last block)."""
-    from torch.nn.attention.flex_attention import BlockMask, flex_attention  # 2.6 s of every start: only here
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention  # on first use: ~1 s of every start
 
     def add_mask(score, batch, head, query_index, key_index):
         return score + mask[query_index, key_index]
