@@ -34,17 +34,39 @@ VOCAB = 5
 TOKENS = 20_000
 
 
+class ToyClock(Clock):
+    """Simulated seconds that only the toy passes advance, so that what the cost model chooses hangs
+    on the stages' costs and acceptance, not on how fast this machine runs a few Python calls (timed
+    by the wall clock, a middle stage was once bypassed after 12 rounds that all happened to be
+    accepted)."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.device("cpu"))
+        self.now = 0.0
+
+    def mark(self) -> float:
+        return self.now
+
+
 class ToyStage:
     """A Markov-chain "model" behind the stage interface the pipeline uses. It checks the protocol:
     every context it is fed extends what it holds, it is fed at least the positions it must score,
-    and nothing committed is ever rolled back."""
+    and nothing committed is ever rolled back. Each pass advances ``clock`` by ``pass_s``."""
 
-    def __init__(self, name: str, logits: torch.Tensor, schedule: Schedule | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        logits: torch.Tensor,
+        schedule: Schedule | None = None,
+        clock: ToyClock | None = None,
+        pass_s: float = 1.0,
+    ) -> None:
         self.logits = logits  # [V, V]: row = previous token
         self.schedule = schedule
         self.stats = StageStats(name)
         self.device = torch.device("cpu")
-        self.clock = Clock(self.device)
+        self.clock = clock or ToyClock()
+        self.pass_s = pass_s
         self.cache = self
         self.source = None
         self.seen: list[int] = []
@@ -73,6 +95,7 @@ class ToyStage:
         assert context[:held] == self.seen, "fed a context that contradicts the cache"
         assert len(context) - held >= num_logits, "asked for logits of positions it was not fed"
         self.stats.forward_calls += 1
+        self.clock.now += self.pass_s
         self.seen += context[held:]
         return self.logits[context[-num_logits:]]  # [N, V]
 
@@ -112,11 +135,13 @@ CUT[:, 3:] = float("-inf")  # a draft that keeps some tokens alone (draft.freque
 
 
 def cascade_of(logit_tables: list[torch.Tensor], gammas: list[int], schedule: str = "fixed") -> list[ToyStage]:
+    """Stages on one clock, each pass a quarter of the next stage's (the target's: one second)."""
+    clock, levels = ToyClock(), len(logit_tables)
     stages = [
-        ToyStage(f"toy{i}", table, SCHEDULES[schedule](gamma))
+        ToyStage(f"toy{i}", table, SCHEDULES[schedule](gamma), clock, 4.0 ** (i + 1 - levels))
         for i, (table, gamma) in enumerate(zip(logit_tables[:-1], gammas, strict=True))
     ]
-    return stages + [ToyStage("target", logit_tables[-1])]
+    return stages + [ToyStage("target", logit_tables[-1], clock=clock)]
 
 
 def emitted_transitions(pipeline: Pipeline, seed: int = 0) -> torch.Tensor:
