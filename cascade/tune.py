@@ -1,6 +1,7 @@
 """``python -m cascade.tune``: measure this machine's kernel thresholds (``cascade.tuning``) and keep
 them for every later run on it. About a minute; each threshold is timed where it applies (the
-compiled attention crossover on the CPU, the key blocks on a GPU when there is one).
+compiled attention crossover and, with AVX512-BF16, the order a decode step reads its weights in on
+the CPU; the key blocks on a GPU when there is one).
 
     python -m cascade.tune [--repeats 20]
 """
@@ -10,12 +11,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import statistics
+import time
 from collections.abc import Callable
 
 import torch
 
 from cache.base import AttentionView
-from cascade import attention, fused
+from cascade import attention, fused, huge_pages, kernels
 from cascade.errors import entry_point
 from cascade.graphs import cuda_graph
 from cascade.limits import median_seconds
@@ -27,6 +30,9 @@ HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 KEY_COUNTS = (1024, 2048, 4096, 8192, 16384)
 """Cached keys of the one-query passes timed for ``compiled_attention_max_keys``."""
 VERIFIED_TOKENS = 7
+STEP_MATRICES = ((3072, 576), (576, 1536), (49152, 576), (17920, 1536), (1536, 8960))
+"""[O, I] of the one-row products timed for ``step_in_memory_order``: SmolLM2's gate and up, down and
+output head, Qwen2.5 1.5B's gate and up and down (144 MiB together, past any L3)."""
 SPLIT_KEY_COUNTS = (16384, 65536)
 BLOCK_SIZES = (256, 512, 1024, 2048, 4096)
 """Cached keys and key blocks of the 7-token weights-values products timed for ``split_keys``."""
@@ -79,6 +85,24 @@ def split_seconds(repeats: int, device: torch.device) -> Callable[[int, int], fl
     return seconds
 
 
+def step_order_seconds(repeats: int) -> dict[str, float]:
+    """Median seconds of one-row products through every ``STEP_MATRICES`` weight (in huge pages, as a
+    model's weights lie) read in memory order and across blocks, the two orders alternated call by
+    call: a VM's memory speed moves within seconds."""
+    weights = [huge_pages.zeros(shape, torch.bfloat16, CPU).normal_() for shape in STEP_MATRICES]
+    rows = [torch.randn(1, weight.shape[1]).bfloat16() for weight in weights]
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for repeat in range(repeats):
+        for in_memory_order in (True, False) if repeat % 2 else (False, True):
+            torch.ops.cascade_kernels.set_step_in_memory_order(in_memory_order)
+            started = time.perf_counter()
+            for row, weight in zip(rows, weights, strict=True):
+                torch.ops.cascade_kernels.rows_times_weight(row, weight)
+            times[in_memory_order].append(time.perf_counter() - started)
+    torch.ops.cascade_kernels.set_step_in_memory_order(machine_tuning().step_in_memory_order)
+    return {"memory_order": statistics.median(times[True]), "across": statistics.median(times[False])}
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m cascade.tune", description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per figure (median)")
@@ -91,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     tuning, measurements = machine_tuning(), {}
     max_keys, measurements["compiled_attention"] = compiled_attention_crossover(one_query_seconds(args.repeats))
     tuning = dataclasses.replace(tuning, compiled_attention_max_keys=max_keys)
+    if kernels.weight_kernel_available() and "avx512_bf16" in kernels.compiled_features():
+        measurements["step_order"] = step_order_seconds(args.repeats)
+        in_memory_order = measurements["step_order"]["memory_order"] < measurements["step_order"]["across"]
+        tuning = dataclasses.replace(tuning, step_in_memory_order=in_memory_order)
     if torch.cuda.is_available():
         split, measurements["split_keys"] = fastest_split(split_seconds(args.repeats, torch.device("cuda")))
         tuning = dataclasses.replace(tuning, split_keys=split)

@@ -28,6 +28,11 @@ class Tuning:
     one-query passes over at most this many cached keys run Inductor's compiled kernel, longer ones
     the ``cpu`` family's products. Default: the crossover on a 2-core AMD EPYC (SmolLM2, 30 layers:
     18 against 23 ms at 4K keys, 40 against 35 ms at 8K)."""
+    step_in_memory_order: bool = False
+    """CPU: whether cascade's bf16 weight kernel reads a one-row product's (a decode step's) weight row
+    after row in blocks of 16, in memory order, instead of across blocks of 4 rows with the next
+    block asked for, as wider passes do (the same bits either way). Default: across, which streamed
+    1.04-1.30x faster on a 2-core AMD EPYC Zen 5 (SmolLM2's matrices in huge pages, alternated)."""
     split_keys: int = 1024
     """CUDA: a multi-token static pass's weights-values product (few rows, thousands of keys) runs
     as partial products over blocks of at most this many keys. Default: an H100, where one product

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from cascade import kernels
+from cascade.tuning import machine_tuning
 
 pytestmark = pytest.mark.skipif(
     not kernels.weight_kernel_available(),
@@ -19,13 +20,19 @@ def product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.cascade_kernels.rows_times_weight(rows, weight)
 
 
-@pytest.fixture(params=["amx", "avx512"])
+@pytest.fixture(params=["amx", "avx512", "avx512-steps-in-memory-order"])
 def path(request):
+    """Each way the kernel can run here: AMX tiles, AVX512-BF16 blocks read across their rows (or
+    AVX2's), and AVX512-BF16 one-row products read in memory order (``Tuning.step_in_memory_order``)."""
     if request.param == "amx" and "amx_bf16" not in kernels.compiled_features():
         pytest.skip("this CPU has no AMX: only the vector (AVX512-BF16 or AVX2) path runs")
+    if request.param.endswith("memory-order") and "avx512_bf16" not in kernels.compiled_features():
+        pytest.skip("the AVX2 product has one order only")
     torch.ops.cascade_kernels.set_amx(request.param == "amx")
+    torch.ops.cascade_kernels.set_step_in_memory_order(request.param.endswith("memory-order"))
     yield request.param
     torch.ops.cascade_kernels.set_amx(True)
+    torch.ops.cascade_kernels.set_step_in_memory_order(machine_tuning().step_in_memory_order)
 
 
 @pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 7, 8, 15, 16])
@@ -43,8 +50,8 @@ def test_product_equals_float64_reference(path, num_rows, outputs, inner):
 
 @pytest.mark.parametrize("outputs, inner", [(960, 576), (1000, 576), (101, 64), (7, 37)])
 def test_each_row_of_a_product_equals_its_one_row_product_bit_for_bit(path, outputs, inner):
-    """One row goes through blocks of 16 weight rows, several through blocks of 4 for every row:
-    a verification pass must still compute what the steps it replaces do."""
+    """One row may go through blocks of 16 weight rows in memory order, several go through blocks
+    of 4 for every row: a verification pass must still compute what the steps it replaces do."""
     generator = torch.Generator().manual_seed(outputs + inner)
     rows = torch.randn(9, inner, generator=generator).bfloat16()
     weight = torch.randn(outputs, inner, generator=generator).bfloat16()

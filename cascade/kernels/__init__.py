@@ -29,6 +29,7 @@ import torch
 
 from cascade import atomic
 from cascade.home import cascade_home
+from cascade.tuning import machine_tuning
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +141,7 @@ def weight_kernel_available() -> bool:
     if not compiled_features() & VECTOR_FEATURES:
         logger.warning("this CPU has neither AVX512-BF16 nor AVX2 with FMA: weight products use PyTorch's kernels")
         return False
+    torch.ops.cascade_kernels.set_step_in_memory_order(machine_tuning().step_in_memory_order)
     return True
 
 

@@ -7,14 +7,15 @@
 // a time meet every activation row in tiles (the main path). Otherwise (and for the last O mod 32
 // rows, input sizes that are not multiples of 32, or AMX turned off by `set_amx`, which the tests use
 // to check both paths) AVX512-BF16 dot products (32 bf16 pairs per instruction, float32
-// accumulation) take blocks of 16 weight rows for one activation row, or of 4 for every row of a
-// wider pass. One activation row (a decode step) reads its block row after row, in memory order,
-// so each thread's part of the weight is one stream the hardware prefetcher follows (on the 2-core
-// EPYC a thread read 25.6 GB/s so against 19.5 going across the block's 16 rows a line at a time,
-// where a float32 sum read 27-33). A wider pass goes across its 4 rows, and while a block is
-// multiplied the next one (the rows that follow it in memory) is asked for line by line, as fast
-// as the block reads its own: without that, rows of a few hundred inputs streamed at half the
-// memory's speed.
+// accumulation) take blocks of 4 weight rows for every activation row: a block goes across its 4
+// rows, and while it is multiplied the next one (the rows that follow it in memory) is asked for
+// line by line, as fast as the block reads its own: without that, rows of a few hundred inputs
+// streamed at half the memory's speed. A one-row product (a decode step) can instead read blocks
+// of 16 rows row after row, in memory order, so each thread's part of the weight is one stream the
+// hardware prefetcher follows (`set_step_in_memory_order`, from `Tuning.step_in_memory_order`):
+// on an earlier 2-core EPYC (Zen 4) that read 25.6 GB/s a thread against 19.5 going across 16 rows
+// a line at a time; on a Zen 5 EPYC going across 4 rows with the next block asked for streamed
+// 1.04-1.30x faster than memory order.
 //
 // Built with -march=native: on a CPU without AVX512-BF16 but with AVX2 and FMA the product is
 // rows_times_weight_avx2.cpp's (`features()` says "avx2"); with neither, the Python side keeps
@@ -38,6 +39,13 @@
 namespace {
 
 void set_amx(bool on) { cascade_tiles::use_amx = on; }
+
+// How a one-row product (a decode step) reads its part of the weight: row after row in blocks of 16
+// (memory order, true), or across blocks of 4 rows with the next block asked for, as wider passes
+// do (false). Which streams faster depends on the CPU's prefetchers (``cascade.kernels`` times both
+// once per machine and build); the values are the same bits either way.
+bool step_in_memory_order = true;
+void set_step_in_memory_order(bool on) { step_in_memory_order = on; }
 
 constexpr int64_t kWeightRows = 4;  // weight rows per block: read once, reused by every activation row
 constexpr int64_t kActivationRows = 4;  // activation rows per tile: 16 accumulators in registers
@@ -227,16 +235,17 @@ at::Tensor rows_times_weight(const at::Tensor& rows, const at::Tensor& weight) {
     done = outputs - outputs % (kTileBlocks * kTileRows);
   }
 #endif
-  // blocks of 16 weight rows for one activation row, else of 4 (for every activation row); what
-  // is left, in blocks of 4 and single rows
-  const int64_t block_rows = num_rows == 1 ? kStepRows : kWeightRows;
+  // blocks of 16 weight rows for one activation row read in memory order, else of 4 (for every
+  // activation row); what is left, in blocks of 4 and single rows
+  const bool memory_order = num_rows == 1 && step_in_memory_order;
+  const int64_t block_rows = memory_order ? kStepRows : kWeightRows;
   const int64_t blocks = (outputs - done) / block_rows;
   const int64_t threads = at::get_num_threads();
   const int64_t grain = std::max<int64_t>(64 / block_rows, (blocks + threads - 1) / threads);  // a range per thread
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; ++block) {
       const int64_t o = done + block * block_rows;
-      if (num_rows == 1) {
+      if (memory_order) {
         row_after_row<kStepRows>(rows_data, weight_data, out_data, o, inner);
       } else {
         weight_block(rows_data, weight_data, out_data, num_rows, o, inner, outputs);
@@ -291,6 +300,7 @@ TORCH_LIBRARY(cascade_kernels, m) {
   m.def("rows_times_weight(Tensor rows, Tensor weight) -> Tensor");
   m.def("features() -> str[]", &features);
   m.def("set_amx(bool on) -> ()", &set_amx);
+  m.def("set_step_in_memory_order(bool on) -> ()", &set_step_in_memory_order);
 }
 
 TORCH_LIBRARY_IMPL(cascade_kernels, CPU, m) { m.impl("rows_times_weight", &cascade_kernels::rows_times_weight); }
