@@ -42,14 +42,14 @@ void set_amx(bool on) { cascade_tiles::use_amx = on; }
 
 // How a one-row product (a decode step) reads its part of the weight: row after row in blocks of 16
 // (memory order, true), or across blocks of 4 rows with the next block asked for, as wider passes
-// do (false). Which streams faster depends on the CPU's prefetchers (``cascade.kernels`` times both
-// once per machine and build); the values are the same bits either way.
-bool step_in_memory_order = true;
+// do (false). Which streams faster depends on the CPU's prefetchers: `python -m cascade.tune` times
+// both, and `cascade.kernels` sets what it chose at load. The values are the same bits either way.
+bool step_in_memory_order = false;
 void set_step_in_memory_order(bool on) { step_in_memory_order = on; }
 
 constexpr int64_t kWeightRows = 4;  // weight rows per block: read once, reused by every activation row
 constexpr int64_t kActivationRows = 4;  // activation rows per tile: 16 accumulators in registers
-constexpr int64_t kStepRows = 16;  // weight rows per block of a one-row product (a decode step): 16 accumulators
+constexpr int64_t kStepRows = 16;  // weight rows per block of a one-row product read in memory order: 16 accumulators
 constexpr int64_t kLanes = 32;  // bf16 values per 512-bit register
 constexpr int64_t kTileSums = 16;  // accumulators per tile, one float32 lane each of their horizontal sum
 
