@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -64,6 +65,7 @@ def machine() -> dict:
     import transformers
 
     from cascade import kernels
+    from cascade.tuning import machine_tuning
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     features = sorted(kernels.compiled_features()) if kernels.weight_kernel_available() else []
@@ -73,6 +75,7 @@ def machine() -> dict:
         "cpu_count": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "cpu_kernels": features,
+        "tuning": dataclasses.asdict(machine_tuning()),  # which kernel ran each pass (cascade.tune)
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),

@@ -5,6 +5,7 @@ importing that copy's code, and leaves its ``git status`` empty: a run never wri
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from cascade.tuning import Tuning
 from tests.scripts import linked_home, run_script
 
 REPO = Path(__file__).resolve().parents[1]
@@ -90,4 +92,5 @@ def test_a_run_writes_its_report_and_manifest_to_a_new_run_directory_and_nothing
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["command"][1:] == [f"scripts/{script}.py", *options]
     assert manifest["machine"]["cpu_count"] >= 1
+    assert set(manifest["machine"]["tuning"]) == {field.name for field in dataclasses.fields(Tuning)}
     assert manifest["started"] <= manifest["ended"]
