@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     tuning, measurements = machine_tuning(), {}
     max_keys, measurements["compiled_attention"] = compiled_attention_crossover(one_query_seconds(args.repeats))
     tuning = dataclasses.replace(tuning, compiled_attention_max_keys=max_keys)
-    if kernels.weight_kernel_available() and "avx512_bf16" in kernels.compiled_features():
+    if kernels.step_orders_available():
         measurements["step_order"] = step_order_seconds(args.repeats)
         in_memory_order = measurements["step_order"]["memory_order"] < measurements["step_order"]["across"]
         tuning = dataclasses.replace(tuning, step_in_memory_order=in_memory_order)

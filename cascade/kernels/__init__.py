@@ -157,6 +157,12 @@ def compiled_features() -> frozenset[str]:
     return frozenset(torch.ops.cascade_kernels.features())
 
 
+def step_orders_available() -> bool:
+    """Whether the bf16 weight kernel has both one-row orders (``Tuning.step_in_memory_order``): its
+    AVX512-BF16 build does, the AVX2 one reads in one order only."""
+    return weight_kernel_available() and "avx512_bf16" in compiled_features()
+
+
 @cache
 def quantised_kernels_available() -> bool:
     """Whether ``torch.ops.cascade_kernels.rows_times_int8`` and ``rows_times_int4`` run here (both
