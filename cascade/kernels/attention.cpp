@@ -577,10 +577,9 @@ std::vector<at::Tensor> key_tile_operands(const at::Tensor& grouped, int64_t dim
   std::vector<at::Tensor> pairs;
 #if defined(__AMX_BF16__)
   if (tiles || !cascade_tiles::use_amx || dim % kPairInputs != 0) return pairs;
-  const int64_t kv_heads = grouped.size(0), rows = grouped.size(1);
+  const int64_t rows = grouped.size(1);
   for (int64_t c0 = 0; c0 < rows; c0 += kChunkRows) {
-    const at::Tensor chunk = grouped.narrow(1, c0, std::min(kChunkRows, rows - c0));
-    pairs.push_back(chunk.reshape({kv_heads, chunk.size(1), dim / 2, 2}).transpose(1, 2).contiguous());
+    pairs.push_back(cascade_tiles::pair_interleave(grouped.narrow(1, c0, std::min(kChunkRows, rows - c0))));
   }
 #endif
   return pairs;
