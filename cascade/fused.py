@@ -54,7 +54,8 @@ attention (and the logits) as cascade's C++ ops (``cascade.kernels``, ``layer.cp
 compiled graphs: no graph guards, wrappers or small kernels per layer (set by ``use_cpu_kernels``)."""
 quantised_kernels = False
 """Whether those ops take int8 and 4-bit weights (``cascade.quantise``) too, with cascade's kernels for
-them (AVX512-VNNI; set by ``use_cpu_kernels``); without them a quantised model's passes run the compiled graphs."""
+them (AVX512-VNNI or AVX2; set by ``use_cpu_kernels``); without them a quantised model's passes run the
+compiled graphs."""
 attention_kernel = False
 """Whether bf16 attention of these passes over an unmasked or causal view goes through cascade's
 flash-decoding kernel on CPU (set by ``use_cpu_kernels``)."""

@@ -15,7 +15,7 @@ kernel, the values a coarser quantisation gives, to see what it costs a draft's 
 
 The weights are kept packed for cascade's kernels (``rows_times_int8.cpp``, ``rows_times_int4.cpp``,
 which also quantise the activations, per 64 inputs): the fused passes of ``cascade.fused`` go through
-them on a CPU with AVX512-VNNI. Everything else (prefill chunks, eager passes, other devices) unpacks
+them on a CPU with AVX512-VNNI or AVX2. Everything else (prefill chunks, eager passes, other devices) unpacks
 the weight and takes the dense product with unquantised activations (``dense_quantised_product``).
 """
 

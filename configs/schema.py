@@ -37,7 +37,7 @@ class ModelConfig(Strict):
     4-bit levels with a scale and a low per 32 inputs (5 bits a weight, as llama.cpp's Q4_K sub-blocks).
     The target verifies every token, so the output is still the target's own; naming the target's own
     checkpoint as the draft makes a quantised self-draft. auto: int8 where cascade's quantised kernels
-    run (bf16 on a CPU with AVX512-VNNI), elsewhere the weights as loaded (unpacking quantised weights for
+    run (bf16 on a CPU with AVX512-VNNI or AVX2), elsewhere the weights as loaded (unpacking quantised weights for
     every product would be slower than bf16)."""
     int4_group: int = Field(32, ge=32, le=4096, multiple_of=32)
     """Draft only, with quantise int4: the inputs of a weight row that share one scale and low, a

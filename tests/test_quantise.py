@@ -20,7 +20,8 @@ from tests.test_fused import CPU, SHORT_PASSES, decode, layer_op_calls, layer_op
 from tests.test_pipeline import PROMPT, generate, runtime_for
 
 needs_quantised_kernels = pytest.mark.skipif(
-    not kernels.quantised_kernels_available(), reason="cascade's quantised kernels need AVX512-VNNI and a C++ compiler"
+    not kernels.quantised_kernels_available(),
+    reason="cascade's quantised kernels need AVX512-VNNI or AVX2 and a C++ compiler",
 )
 SHAPES = [(960, 576), (96, 1536), (101, 64), (7, 37), (33, 130), (16, 64)]
 
@@ -155,6 +156,20 @@ def test_quantised_kernel_equals_its_arithmetic_in_float64(kind, num_rows, outpu
     torch.testing.assert_close(got.double(), expected, atol=1e-4 * expected.abs().max().item(), rtol=1e-5)
     exact = rows.double() @ weights.weight.double().T
     assert (got.double() - exact).norm() <= error * exact.norm()
+
+
+@needs_quantised_kernels
+@pytest.mark.parametrize("kind", KERNELS)
+def test_each_row_of_a_wider_quantised_pass_equals_its_one_row_product_bit_for_bit(kind):
+    """Integer sums are exact and each row's float32 arithmetic runs alone (on AVX512-VNNI, AMX and
+    AVX2 alike), so a draft's catch-up pass proposes what its single steps would."""
+    layer, kernel, _, _ = KERNELS[kind]
+    quantised = layer(linear(101, 576, seed=7))
+    rows = torch.randn(16, 576, generator=torch.Generator().manual_seed(8)).bfloat16()
+    product = getattr(torch.ops.cascade_kernels, kernel)
+    wide = product(rows, quantised.weight, quantised.scales)
+    for t in (0, 5, 15):
+        assert torch.equal(wide[t : t + 1], product(rows[t : t + 1], quantised.weight, quantised.scales))
 
 
 @needs_quantised_kernels

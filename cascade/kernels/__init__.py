@@ -7,8 +7,8 @@ attention over a bf16 KV cache, each key and value read once for every query hea
 and every token of the pass, key blocks split across threads (see ``attention.cpp``; scores from
 AMX tiles where the CPU has them, else from AVX512-BF16 products). ``rows_times_int8``: the same
 product for an int8 weight packed by ``cascade.quantise``, the activations quantised per 64 inputs
-(see ``rows_times_int8.cpp``; AMX-INT8 or AVX512-VNNI); ``rows_times_int4``: for a 4-bit weight with
-a scale and a low per 32 inputs (``rows_times_int4.cpp``; AVX512-VNNI). A CPU without AVX512-BF16
+(see ``rows_times_int8.cpp``; AMX-INT8, AVX512-VNNI or AVX2); ``rows_times_int4``: for a 4-bit weight
+with a scale and a low per 32 inputs (``rows_times_int4.cpp``; AVX512-VNNI or AVX2). A CPU without AVX512-BF16
 but with AVX2 and FMA gets the bf16 product, the layer ops and attention in float32 arithmetic
 (``rows_times_weight_avx2.cpp``, ``attention_avx2.h``). Where the build fails or the CPU has neither,
 ``weight_kernel_available()`` is false, a warning says why, and callers keep PyTorch's own kernels.
@@ -153,7 +153,8 @@ widened to float32 in registers."""
 
 @cache
 def compiled_features() -> frozenset[str]:
-    """What the loaded build compiled for: avx512_bf16 or avx2, amx_bf16, avx512_vnni, amx_int8 (see ``features()``)."""
+    """What the loaded build compiled for: avx512_bf16 or avx2, amx_bf16, avx512_vnni or quantised_avx2, amx_int8
+    (see ``features()``)."""
     return frozenset(torch.ops.cascade_kernels.features())
 
 
@@ -163,11 +164,16 @@ def step_orders_available() -> bool:
     return weight_kernel_available() and "avx512_bf16" in compiled_features()
 
 
+QUANTISED_FEATURES = frozenset({"avx512_vnni", "quantised_avx2"})
+"""The instruction sets the int8 and 4-bit kernels take (``quantised_rows.h``): AVX512-VNNI's byte quad
+products, or AVX2 with FMA and F16C (two instructions for each of VNNI's, the same sums)."""
+
+
 @cache
 def quantised_kernels_available() -> bool:
     """Whether ``torch.ops.cascade_kernels.rows_times_int8`` and ``rows_times_int4`` run here (both
-    need AVX512-VNNI; AMX-INT8 speeds the int8 one up)."""
-    return weight_kernel_available() and "avx512_vnni" in compiled_features()
+    need AVX512-VNNI or AVX2; AMX-INT8 speeds the int8 one up)."""
+    return weight_kernel_available() and bool(compiled_features() & QUANTISED_FEATURES)
 
 
 @cache

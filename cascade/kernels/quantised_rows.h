@@ -1,12 +1,27 @@
 // Activation rows quantised per 64 inputs, for the int8 and int4 weight kernels (included after
 // <immintrin.h>): each block of 64 inputs becomes int8 with its own scale (largest magnitude / 127),
 // as llama.cpp's q8_0 quantises them per 32, so an outlier costs precision only in its own block.
+// Which instructions the quantised kernels take (-march=native):
+// - CASCADE_QUANTISED_VNNI: AVX512-VNNI (byte quad products into int32; Ice Lake, Zen 4 and later);
+// - CASCADE_QUANTISED_AVX2: AVX2, FMA and F16C without it (Zen 1-3, Haswell to Alder Lake): the same
+//   int32 sums from vpmaddubsw and vpmaddwd, the same float32 arithmetic on two 8-lane halves.
+// Both round and sum alike, so the two builds' products are equal bit for bit.
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define CASCADE_QUANTISED_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define CASCADE_QUANTISED_AVX2 1
+#endif
+#if defined(CASCADE_QUANTISED_VNNI) || defined(CASCADE_QUANTISED_AVX2)
+#define CASCADE_QUANTISED_KERNELS 1
+#endif
 
 namespace cascade_quantised {
 
@@ -14,7 +29,7 @@ constexpr int64_t kBlockInputs = 64;  // inputs per quantised activation block (
 
 }  // namespace cascade_quantised
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(CASCADE_QUANTISED_VNNI)
 
 namespace cascade_quantised {
 
@@ -39,6 +54,50 @@ inline float quantise_block(const at::BFloat16* source, int64_t count, int8_t* t
   return scale;
 }
 
+}  // namespace cascade_quantised
+
+#elif defined(CASCADE_QUANTISED_AVX2)
+
+namespace cascade_quantised {
+
+// As above, with eight 8-lane vectors; a block shorter than 64 inputs is read from a zero-padded copy.
+inline float quantise_block(const at::BFloat16* source, int64_t count, int8_t* target) {
+  alignas(32) at::BFloat16 padded[kBlockInputs];
+  if (count < kBlockInputs) {
+    std::memset(padded, 0, sizeof(padded));
+    std::memcpy(padded, source, std::max<int64_t>(count, 0) * sizeof(at::BFloat16));
+    source = padded;
+  }
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 values[8];
+  __m256 largest = _mm256_setzero_ps();
+  for (int part = 0; part < 8; ++part) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(source + part * 8));
+    values[part] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));  // bf16 -> float
+    largest = _mm256_max_ps(largest, _mm256_andnot_ps(sign, values[part]));
+  }
+  __m128 half = _mm_max_ps(_mm256_castps256_ps128(largest), _mm256_extractf128_ps(largest, 1));
+  half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+  const float scale = _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half))) / 127.0f;
+  const __m256 inverse = _mm256_set1_ps(scale > 0.0f ? 1.0f / scale : 0.0f);
+  for (int part = 0; part < 8; part += 2) {  // nearest, ties to even (the default rounding), saturated
+    const __m256i low = _mm256_cvtps_epi32(_mm256_mul_ps(values[part], inverse));
+    const __m256i high = _mm256_cvtps_epi32(_mm256_mul_ps(values[part + 1], inverse));
+    const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(low, high), 0xD8);  // 16 int16 in order
+    const __m128i bytes = _mm_packs_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(target + part * 8), bytes);
+  }
+  return scale;
+}
+
+}  // namespace cascade_quantised
+
+#endif
+
+#if defined(CASCADE_QUANTISED_KERNELS)
+
+namespace cascade_quantised {
+
 // rows [T, I] -> quantised [T, blocks * 64] int8 and row_scales [blocks, T].
 inline void quantise_rows(const at::BFloat16* rows, int64_t num_rows, int64_t inner, int64_t blocks,
                           int8_t* quantised, float* row_scales) {
@@ -50,6 +109,43 @@ inline void quantise_rows(const at::BFloat16* rows, int64_t num_rows, int64_t in
   }
 }
 
+// 16 float32 sums, one per output of a packed block: one AVX-512 register, or two AVX2 ones that do
+// the same arithmetic lane for lane.
+struct Floats16 {
+#if defined(CASCADE_QUANTISED_VNNI)
+  __m512 sums = _mm512_setzero_ps();
+
+  // sums += float(block_sums[16]) * scale
+  void add_scaled(const int32_t* block_sums, float scale) {
+    sums = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(block_sums)), _mm512_set1_ps(scale), sums);
+  }
+
+  // out[j] = sums[j] * scales[j] for the first count outputs
+  void store_times(float* out, const float* scales, int64_t count) const {
+    const __mmask16 valid = (__mmask16)((1u << count) - 1);
+    _mm512_mask_storeu_ps(out, valid, _mm512_mul_ps(sums, _mm512_maskz_loadu_ps(valid, scales)));
+  }
+#else
+  __m256 low = _mm256_setzero_ps(), high = _mm256_setzero_ps();
+
+  void add_scaled(const int32_t* block_sums, float scale) {
+    const __m256 factor = _mm256_set1_ps(scale);
+    low = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(block_sums))),
+                          factor, low);
+    high = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(block_sums + 8))),
+                           factor, high);
+  }
+
+  void store_times(float* out, const float* scales, int64_t count) const {
+    alignas(32) float factors[16] = {}, products[16];
+    std::memcpy(factors, scales, count * sizeof(float));
+    _mm256_store_ps(products, _mm256_mul_ps(low, _mm256_load_ps(factors)));
+    _mm256_store_ps(products + 8, _mm256_mul_ps(high, _mm256_load_ps(factors + 8)));
+    std::memcpy(out, products, count * sizeof(float));
+  }
+#endif
+};
+
 }  // namespace cascade_quantised
 
-#endif
+#endif  // CASCADE_QUANTISED_KERNELS

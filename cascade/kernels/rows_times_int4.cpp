@@ -1,4 +1,4 @@
-// A few activation rows times a 4-bit weight with AVX512-VNNI, at the speed of memory.
+// A few activation rows times a 4-bit weight with AVX512-VNNI or AVX2, at the speed of memory.
 //
 // rows [T, I] bf16 (T <= 16) x packed 4-bit weight with scales [O, I' / 32, 2] -> out [T, O] float32,
 // where each group g of 32 inputs of output o holds levels w in 0..15 that stand for
@@ -17,7 +17,9 @@
 // hardware prefetcher follows the weight's stream alone (asking for the next block's lines as well
 // made those products 10-20% slower on the 2-core EPYC); a wider pass asks for them. Weights are
 // the unsigned operand of vpdpbusd and the activations the signed one, so the integer sums are exact
-// with no offset to take off.
+// with no offset to take off. Without AVX512-VNNI, AVX2 takes each 16-output block in two halves of 8:
+// vpmaddubsw's int16 pair sums of one group (at most 8 x 2 x 15 x 127 in magnitude) add up inside
+// int16 before vpmaddwd widens them, so its sums and its float32 arithmetic are the same as VNNI's.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -41,7 +43,7 @@ constexpr int64_t kLineBytes = 64;
 constexpr int64_t kGroupLines = kGroupInputs / 8;  // 4 lines: 16 outputs x 32 nibbles
 constexpr int64_t kMaxRows = 16;
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(CASCADE_QUANTISED_KERNELS)
 
 #define CASCADE_INT4_KERNEL 1
 
@@ -66,6 +68,10 @@ struct Operands {
   float* out;  // [T, O]
   int64_t num_rows, groups, outputs;
 };
+
+#endif
+
+#if defined(CASCADE_QUANTISED_VNNI)
 
 // The 16 outputs' (scale, low) of one group from scales [O, groups, 2] (rows past O read as zero).
 inline void group_scales(const Operands& in, int64_t first, __mmask16 valid, int64_t group, __m512* scale,
@@ -119,6 +125,73 @@ void output_block(const Operands& in, int64_t block) {
   for (int64_t t = 0; t < in.num_rows; ++t) _mm512_mask_storeu_ps(in.out + t * in.outputs + first, valid, acc[t]);
 }
 
+#elif defined(CASCADE_QUANTISED_AVX2)
+
+// The (scale, low) of outputs [first, first + 8) of one group, as float32 (rows past O read as zero).
+inline void group_scales(const Operands& in, int64_t first, int64_t group, __m256* scale, __m256* low) {
+  const int64_t valid = std::clamp<int64_t>(in.outputs - first, 0, 8);
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(valid)), lanes);
+  const __m256i rows = _mm256_mullo_epi32(lanes, _mm256_set1_epi32(static_cast<int>(in.groups)));
+  const int* base = reinterpret_cast<const int*>(in.scales + (first * in.groups + group) * 2);
+  const __m256i pairs = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), base, rows, mask, 4);
+  const __m256i halves = _mm256_packus_epi32(_mm256_and_si256(pairs, _mm256_set1_epi32(0xFFFF)),
+                                             _mm256_srli_epi32(pairs, 16));  // per 128 bits: 4 scales, 4 lows
+  const __m256i ordered = _mm256_permute4x64_epi64(halves, 0xD8);  // 8 scales, 8 lows
+  *scale = _mm256_cvtph_ps(_mm256_castsi256_si128(ordered));
+  *low = _mm256_cvtph_ps(_mm256_extracti128_si256(ordered, 1));
+}
+
+// Output rows [16 * block, 16 * block + 16) for every activation row, as two halves of 8.
+void output_block(const Operands& in, int64_t block) {
+  __m256 acc[kMaxRows][2];
+  for (int64_t t = 0; t < in.num_rows; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+  const int64_t first = block * kBlockOutputs, blocks = in.groups / 2;
+  const int64_t stream_bytes = blocks * 2 * kGroupLines * kLineBytes;
+  const uint8_t* stream = in.packed + block * stream_bytes;
+  const char* next_block = reinterpret_cast<const char*>(stream + stream_bytes);
+  const char* next_scales = reinterpret_cast<const char*>(in.scales + (first + kBlockOutputs) * in.groups * 2);
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < in.groups; ++g) {
+    for (int64_t line = 0; in.num_rows > 1 && line < kGroupLines; ++line) {
+      _mm_prefetch(next_block + (g * kGroupLines + line) * kLineBytes, _MM_HINT_T1);
+    }
+    _mm_prefetch(next_scales + g * kLineBytes, _MM_HINT_T1);
+    const int64_t b = g / 2;
+    for (int half = 0; half < 2; ++half) {
+      __m256i levels[8];  // quad k of the group: inputs 4k..4k+3 of this half's 8 outputs
+      for (int64_t line = 0; line < kGroupLines; ++line) {
+        const __m256i bytes = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(stream + (g * kGroupLines + line) * kLineBytes + half * 32));
+        levels[line] = _mm256_and_si256(bytes, nibble);
+        levels[line + kGroupLines] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+      }
+      __m256 scale, low;
+      group_scales(in, first + half * 8, g, &scale, &low);
+      for (int64_t t = 0; t < in.num_rows; ++t) {
+        const int8_t* row = in.quantised + t * in.groups * kGroupInputs + g * kGroupInputs;
+        __m256i pairs = _mm256_setzero_si256();
+        for (int64_t k = 0; k < 8; ++k) {
+          int32_t quad;
+          std::memcpy(&quad, row + 4 * k, 4);
+          pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(levels[k], _mm256_set1_epi32(quad)));
+        }
+        const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+        const __m256 lows = _mm256_mul_ps(low, _mm256_set1_ps(static_cast<float>(in.row_sums[t * in.groups + g])));
+        const __m256 group_sum = _mm256_fmadd_ps(sums, scale, lows);
+        acc[t][half] = _mm256_fmadd_ps(group_sum, _mm256_set1_ps(in.row_scales[b * in.num_rows + t]), acc[t][half]);
+      }
+    }
+  }
+  const int64_t count = std::min<int64_t>(kBlockOutputs, in.outputs - first);
+  for (int64_t t = 0; t < in.num_rows; ++t) {
+    alignas(32) float sums[kBlockOutputs];
+    _mm256_store_ps(sums, acc[t][0]);
+    _mm256_store_ps(sums + 8, acc[t][1]);
+    std::memcpy(in.out + t * in.outputs + first, sums, count * sizeof(float));
+  }
+}
+
 #endif
 
 }  // namespace
@@ -168,7 +241,7 @@ at::Tensor rows_times_int4(const at::Tensor& rows, const at::Tensor& packed, con
   });
   return out;
 #else
-  TORCH_CHECK(false, "rows_times_int4: this build lacks AVX512-VNNI (see features())");
+  TORCH_CHECK(false, "rows_times_int4: this build has neither AVX512-VNNI nor AVX2 with FMA and F16C (see features())");
   return {};
 #endif
 }

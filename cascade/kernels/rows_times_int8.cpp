@@ -1,4 +1,4 @@
-// A few activation rows times an int8 weight with AMX or AVX512-VNNI, at the speed of memory.
+// A few activation rows times an int8 weight with AMX, AVX512-VNNI or AVX2, at the speed of memory.
 //
 // rows [T, I] bf16 (T <= 16) x packed int8 weight with scales [O] -> out [T, O] float32, where
 //   out[t, o] = scales[o] * sum_b row_scale[t, b] * sum_{i in block b} q[t, i] * w[o, i]
@@ -15,7 +15,8 @@
 // Per 64 inputs, one tile product of the quantised activations [T, 64] and a weight block gives
 // [T, 16] int32 sums, which are scaled by that block's activation scales into float32 accumulators.
 // Without AMX, AVX512-VNNI computes the same int32 sums (exactly: the two paths' outputs are equal):
-// each of the block's 16 rows meets its activation quad broadcast to the 16 output lanes. Output
+// each of the block's 16 rows meets its activation quad broadcast to the 16 output lanes; without
+// AVX512-VNNI, AVX2 does the same in two 8-output halves with two instructions (quantised_rows.h). Output
 // blocks are split between the threads in contiguous ranges, so each thread reads one stream in
 // memory order. For one activation row the hardware prefetcher keeps ahead of it alone: asking for
 // the next block line by line as well made those products slower (on the 2-core EPYC a 1-row product
@@ -43,9 +44,8 @@ constexpr int64_t kBlockOutputs = 16;  // output rows per packed block (int32 co
 using cascade_quantised::kBlockInputs;  // inputs per packed block (int8 bytes of a tile row)
 constexpr int64_t kMaxRows = 16;
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(CASCADE_QUANTISED_VNNI)
 
-#define CASCADE_INT8_KERNEL 1
 using cascade_tiles::TileConfig;
 
 #if defined(__AMX_INT8__)
@@ -99,13 +99,46 @@ void vnni_block_sums(const int8_t* quantised, int64_t stride, const int8_t* weig
   }
 }
 
+#elif defined(CASCADE_QUANTISED_AVX2)
+
+// The same sums by AVX2, 8 outputs per register: vpmaddubsw multiplies unsigned by signed bytes into
+// saturating int16 pair sums, so each weight byte goes in as its magnitude and each activation byte
+// takes the weight's sign (vpsignb); a pair's sum is at most 2 x 127 x 127 (weights and activations
+// lie in -127..127), inside int16, and vpmaddwd adds the pairs into int32: exact, as VNNI's.
+void avx2_block_sums(const int8_t* quantised, int64_t stride, const int8_t* weight_block, int64_t num_rows,
+                     int32_t* sums) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t t = 0; t < num_rows; ++t) {
+    const int8_t* row = quantised + t * stride;
+    __m256i acc[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};  // outputs 0-7, 8-15
+    for (int64_t k = 0; k < kBlockInputs / 4; ++k) {
+      int32_t quad;
+      std::memcpy(&quad, row + 4 * k, 4);
+      const __m256i activations = _mm256_set1_epi32(quad);
+      for (int half = 0; half < 2; ++half) {
+        const __m256i weights =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(weight_block + k * kBlockOutputs * 4 + half * 32));
+        const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(weights), _mm256_sign_epi8(activations, weights));
+        acc[half] = _mm256_add_epi32(acc[half], _mm256_madd_epi16(pairs, ones));
+      }
+    }
+    _mm256_store_si256(reinterpret_cast<__m256i*>(sums + t * kBlockOutputs), acc[0]);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(sums + t * kBlockOutputs + 8), acc[1]);
+  }
+}
+
+#endif
+
+#if defined(CASCADE_QUANTISED_KERNELS)
+
+#define CASCADE_INT8_KERNEL 1
+
 using BlockSums = void (*)(const int8_t*, int64_t, const int8_t*, int64_t, int32_t*);
 
 // Output rows [16 * block, 16 * block + 16) for every activation row.
 void output_block(BlockSums block_sums, const int8_t* quantised, const float* row_scales, const int8_t* weight,
                   const float* scales, float* out, int64_t num_rows, int64_t blocks, int64_t outputs, int64_t block) {
-  __m512 acc[kMaxRows];
-  for (int64_t t = 0; t < num_rows; ++t) acc[t] = _mm512_setzero_ps();
+  cascade_quantised::Floats16 acc[kMaxRows];
   alignas(64) int32_t sums[kMaxRows * kBlockOutputs];
   const int64_t block_bytes = kBlockInputs * kBlockOutputs;  // 16 lines: one packed 64-input block
   const int8_t* stream = weight + block * blocks * block_bytes;
@@ -117,16 +150,11 @@ void output_block(BlockSums block_sums, const int8_t* quantised, const float* ro
     block_sums(quantised + b * kBlockInputs, blocks * kBlockInputs, stream + b * kBlockInputs * kBlockOutputs,
                num_rows, sums);
     for (int64_t t = 0; t < num_rows; ++t) {
-      const __m512 block_sums = _mm512_cvtepi32_ps(_mm512_load_si512(sums + t * kBlockOutputs));
-      acc[t] = _mm512_fmadd_ps(block_sums, _mm512_set1_ps(row_scales[b * num_rows + t]), acc[t]);
+      acc[t].add_scaled(sums + t * kBlockOutputs, row_scales[b * num_rows + t]);
     }
   }
-  const int64_t first = block * kBlockOutputs;
-  const __mmask16 valid = (__mmask16)((1u << std::min<int64_t>(kBlockOutputs, outputs - first)) - 1);
-  const __m512 row_scale = _mm512_maskz_loadu_ps(valid, scales + first);
-  for (int64_t t = 0; t < num_rows; ++t) {
-    _mm512_mask_storeu_ps(out + t * outputs + first, valid, _mm512_mul_ps(acc[t], row_scale));
-  }
+  const int64_t first = block * kBlockOutputs, count = std::min<int64_t>(kBlockOutputs, outputs - first);
+  for (int64_t t = 0; t < num_rows; ++t) acc[t].store_times(out + t * outputs + first, scales + first, count);
 }
 
 #endif
@@ -161,7 +189,11 @@ at::Tensor rows_times_int8(const at::Tensor& rows, const at::Tensor& packed, con
   at::Tensor out = at::empty({num_rows, outputs}, source.options().dtype(at::kFloat));
   const int64_t output_blocks = packed.size(0), threads = at::get_num_threads();
   at::parallel_for(0, output_blocks, (output_blocks + threads - 1) / threads, [&](int64_t begin, int64_t end) {
+#if defined(CASCADE_QUANTISED_VNNI)
     BlockSums block_sums = vnni_block_sums;
+#else
+    BlockSums block_sums = avx2_block_sums;
+#endif
 #if defined(__AMX_INT8__)
     if (cascade_tiles::use_amx) {
       configure_tiles(num_rows);
@@ -178,7 +210,7 @@ at::Tensor rows_times_int8(const at::Tensor& rows, const at::Tensor& packed, con
   });
   return out;
 #else
-  TORCH_CHECK(false, "rows_times_int8: this build has neither AMX-INT8 nor AVX512-VNNI (see features())");
+  TORCH_CHECK(false, "rows_times_int8: this build has neither AVX512-VNNI nor AVX2 with FMA and F16C (see features())");
   return {};
 #endif
 }

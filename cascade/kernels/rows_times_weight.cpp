@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "products.h"
+#include "quantised_rows.h"
 #include "tiles.h"
 #include "vector_math.h"
 
@@ -274,7 +275,8 @@ namespace {
 
 // The instruction sets this build compiled its kernels for (-march=native): "avx512_bf16" (the weight
 // product, the layer ops and attention), or else "avx2" (the same ops in float32 arithmetic),
-// "amx_bf16" (tiles for both), "avx512_vnni" and "amx_int8" (the int8 product).
+// "amx_bf16" (tiles for both), "avx512_vnni" and "amx_int8" (the int8 and 4-bit products), or else
+// "quantised_avx2" (those products by AVX2, FMA and F16C; quantised_rows.h).
 std::vector<std::string> features() {
   std::vector<std::string> compiled;
 #if defined(__AVX512BF16__)
@@ -285,8 +287,10 @@ std::vector<std::string> features() {
 #if defined(__AMX_BF16__)
   compiled.push_back("amx_bf16");
 #endif
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(CASCADE_QUANTISED_VNNI)
   compiled.push_back("avx512_vnni");
+#elif defined(CASCADE_QUANTISED_AVX2)
+  compiled.push_back("quantised_avx2");
 #endif
 #if defined(__AMX_INT8__) && defined(__AVX512BW__)
   compiled.push_back("amx_int8");
