@@ -56,8 +56,7 @@ class Linear(nn.Linear):
     time); the output is rounded to bf16 as a bf16 product's is. Short passes are cascade's kernels'."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        emulated = x.dtype == torch.bfloat16 and x.device.type == "cpu" and not compiled_kernels.cpu_has_avx512_bf16()
-        if emulated and x.numel() > WIDE_PASS_ROWS * x.shape[-1]:
+        if compiled_kernels.bf16_products_emulated(x) and x.numel() > WIDE_PASS_ROWS * x.shape[-1]:
             bias = None if self.bias is None else self.bias.float()
             return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
         return super().forward(x)

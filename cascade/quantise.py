@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cascade import kernels
+
 if TYPE_CHECKING:  # the model's fused passes import this module
     from cascade.model import CausalLM
 
@@ -132,14 +134,17 @@ def quantised_forward(linear: QuantisedLinear, x: torch.Tensor) -> torch.Tensor:
 
 def dense_quantised_product(rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """rows [N, I] times a packed int8 (scales [O]) or 4-bit (uint8, scales [O, G, 2]) weight -> [N, O]
-    in float32, the weight unpacked."""
+    in float32, the weight unpacked; bf16 rows multiply in float32 where bf16 products are emulated
+    (rounded to bf16 after, as a bf16 product's output is)."""
     inputs = rows.shape[1]
+    dtype = torch.float32 if kernels.bf16_products_emulated(rows) else rows.dtype
     if packed.dtype == torch.uint8:
         levels = unpack_int4(packed, scales.shape[0], scales.shape[1] * GROUP_INPUTS).float()  # [O, G * 32]
         groups = levels.view(scales.shape[0], -1, GROUP_INPUTS) * scales[..., :1].float() + scales[..., 1:].float()
-        return F.linear(rows, groups.flatten(1)[:, :inputs].to(rows.dtype)).float()
-    weight = unpack(packed, scales.shape[0], inputs).to(rows.dtype)  # [O, I]
-    return F.linear(rows, weight).float() * scales
+        weight = groups.flatten(1)[:, :inputs].to(rows.dtype).to(dtype)  # [O, I], bf16 values
+        return F.linear(rows.to(dtype), weight).to(rows.dtype).float()
+    weight = unpack(packed, scales.shape[0], inputs).to(dtype)  # [O, I]
+    return F.linear(rows.to(dtype), weight).to(rows.dtype).float() * scales
 
 
 def quantise(model: CausalLM, bits: int, group_inputs: int = GROUP_INPUTS) -> CausalLM:

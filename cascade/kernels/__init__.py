@@ -111,6 +111,12 @@ def cpu_has_avx512_bf16() -> bool:
         return False
 
 
+def bf16_products_emulated(rows: torch.Tensor) -> bool:
+    """Whether a bf16 matrix product of ``rows`` would be emulated (oneDNN on a CPU without AVX512-BF16,
+    several times slower than float32): wide passes there multiply in float32 instead."""
+    return rows.dtype == torch.bfloat16 and rows.device.type == "cpu" and not cpu_has_avx512_bf16()
+
+
 @cache
 def weight_kernel_available() -> bool:
     """Whether ``torch.ops.cascade_kernels.rows_times_weight`` runs at memory speed here (built and
