@@ -13,7 +13,16 @@ from pydantic import ValidationError
 from cascade import fused, kernels
 from cascade.checkpoint import load_model
 from cascade.graphs import MAX_GRAPH_TOKENS
-from cascade.quantise import Int4Linear, Int8Linear, pack, pack_int4, quantise, unpack, unpack_int4
+from cascade.quantise import (
+    Int4Linear,
+    Int8Linear,
+    dense_quantised_product,
+    pack,
+    pack_int4,
+    quantise,
+    unpack,
+    unpack_int4,
+)
 from configs.schema import PipelineConfig
 from tests.conftest import make_checkpoint
 from tests.test_fused import CPU, SHORT_PASSES, decode, layer_op_calls, layer_op_calls_expected
@@ -191,6 +200,24 @@ def test_int4_kernel_refuses_what_it_cannot_take():
         product(rows, quantised.weight, quantised.scales.float())
     with pytest.raises(RuntimeError, match="do not fit a packed weight"):
         product(rows, quantised.weight, quantised.scales[:8])
+
+
+@pytest.mark.parametrize("emulated", [True, False])
+@pytest.mark.parametrize("kind", KERNELS)
+def test_an_unpacked_quantised_product_rounds_once_to_bf16(monkeypatch, kind, emulated):
+    """A prefill chunk's product unpacks the weight; where the CPU emulates bf16 products it multiplies
+    in float32 (several times faster there) and rounds to bf16 once, as a bf16 product does: within
+    half a bf16 step of the exact product with the rounded weight."""
+    monkeypatch.setattr(kernels, "cpu_has_avx512_bf16", lambda: not emulated)
+    layer, _, _, _ = KERNELS[kind]
+    quantised = layer(linear(40, 200, seed=3))
+    rows = torch.randn(33, 200, generator=torch.Generator().manual_seed(4)).bfloat16()
+    got = dense_quantised_product(rows, quantised.weight, quantised.scales)
+    identity = torch.eye(200).bfloat16()  # the rounded weight, column by column: exact in either dtype
+    weight = dense_quantised_product(identity, quantised.weight, quantised.scales).double().T  # [O, I]
+    exact = rows.double() @ weight.T
+    half_step = exact.abs() * 2.0**-8 + 1e-3  # float32 summation error is far below a bf16 step
+    assert got.dtype == torch.float32 and ((got.double() - exact).abs() <= half_step).all()
 
 
 @needs_quantised_kernels
