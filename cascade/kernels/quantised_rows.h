@@ -5,7 +5,8 @@
 // - CASCADE_QUANTISED_VNNI: AVX512-VNNI (byte quad products into int32; Ice Lake, Zen 4 and later);
 // - CASCADE_QUANTISED_AVX2: AVX2, FMA and F16C without it (Zen 1-3, Haswell to Alder Lake): the same
 //   int32 sums from vpmaddubsw and vpmaddwd, the same float32 arithmetic on two 8-lane halves.
-// Both round and sum alike, so the two builds' products are equal bit for bit.
+// Both take the same operations in the same order for each output (not compared across machines;
+// each is tested against the float64 arithmetic it stands for).
 #pragma once
 
 #include <ATen/ATen.h>

@@ -25,8 +25,8 @@
 // 0.5B's 5-token passes took ~1.3x as long). The AVX2 path, which spends about twice the instructions
 // on each block, asks for the block two ahead in its own stream, non-temporally, at every width: on a
 // 2-core Zen 2 a one-row product over the Qwen 0.5B's output matrix read 21 GB/s without it (11 on
-// one thread), 31-34 with it (17.5 on one), with 34-37 GB/s measured for a plain read (T0 or T1
-// hints at the same distance: 11.6 and 15.5 on one thread).
+// one thread), 25-34 with it (17.5 on one), where a plain read of memory measured 34-37 GB/s (T0 or
+// T1 hints at the same distance: 11.6 and 15.5 on one thread).
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
