@@ -3,8 +3,9 @@
 // as llama.cpp's q8_0 quantises them per 32, so an outlier costs precision only in its own block.
 // Which instructions the quantised kernels take (-march=native):
 // - CASCADE_QUANTISED_VNNI: AVX512-VNNI (byte quad products into int32; Ice Lake, Zen 4 and later);
-// - CASCADE_QUANTISED_AVX2: AVX2, FMA and F16C without it (Zen 1-3, Haswell to Alder Lake): the same
-//   int32 sums from vpmaddubsw and vpmaddwd, the same float32 arithmetic on two 8-lane halves.
+// - CASCADE_QUANTISED_AVX2: F16C and vector_math.h's CASCADE_AVX2 (AVX2 and FMA) without it (Zen 1-3,
+//   Haswell to Alder Lake): the same int32 sums from vpmaddubsw and vpmaddwd, the same float32
+//   arithmetic on two 8-lane halves.
 // Both take the same operations in the same order for each output (not compared across machines;
 // each is tested against the float64 arithmetic it stands for).
 #pragma once
@@ -15,9 +16,11 @@
 #include <cstdint>
 #include <cstring>
 
+#include "vector_math.h"
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define CASCADE_QUANTISED_VNNI 1
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#elif defined(CASCADE_AVX2) && defined(__F16C__)
 #define CASCADE_QUANTISED_AVX2 1
 #endif
 #if defined(CASCADE_QUANTISED_VNNI) || defined(CASCADE_QUANTISED_AVX2)
@@ -27,6 +30,13 @@
 namespace cascade_quantised {
 
 constexpr int64_t kBlockInputs = 64;  // inputs per quantised activation block (one AMX int8 tile row)
+
+// Quantised activations 4k..4k+3 of a row as one int32, to broadcast against a weight quad's lanes.
+inline int32_t activation_quad(const int8_t* row, int64_t k) {
+  int32_t quad;
+  std::memcpy(&quad, row + 4 * k, 4);
+  return quad;
+}
 
 }  // namespace cascade_quantised
 
@@ -77,9 +87,7 @@ inline float quantise_block(const at::BFloat16* source, int64_t count, int8_t* t
     values[part] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));  // bf16 -> float
     largest = _mm256_max_ps(largest, _mm256_andnot_ps(sign, values[part]));
   }
-  __m128 half = _mm_max_ps(_mm256_castps256_ps128(largest), _mm256_extractf128_ps(largest, 1));
-  half = _mm_max_ps(half, _mm_movehl_ps(half, half));
-  const float scale = _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half))) / 127.0f;
+  const float scale = cascade_vector::max8(largest) / 127.0f;
   const __m256 inverse = _mm256_set1_ps(scale > 0.0f ? 1.0f / scale : 0.0f);
   for (int part = 0; part < 8; part += 2) {  // nearest, ties to even (the default rounding), saturated
     const __m256i low = _mm256_cvtps_epi32(_mm256_mul_ps(values[part], inverse));

@@ -36,6 +36,7 @@
 
 namespace {
 
+using cascade_quantised::activation_quad;
 using cascade_quantised::kBlockInputs;
 constexpr int64_t kBlockOutputs = 16;  // output rows per packed block (int32 lanes of a register)
 constexpr int64_t kGroupInputs = 32;  // inputs per scale and low
@@ -113,9 +114,7 @@ void output_block(const Operands& in, int64_t block) {
       const int8_t* row = in.quantised + t * in.groups * kGroupInputs + g * kGroupInputs;
       __m512i sums = _mm512_setzero_si512();
       for (int64_t k = 0; k < 8; ++k) {
-        int32_t quad;
-        std::memcpy(&quad, row + 4 * k, 4);
-        sums = _mm512_dpbusd_epi32(sums, levels[k], _mm512_set1_epi32(quad));
+        sums = _mm512_dpbusd_epi32(sums, levels[k], _mm512_set1_epi32(activation_quad(row, k)));
       }
       const __m512 lows = _mm512_mul_ps(low, _mm512_set1_ps(static_cast<float>(in.row_sums[t * in.groups + g])));
       const __m512 group_sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, lows);
@@ -172,9 +171,8 @@ void output_block(const Operands& in, int64_t block) {
         const int8_t* row = in.quantised + t * in.groups * kGroupInputs + g * kGroupInputs;
         __m256i pairs = _mm256_setzero_si256();
         for (int64_t k = 0; k < 8; ++k) {
-          int32_t quad;
-          std::memcpy(&quad, row + 4 * k, 4);
-          pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(levels[k], _mm256_set1_epi32(quad)));
+          const __m256i quad = _mm256_set1_epi32(activation_quad(row, k));
+          pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(levels[k], quad));
         }
         const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
         const __m256 lows = _mm256_mul_ps(low, _mm256_set1_ps(static_cast<float>(in.row_sums[t * in.groups + g])));

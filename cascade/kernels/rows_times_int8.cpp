@@ -45,6 +45,7 @@
 namespace {
 
 constexpr int64_t kBlockOutputs = 16;  // output rows per packed block (int32 columns of a tile)
+using cascade_quantised::activation_quad;
 using cascade_quantised::kBlockInputs;  // inputs per packed block (int8 bytes of a tile row)
 constexpr int64_t kMaxRows = 16;
 constexpr int64_t kAheadBlocks = 2;  // AVX2: how far ahead of its reads a stream asks for its weight blocks
@@ -95,9 +96,8 @@ void vnni_block_sums(const int8_t* quantised, int64_t stride, const int8_t* weig
     const int8_t* row = quantised + t * stride;
     __m512i acc = _mm512_setzero_si512();
     for (int64_t k = 0; k < kBlockInputs / 4; ++k) {
-      int32_t quad;
-      std::memcpy(&quad, row + 4 * k, 4);
-      const __m512i shifted = _mm512_xor_si512(_mm512_set1_epi32(quad), shift);  // byte + 128, as unsigned
+      const __m512i quad = _mm512_set1_epi32(activation_quad(row, k));
+      const __m512i shifted = _mm512_xor_si512(quad, shift);  // byte + 128, as unsigned
       acc = _mm512_dpbusd_epi32(acc, shifted, _mm512_loadu_si512(weight_block + k * kBlockOutputs * 4));
     }
     _mm512_store_si512(sums + t * kBlockOutputs, _mm512_sub_epi32(acc, correction));
@@ -117,9 +117,7 @@ void avx2_block_sums(const int8_t* quantised, int64_t stride, const int8_t* weig
     const int8_t* row = quantised + t * stride;
     __m256i acc[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};  // outputs 0-7, 8-15
     for (int64_t k = 0; k < kBlockInputs / 4; ++k) {
-      int32_t quad;
-      std::memcpy(&quad, row + 4 * k, 4);
-      const __m256i activations = _mm256_set1_epi32(quad);
+      const __m256i activations = _mm256_set1_epi32(activation_quad(row, k));
       for (int half = 0; half < 2; ++half) {
         const __m256i weights =
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(weight_block + k * kBlockOutputs * 4 + half * 32));
