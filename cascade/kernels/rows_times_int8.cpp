@@ -23,10 +23,11 @@
 // over the Qwen2.5 0.5B's output matrix read 33-36 GB/s with it, 55-60 without). A wider pass, which
 // spends longer on each block, asks for the next one as fast as it reads its own (without that, the
 // 0.5B's 5-token passes took ~1.3x as long). The AVX2 path, which spends about twice the instructions
-// on each block, asks for the block two ahead in its own stream, non-temporally, at every width: on a
-// 2-core Zen 2 a one-row product over the Qwen 0.5B's output matrix read 21 GB/s without it (11 on
-// one thread), 25-34 with it (17.5 on one), where a plain read of memory measured 34-37 GB/s (T0 or
-// T1 hints at the same distance: 11.6 and 15.5 on one thread).
+// on each block, asks at each of its 16 steps through a block for the same line of the next block
+// (T0), at every width: a core stalled on its own loads keeps too few lines in flight otherwise. On a
+// 2-core Zen 2 this loop alone, over a cold 256 MB weight in huge pages, read 13 GB/s on one core with
+// nothing asked for (or with whole blocks asked for two ahead at once), 18 this way, where a plain read
+// measured 19.6 (two cores: 26 and 35 GB/s); the Qwen 0.5B's int8 decode step at 1K went 26.1 -> 20.1 ms.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -48,7 +49,6 @@ constexpr int64_t kBlockOutputs = 16;  // output rows per packed block (int32 co
 using cascade_quantised::activation_quad;
 using cascade_quantised::kBlockInputs;  // inputs per packed block (int8 bytes of a tile row)
 constexpr int64_t kMaxRows = 16;
-constexpr int64_t kAheadBlocks = 2;  // AVX2: how far ahead of its reads a stream asks for its weight blocks
 
 #if defined(CASCADE_QUANTISED_VNNI)
 
@@ -113,10 +113,12 @@ void vnni_block_sums(const int8_t* quantised, int64_t stride, const int8_t* weig
 void avx2_block_sums(const int8_t* quantised, int64_t stride, const int8_t* weight_block, int64_t num_rows,
                      int32_t* sums) {
   const __m256i ones = _mm256_set1_epi16(1);
+  const char* next_block = reinterpret_cast<const char*>(weight_block + kBlockInputs * kBlockOutputs);
   for (int64_t t = 0; t < num_rows; ++t) {
     const int8_t* row = quantised + t * stride;
     __m256i acc[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};  // outputs 0-7, 8-15
     for (int64_t k = 0; k < kBlockInputs / 4; ++k) {
+      if (t == 0) _mm_prefetch(next_block + k * kBlockOutputs * 4, _MM_HINT_T0);  // line k of the next block
       const __m256i activations = _mm256_set1_epi32(activation_quad(row, k));
       for (int half = 0; half < 2; ++half) {
         const __m256i weights =
@@ -145,15 +147,11 @@ void output_block(BlockSums block_sums, const int8_t* quantised, const float* ro
   alignas(64) int32_t sums[kMaxRows * kBlockOutputs];
   const int64_t block_bytes = kBlockInputs * kBlockOutputs;  // 16 lines: one packed 64-input block
   const int8_t* stream = weight + block * blocks * block_bytes;
-#if defined(CASCADE_QUANTISED_AVX2)
-  const char* ahead = reinterpret_cast<const char*>(stream + kAheadBlocks * block_bytes);  // past the end: the next
-#else
+#if !defined(CASCADE_QUANTISED_AVX2)
   const char* next_block = reinterpret_cast<const char*>(stream + blocks * block_bytes);  // the next 16 outputs
 #endif
   for (int64_t b = 0; b < blocks; ++b) {
-#if defined(CASCADE_QUANTISED_AVX2)
-    for (int64_t line = 0; line < block_bytes; line += 64) _mm_prefetch(ahead + b * block_bytes + line, _MM_HINT_NTA);
-#else
+#if !defined(CASCADE_QUANTISED_AVX2)
     for (int64_t line = 0; num_rows > 1 && line < block_bytes; line += 64) {
       _mm_prefetch(next_block + b * block_bytes + line, _MM_HINT_T1);
     }
