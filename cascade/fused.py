@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from cache.base import AttentionView
 from cascade import kernels
 from cascade.attention import AttentionKernel
+from cascade.panels import widened_product
 from cascade.quantise import dense_quantised_product
 from cascade.rope import apply_rotary
 from cascade.tuning import machine_tuning
@@ -72,7 +73,8 @@ def use_cpu_kernels() -> bool:
 
 
 Weight = tuple[torch.Tensor, "torch.Tensor | None"]
-"""A projection's weight [O, I] and, for a quantised one (``cascade.quantise``), its scales."""
+"""A projection's weight [O, I] (or in panels, ``cascade.panels``) and, for a quantised one
+(``cascade.quantise``), its scales."""
 
 
 def _project(rows: torch.Tensor, weight: Weight) -> torch.Tensor:
@@ -81,6 +83,8 @@ def _project(rows: torch.Tensor, weight: Weight) -> torch.Tensor:
     values, scales = weight
     if scales is not None:
         return dense_quantised_product(rows, values, scales)
+    if values.dim() == 3:  # in panels (cascade.panels)
+        return widened_product(rows, values)
     if rows.shape[0] == 1:
         return (values * rows[:, None]).sum(-1, dtype=torch.float32)  # [1, O, I] summed
     return F.linear(rows, values).float()

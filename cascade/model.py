@@ -19,6 +19,7 @@ from cache.base import CacheLayout, CachePolicy, TreePass
 from cascade import fused
 from cascade import kernels as compiled_kernels
 from cascade.attention import KERNELS, AttentionKernel, resolve_kernels
+from cascade.panels import dense_weight
 from cascade.quantise import is_quantised, projection
 from cascade.rope import Rotary, apply_rotary
 
@@ -254,7 +255,7 @@ class CausalLM(nn.Module):
         ids = torch.unique(token_ids.to(self.device))  # [K] sorted
         head = Linear(self.spec.hidden_size, len(ids), bias=False, device=self.device, dtype=self.dtype)
         with torch.no_grad():
-            head.weight.copy_(self.lm_head.weight[ids])
+            head.weight.copy_(dense_weight(self.lm_head)[ids])
         self.lm_head, self.output_ids = head, ids
 
     def _every_token(self, logits: torch.Tensor) -> torch.Tensor:
@@ -344,7 +345,7 @@ class CausalLM(nn.Module):
     @property
     def shares_passes(self) -> bool:
         """Whether ``forward_batch`` runs sequences' short passes together (cascade's CPU kernels)."""
-        x = self.embed_tokens.weight[:1]  # [1, C]: the residual stream's dtype and device
+        x = self.embed_tokens.weight.new_empty(1, self.spec.hidden_size)  # [1, C]: the residual stream's dtype, device
         return self.fused_tokens > 0 and fused.decoder_layers_apply(x, self.spec.head_dim, is_quantised(self))
 
     def _plain_pass(self, sequence: SequencePass) -> fused.PlainPass | None:

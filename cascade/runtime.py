@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from cache.full import FullCache
-from cascade import fused, kernels
+from cascade import fused, kernels, panels
 from cascade.attention import resolve_kernels
 from cascade.checkpoint import LoadedModel, load_checkpoint, stretch_factor
 from cascade.errors import CascadeError
@@ -406,7 +406,8 @@ def prepare_weights(
 ) -> None:
     """The output projection cut to the tokens the model may propose (its ``frequent_tokens``, of
     the ``proposable`` ones [K] if given: a cross-tokenizer draft's shared tokens), int8 or 4-bit weights if
-    the config asks, and the weights moved into huge pages."""
+    the config asks, bf16 ones packed in panels where cascade's AVX2 kernel takes them (``cascade.panels``),
+    and the weights moved into huge pages."""
     kept = None if config.frequent_tokens is None else frequent_output(loaded, config.frequent_tokens, role)
     if proposable is not None:
         proposable = proposable.to(loaded.model.device)
@@ -416,6 +417,8 @@ def prepare_weights(
     bits = weight_bits(config.quantise, dtype, device)
     if bits is not None:
         quantise(loaded.model, bits, config.int4_group)
+    if panels.applies(loaded.model):
+        panels.pack_panels(loaded.model)
     move_to_huge_pages(loaded.model)
 
 

@@ -13,6 +13,10 @@ at::Tensor rows_times_weight(const at::Tensor& rows, const at::Tensor& weight);
 // The same product on a CPU with AVX2 and FMA but no AVX512-BF16 (rows_times_weight_avx2.cpp).
 at::Tensor rows_times_weight_avx2(const at::Tensor& rows, const at::Tensor& weight);
 
+// rows [T, I] bf16 x a weight packed in panels [O / 16, I, 16] bf16 by cascade.panels -> [T, O] float32, on a
+// CPU with AVX2 and FMA but no AVX512-BF16 (rows_times_weight_avx2.cpp).
+at::Tensor rows_times_panels_avx2(const at::Tensor& rows, const at::Tensor& panels);
+
 // rows [T, I] bf16 (T <= 16) x an int8 weight packed by cascade.quantise, scales [O] -> [T, O]
 // float32 (rows_times_int8.cpp).
 at::Tensor rows_times_int8(const at::Tensor& rows, const at::Tensor& packed, const at::Tensor& scales);

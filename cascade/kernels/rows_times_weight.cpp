@@ -215,14 +215,17 @@ void amx_product(const at::Tensor& rows, const at::BFloat16* weight, float* out,
 namespace cascade_kernels {
 
 at::Tensor rows_times_weight(const at::Tensor& rows, const at::Tensor& weight) {
-  TORCH_CHECK(rows.dim() == 2 && weight.dim() == 2, "rows_times_weight: rows [T, I] and weight [O, I]; got ",
-              rows.sizes(), " and ", weight.sizes());
+  const bool panels = weight.dim() == 3;
+  TORCH_CHECK(rows.dim() == 2 && (weight.dim() == 2 || (panels && weight.size(2) == 16)),
+              "rows_times_weight: rows [T, I] and weight [O, I] (or panels [O / 16, I, 16]); got ", rows.sizes(),
+              " and ", weight.sizes());
   TORCH_CHECK(rows.size(1) == weight.size(1), "rows_times_weight: rows have ", rows.size(1),
               " columns, the weight ", weight.size(1));
   TORCH_CHECK(rows.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
               "rows_times_weight: bfloat16 rows and weight; got ", rows.scalar_type(), " and ", weight.scalar_type());
   TORCH_CHECK(weight.is_contiguous(), "rows_times_weight: the weight must be contiguous");
 #if defined(__AVX512BF16__)
+  TORCH_CHECK(!panels, "rows_times_weight: weights in panels are for AVX2 builds; this one has AVX512-BF16");
   const at::Tensor packed = rows.contiguous();
   const int64_t num_rows = packed.size(0), inner = packed.size(1), outputs = weight.size(0);
   at::Tensor out = at::empty({num_rows, outputs}, packed.options().dtype(at::kFloat));
@@ -262,7 +265,7 @@ at::Tensor rows_times_weight(const at::Tensor& rows, const at::Tensor& weight) {
   }
   return out;
 #elif defined(CASCADE_AVX2)
-  return rows_times_weight_avx2(rows, weight);
+  return panels ? rows_times_panels_avx2(rows, weight) : rows_times_weight_avx2(rows, weight);
 #else
   TORCH_CHECK(false, "rows_times_weight: this build has neither AVX512-BF16 nor AVX2 with FMA (see features())");
   return {};

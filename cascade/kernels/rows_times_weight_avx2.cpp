@@ -13,6 +13,16 @@
 // asks for the weight 1 KB ahead of its reads: on a 2-core Zen 2 the Qwen 1.5B's decode step at 1K
 // went 110 -> 93 ms with it, the hardware prefetcher alone leaving the core stalled. Wider passes take two weight rows at a time for three activation
 // rows at a time (12 sums in registers), the two rows staying in L1 for the next three.
+//
+// Panels (rows_times_panels_avx2): the same product over a weight packed once by cascade.panels as
+// [O / 16, I, 16], each input's 16 output values side by side. Each input of a pass is broadcast
+// against a panel's 16 values (one 256-bit load, widened into the even and the odd outputs by the
+// shift and the mask, put back in order once per panel), so a pass of up to 6 activation rows holds 12 sums in registers and spends one load and
+// two widenings per 12 multiply-adds, where the [O, I] order above spends 17 loads and 4 widenings:
+// its passes of 3-9 rows ran at ~50 GF/s a Zen 2 core, panels at ~80-90. Every output's sum runs over
+// the inputs in order in one float32 multiply-add chain, whatever the pass's width. A one-row product
+// reads 4 panels at once (8 independent chains, 4 streams), 2-3 rows 2 at once; a wider pass asks
+// for its panels' lines 1 KB ahead of its reads.
 
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
@@ -116,9 +126,110 @@ inline void weight_rows(const Operands& op, int64_t num_rows, int64_t o) {
   if (num_rows - row == 1) tile<1, Rows>(op, row, o);
 }
 
+constexpr int64_t kPanelOutputs = 16;  // outputs per panel: 8 float32 lanes from each half of 16 bf16
+constexpr int64_t kPanelActs = 6;  // activation rows a panel meets at once: 12 sums in registers
+constexpr int64_t kStepPanels = 4;  // panels a one-row product reads at once: 8 sums in registers
+constexpr int64_t kPanelAheadBytes = 1024;  // how far ahead a wider pass asks for its panel's lines
+
+inline __m256 odd_values_by_shifts(__m256i pairs) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(pairs, 16), 16));
+}
+
+struct PanelOperands {
+  const float* rows;  // [T, I] float32
+  const BFloat16* panels;  // [P, I, 16]: at [p, i, j] the weight of output 16 p + j for input i
+  float* out;  // [T, 16 P]
+  int64_t inner, outputs;
+};
+
+// out[row + t, 16 (panel + q) + j] for t < Acts activation rows, q < Panels panels, j < 16: each sum one
+// multiply-add chain over the inputs in order (2 x Acts x Panels <= 12 accumulators).
+template <int Acts, int Panels>
+__attribute__((always_inline)) inline void panel_tile(const PanelOperands& op, int64_t row, int64_t panel) {
+  __m256 even[Acts][Panels], odd[Acts][Panels];  // outputs 0, 2, .., 14 and 1, 3, .., 15 of each panel
+  for (int t = 0; t < Acts; ++t) {
+    for (int q = 0; q < Panels; ++q) even[t][q] = odd[t][q] = _mm256_setzero_ps();
+  }
+  const BFloat16* first = op.panels + panel * op.inner * kPanelOutputs;
+  const float* x = op.rows + row * op.inner;
+  // 12 sums over two panels leave no register for odd_values' mask (one sum went to the stack, a
+  // 3-row product ran 1.2x as long): the odd values by two shifts instead
+  constexpr bool kNoMask = Acts * Panels >= 6 && Panels > 1;
+  for (int64_t i = 0; i < op.inner; ++i) {
+    for (int q = 0; q < Panels; ++q) {
+      const BFloat16* values = first + (q * op.inner + i) * kPanelOutputs;
+      if constexpr (Acts > 1) {  // a line holds 2 inputs' values
+        if ((i & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(values) + kPanelAheadBytes, _MM_HINT_T0);
+      }
+      const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values));
+      const __m256 w_even = even_values(pairs), w_odd = kNoMask ? odd_values_by_shifts(pairs) : odd_values(pairs);
+      for (int t = 0; t < Acts; ++t) {
+        const __m256 input = _mm256_broadcast_ss(x + t * op.inner + i);
+        even[t][q] = _mm256_fmadd_ps(input, w_even, even[t][q]);
+        odd[t][q] = _mm256_fmadd_ps(input, w_odd, odd[t][q]);
+      }
+    }
+  }
+  for (int t = 0; t < Acts; ++t) {
+    for (int q = 0; q < Panels; ++q) {
+      float* out = op.out + (row + t) * op.outputs + (panel + q) * kPanelOutputs;
+      const __m256 low = _mm256_unpacklo_ps(even[t][q], odd[t][q]);  // outputs 0-3 and 8-11
+      const __m256 high = _mm256_unpackhi_ps(even[t][q], odd[t][q]);  // outputs 4-7 and 12-15
+      _mm256_storeu_ps(out, _mm256_permute2f128_ps(low, high, 0x20));
+      _mm256_storeu_ps(out + 8, _mm256_permute2f128_ps(low, high, 0x31));
+    }
+  }
+}
+
+// One panel times `count` activation rows from `row` (1 <= count <= 6).
+inline void panel_rows(const PanelOperands& op, int64_t row, int64_t count, int64_t panel) {
+  switch (count) {
+    case 6: return panel_tile<6, 1>(op, row, panel);
+    case 5: return panel_tile<5, 1>(op, row, panel);
+    case 4: return panel_tile<4, 1>(op, row, panel);
+    case 3: return panel_tile<3, 1>(op, row, panel);
+    case 2: return panel_tile<2, 1>(op, row, panel);
+    default: return panel_tile<1, 1>(op, row, panel);
+  }
+}
+
+// Panels [begin, end) times every activation row: one row 4 panels at a time, 2 or 3 rows 2 panels at
+// a time (each multiply-add chain waits on its last: a tile needs 8 or more of them); more rows in as
+// few groups of at most 6 as there can be, of sizes as even as they can be (7 rows: 4 and 3).
+void panel_range(const PanelOperands& op, int64_t num_rows, int64_t begin, int64_t end) {
+  int64_t panel = begin;
+  if (num_rows == 1) {
+    for (; panel + kStepPanels <= end; panel += kStepPanels) panel_tile<1, kStepPanels>(op, 0, panel);
+  } else if (num_rows <= 3) {
+    for (; panel + 2 <= end; panel += 2) {
+      num_rows == 2 ? panel_tile<2, 2>(op, 0, panel) : panel_tile<3, 2>(op, 0, panel);
+    }
+  }
+  const int64_t groups = (num_rows + kPanelActs - 1) / kPanelActs;
+  for (; panel < end; ++panel) {
+    for (int64_t group = 0, row = 0; group < groups; ++group) {
+      const int64_t left = groups - group, count = (num_rows - row + left - 1) / left;
+      panel_rows(op, row, count, panel);
+      row += count;
+    }
+  }
+}
+
 }  // namespace
 
 namespace cascade_kernels {
+
+at::Tensor rows_times_panels_avx2(const at::Tensor& rows, const at::Tensor& panels) {
+  const at::Tensor widened = rows.contiguous().to(at::kFloat);  // [T, I], exact
+  const int64_t num_rows = widened.size(0), inner = widened.size(1), count = panels.size(0);
+  at::Tensor out = at::empty({num_rows, count * kPanelOutputs}, widened.options());
+  const PanelOperands op{widened.data_ptr<float>(), panels.data_ptr<BFloat16>(), out.data_ptr<float>(), inner,
+                         count * kPanelOutputs};
+  const int64_t threads = at::get_num_threads();
+  const int64_t grain = std::max<int64_t>(kStepPanels, (count + threads - 1) / threads);  // a range per thread
+  at::parallel_for(0, count, grain, [&](int64_t begin, int64_t end) { panel_range(op, num_rows, begin, end); });
+  return out;
+}
 
 at::Tensor rows_times_weight_avx2(const at::Tensor& rows, const at::Tensor& weight) {
   const at::Tensor packed = rows.contiguous();
