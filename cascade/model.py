@@ -8,6 +8,7 @@ the caller asks for (the output projection dominates a small model at a 49K voca
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -247,6 +248,14 @@ class CausalLM(nn.Module):
         if self.lm_head.weight is not embedding:
             total -= embedding.nbytes - embedding[0].nbytes
         return total
+
+    def replace_projections(self, convert: Callable[[nn.Module], nn.Module]) -> None:
+        """Replace every layer's projections and the output projection with ``convert``'s of them."""
+        for block in self.layers:
+            attn, mlp = block.self_attn, block.mlp
+            attn.qkv_proj, attn.o_proj = convert(attn.qkv_proj), convert(attn.o_proj)
+            mlp.gate_up_proj, mlp.down_proj = convert(mlp.gate_up_proj), convert(mlp.down_proj)
+        self.lm_head = convert(self.lm_head)
 
     def keep_output_tokens(self, token_ids: torch.Tensor) -> None:
         """Keep the output projection's rows of ``token_ids`` [K] alone: each pass then reads K rows

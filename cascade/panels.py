@@ -95,11 +95,7 @@ def pack_panels(model: CausalLM) -> CausalLM:
     """Pack ``model``'s bf16 projections (those of O a multiple of 16; not quantised ones) in panels,
     in place; a tied embedding reads the output projection's panels."""
     tied = model.lm_head.weight is model.embed_tokens.weight
-    for block in model.layers:
-        attn, mlp = block.self_attn, block.mlp
-        attn.qkv_proj, attn.o_proj = packed(attn.qkv_proj), packed(attn.o_proj)
-        mlp.gate_up_proj, mlp.down_proj = packed(mlp.gate_up_proj), packed(mlp.down_proj)
-    model.lm_head = packed(model.lm_head)
+    model.replace_projections(packed)
     if tied and isinstance(model.lm_head, PanelLinear):
         model.embed_tokens = PanelEmbedding(model.lm_head.weight)
     return model

@@ -151,11 +151,7 @@ def quantise(model: CausalLM, bits: int, group_inputs: int = GROUP_INPUTS) -> Ca
     """Replace ``model``'s projections (the output projection included) with int8 (``bits`` 8) or
     4-bit (4, ``group_inputs`` sharing a scale and low) ones in place."""
     quantised = Int8Linear if bits == 8 else functools.partial(Int4Linear, group_inputs=group_inputs)
-    for block in model.layers:
-        attn, mlp = block.self_attn, block.mlp
-        attn.qkv_proj, attn.o_proj = quantised(attn.qkv_proj), quantised(attn.o_proj)
-        mlp.gate_up_proj, mlp.down_proj = quantised(mlp.gate_up_proj), quantised(mlp.down_proj)
-    model.lm_head = quantised(model.lm_head)
+    model.replace_projections(quantised)
     return model
 
 

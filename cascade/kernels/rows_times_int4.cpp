@@ -20,8 +20,8 @@
 // products: 20.3 -> 19.0 ms a step; it spends more instructions on a byte than the int8 path).
 // Weights are the unsigned operand of vpdpbusd and the activations the signed one, so the integer
 // sums are exact with no offset to take off. Without AVX512-VNNI, AVX2 takes each 16-output block in
-// two halves of 8: vpmaddubsw's int16 pair sums of one group (at most 8 x 2 x 15 x 127 in magnitude) add up inside
-// int16 before vpmaddwd widens them, so its sums and its float32 arithmetic are the same as VNNI's.
+// two halves of 8: vpmaddubsw's int16 pair sums of one group (at most 8 x 2 x 15 x 127 in magnitude)
+// add up inside int16 before vpmaddwd widens them, so its sums and its float32 arithmetic are the same as VNNI's.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>

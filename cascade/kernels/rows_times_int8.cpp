@@ -112,9 +112,15 @@ void vnni_block_sums(const int8_t* quantised, int64_t stride, const int8_t* weig
 // saturating int16 pair sums, so each weight byte goes in as its magnitude and each activation byte
 // takes the weight's sign (vpsignb); a pair's sum is at most 2 x 127 x 127 (weights and activations
 // lie in -127..127), inside int16, and vpmaddwd adds the pairs into int32: exact, as VNNI's.
+// The int32 sums of 8 outputs' weight quads (32 bytes) with an activation quad broadcast to every lane.
+inline __m256i quad_sums(__m256i activations, const int8_t* weights) {
+  const __m256i values = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(weights));
+  const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(values), _mm256_sign_epi8(activations, values));
+  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+
 void avx2_block_sums(const int8_t* quantised, int64_t stride, const int8_t* weight_block, int64_t num_rows,
                      int32_t* sums) {
-  const __m256i ones = _mm256_set1_epi16(1);
   const char* next_block = reinterpret_cast<const char*>(weight_block + kBlockInputs * kBlockOutputs);
   for (int64_t t = 0; t < num_rows; ++t) {
     const int8_t* row = quantised + t * stride;
@@ -123,10 +129,8 @@ void avx2_block_sums(const int8_t* quantised, int64_t stride, const int8_t* weig
       if (t == 0) _mm_prefetch(next_block + k * kBlockOutputs * 4, _MM_HINT_T0);  // line k of the next block
       const __m256i activations = _mm256_set1_epi32(activation_quad(row, k));
       for (int half = 0; half < 2; ++half) {
-        const __m256i weights =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(weight_block + k * kBlockOutputs * 4 + half * 32));
-        const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(weights), _mm256_sign_epi8(activations, weights));
-        acc[half] = _mm256_add_epi32(acc[half], _mm256_madd_epi16(pairs, ones));
+        const int8_t* weights = weight_block + k * kBlockOutputs * 4 + half * 32;
+        acc[half] = _mm256_add_epi32(acc[half], quad_sums(activations, weights));
       }
     }
     _mm256_store_si256(reinterpret_cast<__m256i*>(sums + t * kBlockOutputs), acc[0]);
@@ -182,7 +186,6 @@ void step_blocks(const int8_t* quantised, const float* row_scales, const int8_t*
   alignas(32) int32_t sums[kStepStreams * kBlockOutputs];
   const int64_t block_bytes = kBlockInputs * kBlockOutputs, stream_bytes = blocks * block_bytes;
   const int8_t* first = weight + block * stream_bytes;
-  const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < blocks; ++b) {
     __m256i sum[kStepStreams][2];  // per stream: outputs 0-7, 8-15
     for (auto& halves : sum) halves[0] = halves[1] = _mm256_setzero_si256();
@@ -191,9 +194,7 @@ void step_blocks(const int8_t* quantised, const float* row_scales, const int8_t*
       for (int s = 0; s < kStepStreams; ++s) {
         const int8_t* line = first + s * stream_bytes + b * block_bytes + k * kBlockOutputs * 4;
         for (int half = 0; half < 2; ++half) {
-          const __m256i weights = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + half * 32));
-          const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(weights), _mm256_sign_epi8(activations, weights));
-          sum[s][half] = _mm256_add_epi32(sum[s][half], _mm256_madd_epi16(pairs, ones));
+          sum[s][half] = _mm256_add_epi32(sum[s][half], quad_sums(activations, line + half * 32));
         }
       }
     }

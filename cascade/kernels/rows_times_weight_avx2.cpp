@@ -11,18 +11,19 @@
 // One activation row (a decode step) reads the weight row after row, in memory order (each thread's
 // contiguous range of rows one stream; two chains of multiply-adds keep up with ~20 GB/s a core), and
 // asks for the weight 1 KB ahead of its reads: on a 2-core Zen 2 the Qwen 1.5B's decode step at 1K
-// went 110 -> 93 ms with it, the hardware prefetcher alone leaving the core stalled. Wider passes take two weight rows at a time for three activation
-// rows at a time (12 sums in registers), the two rows staying in L1 for the next three.
+// went 110 -> 93 ms with it, the hardware prefetcher alone leaving the core stalled. Wider passes
+// take two weight rows at a time for three activation rows at a time (12 sums in registers), the two
+// rows staying in L1 for the next three.
 //
 // Panels (rows_times_panels_avx2): the same product over a weight packed once by cascade.panels as
 // [O / 16, I, 16], each input's 16 output values side by side. Each input of a pass is broadcast
 // against a panel's 16 values (one 256-bit load, widened into the even and the odd outputs by the
-// shift and the mask, put back in order once per panel), so a pass of up to 6 activation rows holds 12 sums in registers and spends one load and
-// two widenings per 12 multiply-adds, where the [O, I] order above spends 17 loads and 4 widenings:
-// its passes of 3-9 rows ran at ~50 GF/s a Zen 2 core, panels at ~80-90. Every output's sum runs over
-// the inputs in order in one float32 multiply-add chain, whatever the pass's width. A one-row product
-// reads 4 panels at once (8 independent chains, 4 streams), 2-3 rows 2 at once; a wider pass asks
-// for its panels' lines 1 KB ahead of its reads.
+// shift and the mask, put back in order once per panel), so a pass of up to 6 activation rows holds
+// 12 sums in registers and spends one load and two widenings per 12 multiply-adds, where the [O, I]
+// order above spends 17 loads and 4 widenings: its passes of 3-9 rows ran at ~50 GF/s a Zen 2 core,
+// panels at ~80-90. Every output's sum runs over the inputs in order in one float32 multiply-add
+// chain, whatever the pass's width. A one-row product reads 4 panels at once (8 independent chains, 4
+// streams), 2-3 rows 2 at once; a wider pass asks for its panels' lines 1 KB ahead of its reads.
 
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
@@ -46,8 +47,8 @@ using cascade_vector::sum8;
 
 constexpr int64_t kBlockInputs = 16;  // bf16 inputs per 256-bit load
 constexpr int64_t kActivationRows = 3;  // activation rows a block of weight rows meets at once
-constexpr int64_t kPassRows = 2;
-constexpr int64_t kAheadInputs = 512;  // how far ahead of its reads a one-row product asks for the weight  // weight rows a block of a pass wider than one row holds
+constexpr int64_t kPassRows = 2;  // weight rows a block of a pass wider than one row holds
+constexpr int64_t kAheadInputs = 512;  // how far ahead of its reads a one-row product asks for the weight
 
 // rows [T, I] bf16 -> [T, I / 16 * 16] float32, each 16 inputs as their 8 even values then their 8 odd ones.
 at::Tensor widened_rows(const at::Tensor& rows) {
