@@ -96,7 +96,8 @@ def unpack_int4(packed: torch.Tensor, outputs: int, inputs: int) -> torch.Tensor
 
 class Int4Linear(nn.Module):
     """``nn.Linear`` with 4-bit levels, packed, and per group of 32 inputs of a row a float16 scale
-    and low [O, I' / 32, 2]: a weight is scale * level + low, levels spanning each group's range.
+    and low, [I' / 32, 2, O] (each group's scales of every output, then its lows: the kernel loads a
+    block's with one instruction each): a weight is scale * level + low, levels spanning each group's range.
     With ``group_inputs`` a multiple of 32, that many inputs (zeros past the row's end) share one
     scale and low, repeated over their groups of 32."""
 
@@ -115,7 +116,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("weight", pack_int4(levels.view(weight.shape[0], -1)[:, : self.in_features]))
         stored = -(-self.in_features // BLOCK_INPUTS) * BLOCK_INPUTS // GROUP_INPUTS  # groups of 32 packed
         scales = torch.stack([scale, low], dim=-1).repeat_interleave(group_inputs // GROUP_INPUTS, dim=1)
-        self.register_buffer("scales", scales[:, :stored].half().contiguous())  # [O, I' / 32, 2]
+        self.register_buffer("scales", scales[:, :stored].permute(1, 2, 0).half().contiguous())  # [I' / 32, 2, O]
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -132,15 +133,22 @@ def quantised_forward(linear: QuantisedLinear, x: torch.Tensor) -> torch.Tensor:
     return out if linear.bias is None else out + linear.bias
 
 
+def int4_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An ``Int4Linear``'s scales [G, 2, O] -> (scale, low), each [O, G] float16."""
+    scale, low = scales.permute(1, 2, 0).unbind(0)
+    return scale, low
+
+
 def dense_quantised_product(rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """rows [N, I] times a packed int8 (scales [O]) or 4-bit (uint8, scales [O, G, 2]) weight -> [N, O]
+    """rows [N, I] times a packed int8 (scales [O]) or 4-bit (uint8, scales [G, 2, O]) weight -> [N, O]
     in float32, the weight unpacked; bf16 rows multiply in float32 where bf16 products are emulated
     (rounded to bf16 after, as a bf16 product's output is)."""
     inputs = rows.shape[1]
     dtype = torch.float32 if kernels.bf16_products_emulated(rows) else rows.dtype
     if packed.dtype == torch.uint8:
-        levels = unpack_int4(packed, scales.shape[0], scales.shape[1] * GROUP_INPUTS).float()  # [O, G * 32]
-        groups = levels.view(scales.shape[0], -1, GROUP_INPUTS) * scales[..., :1].float() + scales[..., 1:].float()
+        scale, low = int4_scales(scales)  # [O, G] each
+        levels = unpack_int4(packed, scale.shape[0], scale.shape[1] * GROUP_INPUTS).float()  # [O, G * 32]
+        groups = levels.view(*scale.shape, GROUP_INPUTS) * scale[..., None].float() + low[..., None].float()
         weight = groups.flatten(1)[:, :inputs].to(rows.dtype).to(dtype)  # [O, I], bf16 values
         return F.linear(rows.to(dtype), weight).to(rows.dtype).float()
     weight = unpack(packed, scales.shape[0], inputs).to(dtype)  # [O, I]

@@ -17,6 +17,7 @@ from cascade.quantise import (
     Int4Linear,
     Int8Linear,
     dense_quantised_product,
+    int4_scales,
     pack,
     pack_int4,
     quantise,
@@ -100,7 +101,7 @@ def test_int4_packing_keeps_every_level_and_rounding_stays_within_half_a_step(ou
     quantised = Int4Linear(layer)
     levels = unpack_int4(quantised.weight, outputs, inputs)
     assert levels.max() <= 15 and torch.equal(unpack_int4(pack_int4(levels), outputs, inputs), levels)
-    scale, low = (part.double().repeat_interleave(32, dim=1)[:, :inputs] for part in quantised.scales.unbind(-1))
+    scale, low = (part.double().repeat_interleave(32, dim=1)[:, :inputs] for part in int4_scales(quantised.scales))
     error = (levels.double() * scale + low - layer.weight.double()).abs()
     assert (error <= scale / 2 + 2**-11 * low.abs() + 1e-12).all()  # half a step, and the low's float16 rounding
 
@@ -110,13 +111,13 @@ def test_coarser_int4_groups_share_one_scale_and_low_and_round_within_half_their
     outputs, inputs = 48, 320  # 320: the last group of 128 or 256 inputs ends in zeros
     layer = linear(outputs, inputs, seed=group_inputs)
     quantised, finest = Int4Linear(layer, group_inputs), Int4Linear(layer)
-    assert quantised.scales.shape == finest.scales.shape == (outputs, 10, 2)  # stored per 32 inputs
+    assert quantised.scales.shape == finest.scales.shape == (10, 2, outputs)  # stored per 32 inputs
     first_of_its_group = torch.arange(10) // (group_inputs // 32) * (group_inputs // 32)
-    assert torch.equal(quantised.scales, quantised.scales[:, first_of_its_group])
+    assert torch.equal(quantised.scales, quantised.scales[first_of_its_group])
 
     def rounding_error(q: Int4Linear) -> torch.Tensor:
         levels = unpack_int4(q.weight, outputs, inputs).double()
-        scale, low = (part.double().repeat_interleave(32, dim=1)[:, :inputs] for part in q.scales.unbind(-1))
+        scale, low = (part.double().repeat_interleave(32, dim=1)[:, :inputs] for part in int4_scales(q.scales))
         error = (levels * scale + low - layer.weight.double()).abs()
         assert (error <= scale / 2 + 2**-11 * low.abs() + 1e-12).all()  # half a step, and the low's rounding
         return error.mean()
@@ -129,14 +130,14 @@ def test_coarser_int4_groups_share_one_scale_and_low_and_round_within_half_their
 def reference_int4_product(rows: torch.Tensor, quantised: Int4Linear) -> torch.Tensor:
     """The int4 kernel's arithmetic: activations rounded per 64 inputs as for int8, integer sums per
     group of 32 times its scale, plus its low times the group's sum of activations, in float64."""
-    outputs, inputs = quantised.scales.shape[0], rows.shape[1]
+    outputs, inputs = quantised.scales.shape[2], rows.shape[1]
     levels = unpack_int4(quantised.weight, outputs, inputs).double()  # [O, I]
     blocks = torch.nn.functional.pad(rows.float(), (0, -inputs % 64)).view(rows.shape[0], -1, 64)  # [T, B, 64]
     row_scales = blocks.abs().amax(dim=-1, keepdim=True) / 127  # [T, B, 1] float32
     activations = torch.round(blocks * torch.where(row_scales > 0, 1 / row_scales, 0)).double()
     groups = activations.view(rows.shape[0], -1, 32)  # [T, G, 32]
     padded = torch.nn.functional.pad(levels, (0, -inputs % 64)).view(outputs, -1, 32)  # [O, G, 32]
-    scale, low = quantised.scales.double().unbind(-1)  # [O, G] each
+    scale, low = (part.double() for part in int4_scales(quantised.scales))  # [O, G] each
     sums = torch.einsum("tgi,ogi->tog", groups, padded) * scale + groups.sum(-1)[:, None, :] * low  # [T, O, G]
     return (sums.view(*sums.shape[:2], -1, 2).sum(-1) * row_scales.double().squeeze(-1)[:, None, :]).sum(-1)
 
@@ -200,7 +201,7 @@ def test_int4_kernel_refuses_what_it_cannot_take():
     with pytest.raises(RuntimeError, match="float16 scales and lows"):
         product(rows, quantised.weight, quantised.scales.float())
     with pytest.raises(RuntimeError, match="do not fit a packed weight"):
-        product(rows, quantised.weight, quantised.scales[:8])
+        product(rows, quantised.weight, quantised.scales[..., :8].contiguous())
 
 
 @pytest.mark.parametrize("emulated", [True, False])
@@ -288,8 +289,8 @@ def test_an_int8_draft_catches_up_in_passes_its_kernels_take(tiny_dir, tiny_draf
 
 def test_a_draft_takes_its_int4_groups_from_the_config(tiny_dir):
     runtime = runtime_for("speculative", tiny_dir, tiny_dir, ["draft.quantise=int4", "draft.int4_group=128"])
-    scales = runtime.draft.model.lm_head.scales  # [O, I' / 32, 2]
-    assert torch.equal(scales, scales[:, torch.arange(scales.shape[1]) // 4 * 4])
+    scales = runtime.draft.model.lm_head.scales  # [I' / 32, 2, O]
+    assert torch.equal(scales, scales[torch.arange(scales.shape[0]) // 4 * 4])
     assert not torch.equal(scales, Int4Linear(runtime.target.model.lm_head).scales)
 
 

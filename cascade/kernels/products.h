@@ -22,7 +22,7 @@ at::Tensor rows_times_panels_avx2(const at::Tensor& rows, const at::Tensor& pane
 at::Tensor rows_times_int8(const at::Tensor& rows, const at::Tensor& packed, const at::Tensor& scales);
 
 // rows [T, I] bf16 (T <= 16) x a 4-bit weight packed by cascade.quantise, scales and lows per 32
-// inputs [O, I' / 32, 2] float16 -> [T, O] float32 (rows_times_int4.cpp).
+// inputs [I' / 32, 2, O] float16 -> [T, O] float32 (rows_times_int4.cpp).
 at::Tensor rows_times_int4(const at::Tensor& rows, const at::Tensor& packed, const at::Tensor& scales);
 
 // query [H, T, D] over keys and values [H_kv, S, D] (rows contiguous) -> [H, T, D] bf16; causal: the

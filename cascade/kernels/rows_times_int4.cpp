@@ -1,6 +1,6 @@
 // A few activation rows times a 4-bit weight with AVX512-VNNI or AVX2, at the speed of memory.
 //
-// rows [T, I] bf16 (T <= 16) x packed 4-bit weight with scales [O, I' / 32, 2] -> out [T, O] float32,
+// rows [T, I] bf16 (T <= 16) x packed 4-bit weight with scales [I' / 32, 2, O] -> out [T, O] float32,
 // where each group g of 32 inputs of output o holds levels w in 0..15 that stand for
 // scale[o, g] * w + low[o, g] (asymmetric, as a Q4_K sub-block of llama.cpp: a draft dequantised
 // from Q4_K GGUFs keeps nearly its own weights), and
@@ -12,12 +12,16 @@
 // bytes, 4 per group of 32 inputs: line j of a group holds, for each of the 16 outputs, inputs
 // 4j..4j+3 of the group in its low nibbles and inputs 16+4j..16+4j+3 in its high ones:
 // packed[O' / 16, I' / 64, 8, 64] uint8 (O, I padded with zeros to multiples of 16 and 64). Each
-// 16-output block is one contiguous stream; its scales ([16, I' / 32, 2] float16, contiguous) are
-// gathered group by group, the next block's asked for a line per group. For one activation row the
-// hardware prefetcher follows the weight's stream alone (asking for the next block's lines as well
-// made those products 10-20% slower on the 2-core EPYC); a wider pass asks for them. The AVX2 path
-// also asks for its own stream's lines 1 KB ahead, as the int8 one does (one row, the Qwen 0.5B's
-// products: 20.3 -> 19.0 ms a step; it spends more instructions on a byte than the int8 path).
+// 16-output block is one contiguous stream. The scales are float16 [groups, 2, O]: a group's 16 scales
+// of a block, and its 16 lows, are each one load; each of their lines serves two blocks, and a block
+// asks for the ones kAheadGroups groups ahead (past its last group, the next block's first ones). Laid
+// out [O, groups, 2] they were gathered per group, which on a 2-core Zen 2 left the AVX2 product
+// compute-bound (the Qwen 0.5B's 4-bit step at 1K: 21.6 ms; 16.8 with this layout). For one
+// activation row the hardware prefetcher follows the weight's stream alone (asking for the next
+// block's lines as well made those products 10-20% slower on a 2-core EPYC); a wider pass asks for
+// them. The AVX2 path asks for its own stream's lines 1 KB ahead, as the int8 one does, and its
+// one-row product reads 4 output blocks' streams side by side (step_blocks, as the int8 one-row
+// product does: more lines in flight; that step 16.8 -> 14.2 ms).
 // Weights are the unsigned operand of vpdpbusd and the activations the signed one, so the integer
 // sums are exact with no offset to take off. Without AVX512-VNNI, AVX2 takes each 16-output block in
 // two halves of 8: vpmaddubsw's int16 pair sums of one group (at most 8 x 2 x 15 x 127 in magnitude)
@@ -68,24 +72,31 @@ struct Operands {
   const float* row_scales;  // [groups / 2, T]
   const int32_t* row_sums;  // [T, groups]
   const uint8_t* packed;  // [O' / 16, groups / 2, 8, 64]
-  const uint16_t* scales;  // [O, groups, 2] float16 bits
+  const uint16_t* scales;  // [groups, 2, O] float16 bits: per group its scales, then its lows
   float* out;  // [T, O]
   int64_t num_rows, groups, outputs;
 };
+
+// Asks for the scale and low lines of the group kAheadGroups past `group` of the block of outputs
+// from `first` (past the block's last group: the next block's first ones).
+inline void prefetch_scales_ahead(const Operands& in, int64_t first, int64_t group) {
+  const int64_t ahead = group + kAheadGroups;
+  const int64_t block_first = ahead < in.groups ? first : first + kBlockOutputs;
+  const uint16_t* scales = in.scales + 2 * (ahead % in.groups) * in.outputs + block_first;
+  _mm_prefetch(reinterpret_cast<const char*>(scales), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(scales + in.outputs), _MM_HINT_T0);
+}
 
 #endif
 
 #if defined(CASCADE_QUANTISED_VNNI)
 
-// The 16 outputs' (scale, low) of one group from scales [O, groups, 2] (rows past O read as zero).
+// The scales and lows of one group for the 16 outputs from `first` (outputs past O read as zero).
 inline void group_scales(const Operands& in, int64_t first, __mmask16 valid, int64_t group, __m512* scale,
                          __m512* low) {
-  const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                          _mm512_set1_epi32(static_cast<int>(in.groups)));
-  const void* base = in.scales + (first * in.groups + group) * 2;
-  const __m512i pairs = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, rows, base, 4);
-  *scale = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(pairs));
-  *low = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(pairs, 16)));
+  const uint16_t* scales = in.scales + 2 * group * in.outputs + first;
+  *scale = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, scales));
+  *low = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, scales + in.outputs));
 }
 
 // Output rows [16 * block, 16 * block + 16) for every activation row.
@@ -97,13 +108,12 @@ void output_block(const Operands& in, int64_t block) {
   const int64_t stream_bytes = blocks * 2 * kGroupLines * kLineBytes;
   const uint8_t* stream = in.packed + block * stream_bytes;
   const char* next_block = reinterpret_cast<const char*>(stream + stream_bytes);
-  const char* next_scales = reinterpret_cast<const char*>(in.scales + (first + kBlockOutputs) * in.groups * 2);
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   for (int64_t g = 0; g < in.groups; ++g) {
     for (int64_t line = 0; in.num_rows > 1 && line < kGroupLines; ++line) {
       _mm_prefetch(next_block + (g * kGroupLines + line) * kLineBytes, _MM_HINT_T1);
     }
-    _mm_prefetch(next_scales + g * kLineBytes, _MM_HINT_T1);  // 16 rows x groups x 4 bytes: a line per group
+    prefetch_scales_ahead(in, first, g);
     __m512i levels[8];  // quad k of the group: inputs 4k..4k+3 of each output
     for (int64_t line = 0; line < kGroupLines; ++line) {
       const __m512i bytes = _mm512_loadu_si512(stream + (g * kGroupLines + line) * kLineBytes);
@@ -129,19 +139,36 @@ void output_block(const Operands& in, int64_t block) {
 
 #elif defined(CASCADE_QUANTISED_AVX2)
 
-// The (scale, low) of outputs [first, first + 8) of one group, as float32 (rows past O read as zero).
+// The scales and lows of one group for the 8 outputs from `first`, as float32 (outputs past O read as zero).
 inline void group_scales(const Operands& in, int64_t first, int64_t group, __m256* scale, __m256* low) {
-  const int64_t valid = std::clamp<int64_t>(in.outputs - first, 0, 8);
-  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(valid)), lanes);
-  const __m256i rows = _mm256_mullo_epi32(lanes, _mm256_set1_epi32(static_cast<int>(in.groups)));
-  const int* base = reinterpret_cast<const int*>(in.scales + (first * in.groups + group) * 2);
-  const __m256i pairs = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), base, rows, mask, 4);
-  const __m256i halves = _mm256_packus_epi32(_mm256_and_si256(pairs, _mm256_set1_epi32(0xFFFF)),
-                                             _mm256_srli_epi32(pairs, 16));  // per 128 bits: 4 scales, 4 lows
-  const __m256i ordered = _mm256_permute4x64_epi64(halves, 0xD8);  // 8 scales, 8 lows
-  *scale = _mm256_cvtph_ps(_mm256_castsi256_si128(ordered));
-  *low = _mm256_cvtph_ps(_mm256_extracti128_si256(ordered, 1));
+  const uint16_t* scales = in.scales + 2 * group * in.outputs + first;
+  if (first + 8 <= in.outputs) {
+    *scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales)));
+    *low = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + in.outputs)));
+    return;
+  }
+  alignas(16) uint16_t tail[2][8] = {};  // the last block's outputs, zeros past O
+  const int64_t count = std::max<int64_t>(in.outputs - first, 0);
+  std::copy_n(scales, count, tail[0]);
+  std::copy_n(scales + in.outputs, count, tail[1]);
+  *scale = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(tail[0])));
+  *low = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(tail[1])));
+}
+
+// acc + row_scale * (scale * sums + low * row_sum) for 8 outputs, the sums one group's int16 pair
+// sums (at most 8 x 2 x 15 x 127 in magnitude, so exact in int16 in any order).
+inline __m256 add_group(__m256 acc, __m256i pairs, __m256 scale, __m256 low, int32_t row_sum, float row_scale) {
+  const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  const __m256 lows = _mm256_mul_ps(low, _mm256_set1_ps(static_cast<float>(row_sum)));
+  return _mm256_fmadd_ps(_mm256_fmadd_ps(sums, scale, lows), _mm256_set1_ps(row_scale), acc);
+}
+
+// The 16 outputs from `first` of one row (acc: outputs 0-7, 8-15) into out, those past O left out.
+inline void store_block(const Operands& in, const __m256 acc[2], float* out, int64_t first) {
+  alignas(32) float sums[kBlockOutputs];
+  _mm256_store_ps(sums, acc[0]);
+  _mm256_store_ps(sums + 8, acc[1]);
+  std::memcpy(out + first, sums, std::min<int64_t>(kBlockOutputs, in.outputs - first) * sizeof(float));
 }
 
 // Output rows [16 * block, 16 * block + 16) for every activation row, as two halves of 8.
@@ -152,14 +179,13 @@ void output_block(const Operands& in, int64_t block) {
   const int64_t stream_bytes = blocks * 2 * kGroupLines * kLineBytes;
   const uint8_t* stream = in.packed + block * stream_bytes;
   const char* next_block = reinterpret_cast<const char*>(stream + stream_bytes);
-  const char* next_scales = reinterpret_cast<const char*>(in.scales + (first + kBlockOutputs) * in.groups * 2);
   const char* ahead = reinterpret_cast<const char*>(stream + kAheadGroups * kGroupLines * kLineBytes);
-  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
   for (int64_t g = 0; g < in.groups; ++g) {
     for (int64_t line = 0; in.num_rows > 1 && line < kGroupLines; ++line) {
       _mm_prefetch(next_block + (g * kGroupLines + line) * kLineBytes, _MM_HINT_T1);
     }
-    _mm_prefetch(next_scales + g * kLineBytes, _MM_HINT_T1);
+    prefetch_scales_ahead(in, first, g);
     const int64_t b = g / 2;
     for (int half = 0; half < 2; ++half) {
       __m256i levels[8];  // quad k of the group: inputs 4k..4k+3 of this half's 8 outputs
@@ -179,20 +205,52 @@ void output_block(const Operands& in, int64_t block) {
           const __m256i quad = _mm256_set1_epi32(activation_quad(row, k));
           pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(levels[k], quad));
         }
-        const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-        const __m256 lows = _mm256_mul_ps(low, _mm256_set1_ps(static_cast<float>(in.row_sums[t * in.groups + g])));
-        const __m256 group_sum = _mm256_fmadd_ps(sums, scale, lows);
-        acc[t][half] = _mm256_fmadd_ps(group_sum, _mm256_set1_ps(in.row_scales[b * in.num_rows + t]), acc[t][half]);
+        acc[t][half] = add_group(acc[t][half], pairs, scale, low, in.row_sums[t * in.groups + g],
+                                 in.row_scales[b * in.num_rows + t]);
       }
     }
   }
-  const int64_t count = std::min<int64_t>(kBlockOutputs, in.outputs - first);
-  for (int64_t t = 0; t < in.num_rows; ++t) {
-    alignas(32) float sums[kBlockOutputs];
-    _mm256_store_ps(sums, acc[t][0]);
-    _mm256_store_ps(sums + 8, acc[t][1]);
-    std::memcpy(in.out + t * in.outputs + first, sums, count * sizeof(float));
+  for (int64_t t = 0; t < in.num_rows; ++t) store_block(in, acc[t], in.out + t * in.outputs, first);
+}
+
+constexpr int64_t kStepStreams = 4;  // output blocks a one-row product reads side by side
+
+// Output rows [16 * block, 16 * (block + 4)) for one activation row: the 4 blocks' streams read side
+// by side (more lines in flight, as the int8 one-row product does), each block's pair sums and float32
+// steps those of output_block.
+void step_blocks(const Operands& in, int64_t block) {
+  __m256 acc[kStepStreams][2];
+  for (auto& halves : acc) halves[0] = halves[1] = _mm256_setzero_ps();
+  const int64_t stream_bytes = in.groups * kGroupLines * kLineBytes;
+  const uint8_t* streams = in.packed + block * stream_bytes;
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  for (int64_t g = 0; g < in.groups; ++g) {
+    for (int s = 0; s < kStepStreams; ++s) prefetch_scales_ahead(in, (block + s) * kBlockOutputs, g);
+    __m256i pairs[kStepStreams][2];  // per stream: outputs 0-7, 8-15
+    for (auto& halves : pairs) halves[0] = halves[1] = _mm256_setzero_si256();
+    for (int64_t line = 0; line < kGroupLines; ++line) {  // its low nibbles: quad `line`, its high ones: line + 4
+      const int8_t* quads = in.quantised + g * kGroupInputs;
+      const __m256i low_quad = _mm256_set1_epi32(activation_quad(quads, line));
+      const __m256i high_quad = _mm256_set1_epi32(activation_quad(quads, line + kGroupLines));
+      for (int s = 0; s < kStepStreams; ++s) {
+        for (int half = 0; half < 2; ++half) {
+          const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+              streams + s * stream_bytes + (g * kGroupLines + line) * kLineBytes + half * 32));
+          const __m256i lows = _mm256_maddubs_epi16(_mm256_and_si256(bytes, nibble), low_quad);
+          const __m256i highs = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble), high_quad);
+          pairs[s][half] = _mm256_add_epi16(pairs[s][half], _mm256_add_epi16(lows, highs));
+        }
+      }
+    }
+    for (int s = 0; s < kStepStreams; ++s) {
+      for (int half = 0; half < 2; ++half) {
+        __m256 scale, low;
+        group_scales(in, (block + s) * kBlockOutputs + half * 8, g, &scale, &low);
+        acc[s][half] = add_group(acc[s][half], pairs[s][half], scale, low, in.row_sums[g], in.row_scales[g / 2]);
+      }
+    }
   }
+  for (int s = 0; s < kStepStreams; ++s) store_block(in, acc[s], in.out, (block + s) * kBlockOutputs);
 }
 
 #endif
@@ -213,10 +271,10 @@ at::Tensor rows_times_int4(const at::Tensor& rows, const at::Tensor& packed, con
   TORCH_CHECK((inner + kBlockInputs - 1) / kBlockInputs == blocks, "rows_times_int4: rows have ", inner,
               " columns, the packed weight ", blocks * kBlockInputs, " (padded)");
   TORCH_CHECK(scales.dim() == 3 && scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
-                  scales.size(1) == 2 * blocks && scales.size(2) == 2,
-              "rows_times_int4: float16 scales and lows [O, ", 2 * blocks, ", 2]; got ", scales.sizes(), " ",
+                  scales.size(0) == 2 * blocks && scales.size(1) == 2,
+              "rows_times_int4: float16 scales and lows [", 2 * blocks, ", 2, O]; got ", scales.sizes(), " ",
               scales.scalar_type());
-  const int64_t outputs = scales.size(0);
+  const int64_t outputs = scales.size(2);
   TORCH_CHECK(outputs > 0 && (outputs + kBlockOutputs - 1) / kBlockOutputs == packed.size(0), "rows_times_int4: ",
               outputs, " output rows of scales do not fit a packed weight of ", packed.size(0), " 16-row blocks");
 #if defined(CASCADE_INT4_KERNEL)
@@ -240,7 +298,11 @@ at::Tensor rows_times_int4(const at::Tensor& rows, const at::Tensor& packed, con
                           outputs};
   const int64_t output_blocks = packed.size(0), threads = at::get_num_threads();
   at::parallel_for(0, output_blocks, (output_blocks + threads - 1) / threads, [&](int64_t begin, int64_t end) {
-    for (int64_t block = begin; block < end; ++block) output_block(operands, block);
+    int64_t block = begin;
+#if defined(CASCADE_QUANTISED_AVX2)
+    for (; num_rows == 1 && block + kStepStreams <= end; block += kStepStreams) step_blocks(operands, block);
+#endif
+    for (; block < end; ++block) output_block(operands, block);
   });
   return out;
 #else
