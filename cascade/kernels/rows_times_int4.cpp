@@ -228,8 +228,8 @@ void step_blocks(const Operands& in, int64_t block) {
     for (int s = 0; s < kStepStreams; ++s) prefetch_scales_ahead(in, (block + s) * kBlockOutputs, g);
     __m256i pairs[kStepStreams][2];  // per stream: outputs 0-7, 8-15
     for (auto& halves : pairs) halves[0] = halves[1] = _mm256_setzero_si256();
+    const int8_t* quads = in.quantised + g * kGroupInputs;  // the group's activations
     for (int64_t line = 0; line < kGroupLines; ++line) {  // its low nibbles: quad `line`, its high ones: line + 4
-      const int8_t* quads = in.quantised + g * kGroupInputs;
       const __m256i low_quad = _mm256_set1_epi32(activation_quad(quads, line));
       const __m256i high_quad = _mm256_set1_epi32(activation_quad(quads, line + kGroupLines));
       for (int s = 0; s < kStepStreams; ++s) {
