@@ -73,6 +73,24 @@ struct Operands {
   float scale;
 };
 
+// run(std::integral_constant<int, count>) for a count in [1, Max] known only at run time (0: nothing).
+template <int Max, typename Run>
+inline void with_count(int64_t count, Run run) {
+  if constexpr (Max > 0) {
+    if (count == Max) return run(std::integral_constant<int, Max>{});
+    with_count<Max - 1>(count, run);
+  }
+}
+
+// run(first row, rows as a compile-time constant) over rows [0, rows): groups of Group, then the last
+// rows % Group together, so each group's sums can stay in registers.
+template <int Group, typename Run>
+inline void in_row_groups(int64_t rows, Run run) {
+  int64_t r = 0;
+  for (; r + Group <= rows; r += Group) run(r, std::integral_constant<int, Group>{});
+  with_count<Group - 1>(rows - r, [&](auto count) { run(r, count); });
+}
+
 #endif
 
 #if defined(CASCADE_AVX512)
@@ -102,24 +120,6 @@ inline __m512 dot_broadcast(__m512 acc, __m512bh pairs, const int32_t* pair) {
 
 inline __mmask16 first_lanes(int64_t count) {
   return count >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << std::max<int64_t>(count, 0)) - 1);
-}
-
-// run(std::integral_constant<int, count>) for a count in [1, Max] known only at run time (0: nothing).
-template <int Max, typename Run>
-inline void with_count(int64_t count, Run run) {
-  if constexpr (Max > 0) {
-    if (count == Max) return run(std::integral_constant<int, Max>{});
-    with_count<Max - 1>(count, run);
-  }
-}
-
-// run(first row, rows as a compile-time constant) over rows [0, rows): groups of Group, then the last
-// rows % Group together, so each group's sums can stay in registers.
-template <int Group, typename Run>
-inline void in_row_groups(int64_t rows, Run run) {
-  int64_t r = 0;
-  for (; r + Group <= rows; r += Group) run(r, std::integral_constant<int, Group>{});
-  with_count<Group - 1>(rows - r, [&](auto count) { run(r, count); });
 }
 
 // 16 rows of 16 32-bit values -> 16 columns in place: afterwards v[p] holds value p of row j in lane j.
