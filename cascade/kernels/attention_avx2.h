@@ -7,7 +7,7 @@
 // - scores: a tile of rows x keys (6 x 2 .. 1 x 8), each score 8 lanes of fused multiply-adds over
 //   its query's dimensions, 8 at a time, then folded by one fixed tree of additions (fold8, fold4);
 // - softmax over the keys a row sees: their maximum, exp8, the weights summed in 8 lanes then sum8;
-// - weighted sums: a tile of rows x dimensions (6 x 16 .. 1 x 32) over 32 keys at a time (read from
+// - weighted sums: a tile of rows x dimensions (6 x 16 .. 1 x 64) over 32 keys at a time (read from
 //   L1 by every tile of the block's rows), each dimension's sum taken in key order.
 // While the scores are taken, the keys kKeysAhead on are asked for (into L1) and the scored keys'
 // values (into L2): the block's reads overlap its arithmetic.
@@ -29,7 +29,7 @@ constexpr int kScoreKeys = Rows >= 5 ? 2 : Rows >= 3 ? 3 : Rows == 2 ? 4 : 8;
 
 // 8-dimension chunks a tile of Rows rows sums together (of a head's D / 8).
 template <int D, int Rows>
-constexpr int kValueChunks = std::min(D / 8, Rows >= 3 ? 2 : 4);
+constexpr int kValueChunks = std::min(D / 8, Rows >= 4 ? 2 : Rows >= 2 ? 4 : 8);
 
 // A thread's working memory for its blocks, kept from call to call and grown when a pass needs more.
 struct Scratch {
@@ -172,11 +172,21 @@ inline void tile_values(const float* weights, const at::BFloat16* value, int64_t
     for (int c = 0; c < Chunks; ++c) sums[r][c] = _mm256_loadu_ps(out + r * D + d0 + 8 * c);
   }
   for (int64_t j = ka; j < kb; ++j) {
-    __m256 values[Chunks];
-    for (int c = 0; c < Chunks; ++c) values[c] = cascade_vector::widen8(value + (j - ka) * stride + d0 + 8 * c);
-    for (int r = 0; r < Rows; ++r) {
-      const __m256 weight = _mm256_broadcast_ss(weights + r * kBlockKeys + j);
-      for (int c = 0; c < Chunks; ++c) sums[r][c] = _mm256_fmadd_ps(weight, values[c], sums[r][c]);
+    const at::BFloat16* row = value + (j - ka) * stride + d0;
+    if constexpr (Rows < Chunks) {  // the rows' weights held, each chunk of the value used as loaded
+      __m256 weight[Rows];
+      for (int r = 0; r < Rows; ++r) weight[r] = _mm256_broadcast_ss(weights + r * kBlockKeys + j);
+      for (int c = 0; c < Chunks; ++c) {
+        const __m256 chunk = cascade_vector::widen8(row + 8 * c);
+        for (int r = 0; r < Rows; ++r) sums[r][c] = _mm256_fmadd_ps(weight[r], chunk, sums[r][c]);
+      }
+    } else {  // the value's chunks held, each row's weight used as loaded
+      __m256 chunk[Chunks];
+      for (int c = 0; c < Chunks; ++c) chunk[c] = cascade_vector::widen8(row + 8 * c);
+      for (int r = 0; r < Rows; ++r) {
+        const __m256 weight = _mm256_broadcast_ss(weights + r * kBlockKeys + j);
+        for (int c = 0; c < Chunks; ++c) sums[r][c] = _mm256_fmadd_ps(weight, chunk[c], sums[r][c]);
+      }
     }
   }
   for (int r = 0; r < Rows; ++r) {
