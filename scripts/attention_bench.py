@@ -9,11 +9,13 @@ Passes in one model's attention shape (``--shape``: SmolLM2's 9 query heads shar
 - ``--nodes N``: the verification of a token tree of N nodes (N + 1 queries: the root and the
   nodes), under the mask its ancestry gives.
 
-``--static`` builds each view as a graphed pass reads it (every pass on a GPU with CUDA graphs):
-the whole slot buffer under a [T, buffer] mask; without it, as an eager pass does (the valid keys,
-causal or masked only in its tail). Each kernel is timed side by side in one run (median of
-``--repeats``; on CUDA each call is captured as a CUDA graph and replayed, as graphed passes run)
-and checked against a float64 reference (largest absolute difference):
+``--layers N`` gives each pass N layers' keys and values (random, each its own) and times it over
+all of them in turn, as a model's pass reads them: from memory, not from the caches a single layer's
+repeated call leaves them in (ms reported per layer). ``--static`` builds each view as a graphed
+pass reads it (every pass on a GPU with CUDA graphs): the whole slot buffer under a [T, buffer]
+mask; without it, as an eager pass does (the valid keys, causal or masked only in its tail). Each
+kernel is timed side by side in one run (median of ``--repeats``; on CUDA each call is captured as a
+CUDA graph and replayed, as graphed passes run) and checked against a float64 reference (largest absolute difference):
 
 - ``cpu`` / ``sdpa`` / ``cuda`` / ``flash`` / ``flex``: the attention families as configs pick them
   (the ones that can run on the device);
@@ -24,7 +26,8 @@ and checked against a float64 reference (largest absolute difference):
   ``cpu`` family for the rest (static views, wider passes).
 
     python scripts/attention_bench.py [--keys 4096 32768 120000] [--queries 1 7] [--nodes 15 31 63]
-        [--shape smollm2] [--static] [--repeats 10] [--device cpu] [--out FILE]
+        [--shape smollm2] [--layers 1] [--kernels cpu kernel] [--static] [--repeats 10] [--device cpu]
+        [--out FILE]
 """
 
 from __future__ import annotations
@@ -68,6 +71,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--nodes", type=int, nargs="*", default=[15, 31, 63], help="token trees of these many nodes")
     parser.add_argument("--shape", choices=SHAPES, default="smollm2", help="the model whose attention heads to take")
     parser.add_argument("--static", action="store_true", help="views as graphed passes read them (whole buffers)")
+    parser.add_argument(
+        "--layers", type=int, default=1, help="layers' K/V each pass reads in turn (from memory, as a model's pass)"
+    )
+    parser.add_argument("--kernels", nargs="+", metavar="NAME", help="time only these (default: every one that runs)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument(
@@ -79,6 +86,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not args.queries and not args.nodes:
         parser.error("name at least one pass: --queries T or --nodes N")
+    if args.layers < 1:
+        parser.error(f"--layers must be at least 1, got {args.layers}")
     widest = max([*args.queries, *(nodes + 1 for nodes in args.nodes)])
     if min(args.keys) <= widest:
         parser.error(f"--keys must exceed the widest pass ({widest} tokens)")
@@ -86,11 +95,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def pass_view(
-    shape: Shape, num_keys: int, num_queries: int, tree: TokenTree | None, static: bool, device: torch.device
+    shape: Shape,
+    num_keys: int,
+    num_queries: int,
+    tree: TokenTree | None,
+    static: bool,
+    device: torch.device,
+    layer: int = 0,
 ) -> tuple[torch.Tensor, AttentionView]:
     """Random query [1, H, T, D] and the view of a pass whose T tokens are the last of ``num_keys``:
-    causal among themselves, or the root and the nodes of ``tree``."""
-    generator = torch.Generator().manual_seed(num_keys + num_queries)
+    causal among themselves, or the root and the nodes of ``tree``; each ``layer`` draws its own."""
+    generator = torch.Generator().manual_seed(num_keys + num_queries + 7919 * layer)
     buffer = -(-num_keys // SLOT_ALIGNMENT) * SLOT_ALIGNMENT if static else num_keys
     query = torch.randn(1, shape.heads, num_queries, shape.head_dim, generator=generator)
     keys, values = torch.randn(2, 1, shape.kv_heads, buffer, shape.head_dim, generator=generator)
@@ -119,7 +134,8 @@ def reference(query: torch.Tensor, view: AttentionView, scale: float) -> torch.T
     return scores.softmax(-1) @ values
 
 
-def kernels_for(device: torch.device) -> dict[str, attention.AttentionKernel]:
+def kernels_for(device: torch.device, names: list[str] | None) -> dict[str, attention.AttentionKernel]:
+    """The kernels that run on ``device``, all of them or those ``names`` asks for."""
     runnable = {}
     for family, kernel in attention.KERNELS.items():
         try:
@@ -130,7 +146,10 @@ def kernels_for(device: torch.device) -> dict[str, attention.AttentionKernel]:
     runnable["grouped_sdpa"] = attention._grouped_sdpa
     if device.type == "cpu" and fused.use_cpu_kernels() and fused.attention_kernel:
         runnable["kernel"] = lambda query, view, scale: fused.attend(query, view, scale, attention.attend_cpu)
-    return runnable
+    unknown = sorted(set(names or []) - set(runnable))
+    if unknown:
+        raise SystemExit(f"--kernels: {', '.join(unknown)} cannot run here; these can: {', '.join(runnable)}")
+    return {name: kernel for name, kernel in runnable.items() if names is None or name in names}
 
 
 def passes(args: argparse.Namespace) -> list[tuple[str, int, TokenTree | None]]:
@@ -145,18 +164,20 @@ def passes(args: argparse.Namespace) -> list[tuple[str, int, TokenTree | None]]:
 def timed(
     kernel: attention.AttentionKernel,
     query: torch.Tensor,
-    view: AttentionView,
+    views: list[AttentionView],
     scale: float,
     repeats: int,
     device: torch.device,
 ) -> tuple[float, torch.Tensor]:
-    """Median seconds of one call (on CUDA a replay of it captured as a graph) and its output."""
+    """Median seconds of one call per layer (the pass over every layer's view in turn; on CUDA a replay
+    of it captured as a graph) and the first layer's output."""
 
     def call() -> torch.Tensor:
-        return kernel(query, view, scale)
+        outs = [kernel(query, view, scale) for view in views]
+        return outs[0]
 
     run = cuda_graph(call) if device.type == "cuda" else call
-    return median_seconds(run, repeats, device), run()
+    return median_seconds(run, repeats, device) / len(views), run()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,13 +186,17 @@ def main(argv: list[str] | None = None) -> int:
     files = run_files("attention_bench", args.out, "attention.json")
     shape = SHAPES[args.shape]
     device, scale = torch.device(args.device), shape.head_dim**-0.5
-    kernels = kernels_for(device)
+    kernels = kernels_for(device, args.kernels)
     print("| keys | pass | " + " | ".join(f"{name} ms (max error)" for name in kernels) + " |")
     print("|---:|---|" + "---:|" * len(kernels))
     rows = []
     for num_keys in args.keys:
         for name, num_queries, tree in passes(args):
             query, view = pass_view(shape, num_keys, num_queries, tree, args.static, device)
+            views = [view] + [
+                pass_view(shape, num_keys, num_queries, tree, args.static, device, layer)[1]
+                for layer in range(1, args.layers)
+            ]
             expected = reference(query, view, scale)
             row = {
                 "keys": num_keys,
@@ -183,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                 "max_error": {},
             }
             for kernel_name, kernel in kernels.items():
-                seconds, out = timed(kernel, query, view, scale, args.repeats, device)
+                seconds, out = timed(kernel, query, views, scale, args.repeats, device)
                 row["ms"][kernel_name] = 1e3 * seconds
                 row["max_error"][kernel_name] = (out.double() - expected).abs().max().item()
             rows.append(row)
@@ -199,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads": torch.get_num_threads(),
         "repeats": args.repeats,
         "static": args.static,
+        "layers": args.layers,
         "rows": rows,
     }
     files.write(report, vars(args))

@@ -316,6 +316,23 @@ def test_attention_bench_takes_the_heads_of_the_shape_it_is_given(tmp_path):
     assert refused.returncode == 2 and "invalid choice: 'llama'" in refused.stderr
 
 
+def test_attention_bench_times_the_kernels_asked_for_over_each_layers_keys(tmp_path):
+    """--layers N: each pass reads N layers' K/V in turn (from memory, as a model's step does), its
+    time reported per layer; --kernels narrows what is timed and refuses what cannot run here."""
+    out = tmp_path / "attention.json"
+    command = [sys.executable, "scripts/attention_bench.py", "--keys", "300", "--queries", "1", "--nodes"]
+    timed = [*command, "--layers", "3", "--kernels", "cpu", "sdpa", "--repeats", "1", "--out", str(out)]
+    subprocess.run(timed, check=True, capture_output=True)
+    report = json.loads(out.read_text())
+    assert report["layers"] == 3
+    [row] = report["rows"]
+    assert set(row["ms"]) == {"cpu", "sdpa"} and max(row["max_error"].values()) < 2e-2
+    refused = subprocess.run([*command, "--kernels", "cpu", "warp"], capture_output=True, text=True)
+    assert refused.returncode != 0 and "--kernels: warp cannot run here; these can: cpu, sdpa" in refused.stderr
+    no_layers = subprocess.run([*command, "--layers", "0"], capture_output=True, text=True)
+    assert no_layers.returncode == 2 and "--layers must be at least 1, got 0" in no_layers.stderr
+
+
 def test_attention_bench_without_out_writes_a_run_directory_with_its_manifest(tmp_path):
     command = [
         sys.executable,
