@@ -73,6 +73,15 @@ struct Operands {
   float scale;
 };
 
+// Ask for a bf16 row of D values (whole cache lines) ahead of its use; past the cache's end the
+// hint is dropped (prefetches never fault).
+template <int D, int Hint>
+inline void prefetch_row(const at::BFloat16* row) {
+  for (int line = 0; line < (2 * D + 63) / 64; ++line) {
+    _mm_prefetch(reinterpret_cast<const char*>(row) + 64 * line, (_mm_hint)Hint);
+  }
+}
+
 // run(std::integral_constant<int, count>) for a count in [1, Max] known only at run time (0: nothing).
 template <int Max, typename Run>
 inline void with_count(int64_t count, Run run) {
@@ -101,15 +110,6 @@ constexpr int64_t kChunkRows = 16;  // rows of an AMX tile: the rows of a pass a
 constexpr int64_t kPairInputs = 32;  // bf16 inputs of one AMX tile row or one 512-bit register
 constexpr int64_t kGroupKeys = 16;  // keys scored together, one per float32 lane
 constexpr int kScoreRows = 4;  // query rows scored together: 8 chains of products in flight
-
-// Ask for a bf16 row of D values (whole cache lines) ahead of its use; past the cache's end the
-// hint is dropped (prefetches never fault).
-template <int D, int Hint>
-inline void prefetch_row(const at::BFloat16* row) {
-  for (int line = 0; line < (2 * D + 63) / 64; ++line) {
-    _mm_prefetch(reinterpret_cast<const char*>(row) + 64 * line, (_mm_hint)Hint);
-  }
-}
 
 // acc + pairs . (*pair in every lane): an AVX512-BF16 product whose second operand is a bf16 pair
 // broadcast from memory (GCC does not fold the broadcast into the instruction by itself).

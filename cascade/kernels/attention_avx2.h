@@ -101,17 +101,6 @@ inline void tile_scores(const float* queries, const at::BFloat16* key, int64_t s
   }
 }
 
-// Ask for `count` bf16 rows of D values from `row` (`stride` apart) ahead of their use, into L1 (T0)
-// or L2 (T1); past the cache's end the hint is dropped (prefetches never fault).
-template <int D, int Hint>
-inline void prefetch_rows(const at::BFloat16* row, int64_t count, int64_t stride) {
-  for (int64_t j = 0; j < count; ++j) {
-    for (int line = 0; line < (2 * D + 63) / 64; ++line) {
-      _mm_prefetch(reinterpret_cast<const char*>(row + j * stride) + 64 * line, (_mm_hint)Hint);
-    }
-  }
-}
-
 // Scaled scores [rows, kBlockKeys] of keys [k0, k1) against the float32 queries [rows, D]; the first
 // tile of rows asks for the keys kKeysAhead on and for its keys' values.
 template <int D>
@@ -125,8 +114,10 @@ void block_scores(const Operands& op, const float* queries, int64_t rows, int64_
     for (; k + kKeys <= keys; k += kKeys) {
       const at::BFloat16* key = op.keys + (k0 + k) * op.key_stride;
       if (r == 0) {
-        prefetch_rows<D, _MM_HINT_T0>(key + kKeysAhead * op.key_stride, kKeys, op.key_stride);
-        prefetch_rows<D, _MM_HINT_T1>(op.values + (k0 + k) * op.value_stride, kKeys, op.value_stride);
+        for (int j = 0; j < kKeys; ++j) {
+          prefetch_row<D, _MM_HINT_T0>(key + (kKeysAhead + j) * op.key_stride);
+          prefetch_row<D, _MM_HINT_T1>(op.values + (k0 + k + j) * op.value_stride);
+        }
       }
       tile_scores<D, kRows, kKeys>(tile_queries, key, op.key_stride, op.scale, tile_out + k);
     }
