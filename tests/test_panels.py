@@ -41,9 +41,10 @@ def test_only_bf16_linears_of_whole_panels_are_packed():
 
 @needs_avx2_kernel
 @pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 6, 7, 9, 13, 16])
-@pytest.mark.parametrize("outputs, inner", [(160, 300), (16, 37), (48, 1536), (80, 64)])
+@pytest.mark.parametrize("outputs, inner", [(160, 300), (16, 37), (48, 1536), (80, 64), (27 * 16, 300)])
 def test_panel_product_equals_float64_reference(num_rows, outputs, inner):
-    """Every tile: one row over 4 panels or one, 2-3 rows over 2 panels or one, 4-6 rows, groups of them."""
+    """Every tile: one row over 4 panels or one; groups of 2-6 rows over chunks of 6 panels (27 panels: each
+    thread's range holds chunks) in tiles of 2 x 3, 3 x 2, 4 x 1.5 or 5-6 x 1 panels, and one panel at a time."""
     generator = torch.Generator().manual_seed(num_rows * 1000 + outputs + inner)
     rows = torch.randn(num_rows, inner, generator=generator).bfloat16()
     weight = torch.randn(outputs, inner, generator=generator).bfloat16()
@@ -55,11 +56,11 @@ def test_panel_product_equals_float64_reference(num_rows, outputs, inner):
 
 
 @needs_avx2_kernel
-@pytest.mark.parametrize("num_rows", [2, 3, 7, 9, 16])
+@pytest.mark.parametrize("num_rows", [2, 3, 4, 5, 6, 7, 8, 9, 16])
 def test_each_row_of_a_panel_pass_equals_its_one_row_product_bit_for_bit(num_rows):
     generator = torch.Generator().manual_seed(num_rows)
     rows = torch.randn(num_rows, 576, generator=generator).bfloat16()
-    packed = panels.pack(torch.randn(7 * 16, 576, generator=generator).bfloat16())  # 7 panels: 4 + 3, 2 + 2 + 2 + 1
+    packed = panels.pack(torch.randn(27 * 16, 576, generator=generator).bfloat16())  # chunks of 6 and panels left
     together = product(rows, packed)
     for row in range(num_rows):
         assert torch.equal(product(rows[row : row + 1], packed)[0], together[row])

@@ -23,7 +23,11 @@
 // order above spends 17 loads and 4 widenings: its passes of 3-9 rows ran at ~50 GF/s a Zen 2 core,
 // panels at ~80-90. Every output's sum runs over the inputs in order in one float32 multiply-add
 // chain, whatever the pass's width. A one-row product reads 4 panels at once (8 independent chains, 4
-// streams), 2-3 rows 2 at once; a wider pass asks for its panels' lines 1 KB ahead of its reads.
+// streams). A wider pass takes 6 panels at a time, each group of up to 6 rows walking them in turn,
+// groups of 2-4 rows 1.5-3 panels at once (more streams in flight), and asks for its panels' lines 3 KB
+// ahead of its reads (1 KB left the cores waiting on memory): over a 17920 x 1536 matrix from memory,
+// passes of 2-8 rows ran 1.13-1.25x the GF/s (4 rows ~98 against ~78), the Qwen 1.5B's passes of 2-8
+// tokens at 1K took 0.90-0.95x as long. In cache the GF/s did not change (4 rows ~140, 6 ~172).
 
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
@@ -130,7 +134,8 @@ inline void weight_rows(const Operands& op, int64_t num_rows, int64_t o) {
 constexpr int64_t kPanelOutputs = 16;  // outputs per panel: 8 float32 lanes from each half of 16 bf16
 constexpr int64_t kPanelActs = 6;  // activation rows a panel meets at once: 12 sums in registers
 constexpr int64_t kStepPanels = 4;  // panels a one-row product reads at once: 8 sums in registers
-constexpr int64_t kPanelAheadBytes = 1024;  // how far ahead a wider pass asks for its panel's lines
+constexpr int64_t kPanelAheadBytes = 3072;  // how far ahead a wider pass asks for its panel's lines
+constexpr int64_t kChunkPanels = 6;  // panels a wider pass's row groups take in turn (288 KB at 1536 inputs)
 
 inline __m256 odd_values_by_shifts(__m256i pairs) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(pairs, 16), 16));
@@ -142,6 +147,15 @@ struct PanelOperands {
   float* out;  // [T, 16 P]
   int64_t inner, outputs;
 };
+
+// A panel's 16 sums of one row, held as its even and its odd outputs, put back in order into out.
+inline void store_panel(const PanelOperands& op, int64_t row, int64_t panel, __m256 even, __m256 odd) {
+  float* out = op.out + row * op.outputs + panel * kPanelOutputs;
+  const __m256 low = _mm256_unpacklo_ps(even, odd);  // outputs 0-3 and 8-11
+  const __m256 high = _mm256_unpackhi_ps(even, odd);  // outputs 4-7 and 12-15
+  _mm256_storeu_ps(out, _mm256_permute2f128_ps(low, high, 0x20));
+  _mm256_storeu_ps(out + 8, _mm256_permute2f128_ps(low, high, 0x31));
+}
 
 // out[row + t, 16 (panel + q) + j] for t < Acts activation rows, q < Panels panels, j < 16: each sum one
 // multiply-add chain over the inputs in order (2 x Acts x Panels <= 12 accumulators).
@@ -172,18 +186,54 @@ __attribute__((always_inline)) inline void panel_tile(const PanelOperands& op, i
     }
   }
   for (int t = 0; t < Acts; ++t) {
-    for (int q = 0; q < Panels; ++q) {
-      float* out = op.out + (row + t) * op.outputs + (panel + q) * kPanelOutputs;
-      const __m256 low = _mm256_unpacklo_ps(even[t][q], odd[t][q]);  // outputs 0-3 and 8-11
-      const __m256 high = _mm256_unpackhi_ps(even[t][q], odd[t][q]);  // outputs 4-7 and 12-15
-      _mm256_storeu_ps(out, _mm256_permute2f128_ps(low, high, 0x20));
-      _mm256_storeu_ps(out + 8, _mm256_permute2f128_ps(low, high, 0x31));
-    }
+    for (int q = 0; q < Panels; ++q) store_panel(op, row + t, panel + q, even[t][q], odd[t][q]);
   }
 }
 
-// One panel times `count` activation rows from `row` (1 <= count <= 6).
-inline void panel_rows(const PanelOperands& op, int64_t row, int64_t count, int64_t panel) {
+// Rows [row_a, row_a + RowsA) of panel_a and [row_b, row_b + RowsB) of panel_b in one walk over the
+// inputs (2 x (RowsA + RowsB) <= 12 sums): a pass of 4 rows takes 3 panels in two such tiles, two
+// streams each (one panel at a time from memory: ~86 GF/s, these ~98).
+template <int RowsA, int RowsB>
+__attribute__((always_inline)) inline void panel_pair_tile(const PanelOperands& op, int64_t row_a, int64_t panel_a,
+                                                           int64_t row_b, int64_t panel_b) {
+  __m256 even_a[RowsA], odd_a[RowsA], even_b[RowsB], odd_b[RowsB];
+  for (int t = 0; t < RowsA; ++t) even_a[t] = odd_a[t] = _mm256_setzero_ps();
+  for (int t = 0; t < RowsB; ++t) even_b[t] = odd_b[t] = _mm256_setzero_ps();
+  const BFloat16* values_a = op.panels + panel_a * op.inner * kPanelOutputs;
+  const BFloat16* values_b = op.panels + panel_b * op.inner * kPanelOutputs;
+  const float* x_a = op.rows + row_a * op.inner;
+  const float* x_b = op.rows + row_b * op.inner;
+  asm("" : "+r"(x_b));  // B's inputs read apart from A's (not kept in registers across both: a sum would spill)
+  for (int64_t i = 0; i < op.inner; ++i) {
+    const BFloat16* line_a = values_a + i * kPanelOutputs;
+    const BFloat16* line_b = values_b + i * kPanelOutputs;
+    if ((i & 1) == 0) {  // a line holds 2 inputs' values
+      _mm_prefetch(reinterpret_cast<const char*>(line_a) + kPanelAheadBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(line_b) + kPanelAheadBytes, _MM_HINT_T0);
+    }
+    const __m256i pairs_a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line_a));
+    const __m256 a_even = even_values(pairs_a), a_odd = odd_values_by_shifts(pairs_a);
+    for (int t = 0; t < RowsA; ++t) {
+      const __m256 input = _mm256_broadcast_ss(x_a + t * op.inner + i);
+      even_a[t] = _mm256_fmadd_ps(input, a_even, even_a[t]);
+      odd_a[t] = _mm256_fmadd_ps(input, a_odd, odd_a[t]);
+    }
+    const __m256i pairs_b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line_b));
+    const __m256 b_even = even_values(pairs_b), b_odd = odd_values_by_shifts(pairs_b);
+    for (int t = 0; t < RowsB; ++t) {
+      const __m256 input = _mm256_broadcast_ss(x_b + t * op.inner + i);
+      even_b[t] = _mm256_fmadd_ps(input, b_even, even_b[t]);
+      odd_b[t] = _mm256_fmadd_ps(input, b_odd, odd_b[t]);
+    }
+  }
+  for (int t = 0; t < RowsA; ++t) store_panel(op, row_a + t, panel_a, even_a[t], odd_a[t]);
+  for (int t = 0; t < RowsB; ++t) store_panel(op, row_b + t, panel_b, even_b[t], odd_b[t]);
+}
+
+// One panel times `count` activation rows from `row` (1 <= count <= 6). Inlined where it is called: out of
+// line, GCC also stored every sum to the stack at each input, and passes of 5-6 rows took 1.4-1.6x as long.
+__attribute__((always_inline)) inline void panel_rows(const PanelOperands& op, int64_t row, int64_t count,
+                                                      int64_t panel) {
   switch (count) {
     case 6: return panel_tile<6, 1>(op, row, panel);
     case 5: return panel_tile<5, 1>(op, row, panel);
@@ -194,25 +244,48 @@ inline void panel_rows(const PanelOperands& op, int64_t row, int64_t count, int6
   }
 }
 
-// Panels [begin, end) times every activation row: one row 4 panels at a time, 2 or 3 rows 2 panels at
-// a time (each multiply-add chain waits on its last: a tile needs 8 or more of them); more rows in as
-// few groups of at most 6 as there can be, of sizes as even as they can be (7 rows: 4 and 3).
+// kChunkPanels panels from `panel` times `count` activation rows from `row` (2 <= count <= 6), in tiles of
+// 10-12 sums: 2 rows 3 panels at a time, 3 rows 2, 4 rows 1.5 (panel_pair_tile), 5-6 rows 1.
+inline void chunk_rows(const PanelOperands& op, int64_t row, int64_t count, int64_t panel) {
+  for (int64_t q = panel; q < panel + kChunkPanels;) {
+    switch (count) {
+      case 2: panel_tile<2, 3>(op, row, q), q += 3; break;
+      case 3: panel_tile<3, 2>(op, row, q), q += 2; break;
+      case 4:
+        panel_pair_tile<4, 2>(op, row, q, row, q + 1);
+        panel_pair_tile<2, 4>(op, row + 2, q + 1, row, q + 2), q += 3;
+        break;
+      default: panel_rows(op, row, count, q), q += 1;
+    }
+  }
+}
+
+// f(row, count) for each group of a pass's rows: as few groups of at most 6 as there can be, of sizes
+// as even as they can be (7 rows: 4 and 3).
+template <typename F>
+inline void for_each_row_group(int64_t num_rows, F f) {
+  const int64_t groups = (num_rows + kPanelActs - 1) / kPanelActs;
+  for (int64_t group = 0, row = 0; group < groups; ++group) {
+    const int64_t left = groups - group, count = (num_rows - row + left - 1) / left;
+    f(row, count);
+    row += count;
+  }
+}
+
+// Panels [begin, end) times every activation row: one row 4 panels at a time; more rows kChunkPanels
+// panels at a time, which each group of rows walks in turn (the first from memory, the rest from L2),
+// and the panels left one at a time.
 void panel_range(const PanelOperands& op, int64_t num_rows, int64_t begin, int64_t end) {
   int64_t panel = begin;
   if (num_rows == 1) {
     for (; panel + kStepPanels <= end; panel += kStepPanels) panel_tile<1, kStepPanels>(op, 0, panel);
-  } else if (num_rows <= 3) {
-    for (; panel + 2 <= end; panel += 2) {
-      num_rows == 2 ? panel_tile<2, 2>(op, 0, panel) : panel_tile<3, 2>(op, 0, panel);
+  } else {
+    for (; panel + kChunkPanels <= end; panel += kChunkPanels) {
+      for_each_row_group(num_rows, [&](int64_t row, int64_t count) { chunk_rows(op, row, count, panel); });
     }
   }
-  const int64_t groups = (num_rows + kPanelActs - 1) / kPanelActs;
   for (; panel < end; ++panel) {
-    for (int64_t group = 0, row = 0; group < groups; ++group) {
-      const int64_t left = groups - group, count = (num_rows - row + left - 1) / left;
-      panel_rows(op, row, count, panel);
-      row += count;
-    }
+    for_each_row_group(num_rows, [&](int64_t row, int64_t count) { panel_rows(op, row, count, panel); });
   }
 }
 
