@@ -157,13 +157,27 @@ inline void store_panel(const PanelOperands& op, int64_t row, int64_t panel, __m
   _mm256_storeu_ps(out + 8, _mm256_permute2f128_ps(low, high, 0x31));
 }
 
+// Input i of `Rows` activation rows (x, op.inner apart) against a panel's line of 16 values: each of the
+// rows' 16 sums (held as the even and the odd outputs) takes its next multiply-add.
+template <int Rows, bool NoMask>
+__attribute__((always_inline)) inline void line_sums(const PanelOperands& op, const BFloat16* line, const float* x,
+                                                     int64_t i, __m256 (&even)[Rows], __m256 (&odd)[Rows]) {
+  const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line));
+  const __m256 w_even = even_values(pairs), w_odd = NoMask ? odd_values_by_shifts(pairs) : odd_values(pairs);
+  for (int t = 0; t < Rows; ++t) {
+    const __m256 input = _mm256_broadcast_ss(x + t * op.inner + i);
+    even[t] = _mm256_fmadd_ps(input, w_even, even[t]);
+    odd[t] = _mm256_fmadd_ps(input, w_odd, odd[t]);
+  }
+}
+
 // out[row + t, 16 (panel + q) + j] for t < Acts activation rows, q < Panels panels, j < 16: each sum one
 // multiply-add chain over the inputs in order (2 x Acts x Panels <= 12 accumulators).
 template <int Acts, int Panels>
 __attribute__((always_inline)) inline void panel_tile(const PanelOperands& op, int64_t row, int64_t panel) {
-  __m256 even[Acts][Panels], odd[Acts][Panels];  // outputs 0, 2, .., 14 and 1, 3, .., 15 of each panel
-  for (int t = 0; t < Acts; ++t) {
-    for (int q = 0; q < Panels; ++q) even[t][q] = odd[t][q] = _mm256_setzero_ps();
+  __m256 even[Panels][Acts], odd[Panels][Acts];  // outputs 0, 2, .., 14 and 1, 3, .., 15 of each panel
+  for (int q = 0; q < Panels; ++q) {
+    for (int t = 0; t < Acts; ++t) even[q][t] = odd[q][t] = _mm256_setzero_ps();
   }
   const BFloat16* first = op.panels + panel * op.inner * kPanelOutputs;
   const float* x = op.rows + row * op.inner;
@@ -172,21 +186,15 @@ __attribute__((always_inline)) inline void panel_tile(const PanelOperands& op, i
   constexpr bool kNoMask = Acts * Panels >= 6 && Panels > 1;
   for (int64_t i = 0; i < op.inner; ++i) {
     for (int q = 0; q < Panels; ++q) {
-      const BFloat16* values = first + (q * op.inner + i) * kPanelOutputs;
+      const BFloat16* line = first + (q * op.inner + i) * kPanelOutputs;
       if constexpr (Acts > 1) {  // a line holds 2 inputs' values
-        if ((i & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(values) + kPanelAheadBytes, _MM_HINT_T0);
+        if ((i & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(line) + kPanelAheadBytes, _MM_HINT_T0);
       }
-      const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values));
-      const __m256 w_even = even_values(pairs), w_odd = kNoMask ? odd_values_by_shifts(pairs) : odd_values(pairs);
-      for (int t = 0; t < Acts; ++t) {
-        const __m256 input = _mm256_broadcast_ss(x + t * op.inner + i);
-        even[t][q] = _mm256_fmadd_ps(input, w_even, even[t][q]);
-        odd[t][q] = _mm256_fmadd_ps(input, w_odd, odd[t][q]);
-      }
+      line_sums<Acts, kNoMask>(op, line, x, i, even[q], odd[q]);
     }
   }
-  for (int t = 0; t < Acts; ++t) {
-    for (int q = 0; q < Panels; ++q) store_panel(op, row + t, panel + q, even[t][q], odd[t][q]);
+  for (int q = 0; q < Panels; ++q) {
+    for (int t = 0; t < Acts; ++t) store_panel(op, row + t, panel + q, even[q][t], odd[q][t]);
   }
 }
 
@@ -211,20 +219,8 @@ __attribute__((always_inline)) inline void panel_pair_tile(const PanelOperands& 
       _mm_prefetch(reinterpret_cast<const char*>(line_a) + kPanelAheadBytes, _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(line_b) + kPanelAheadBytes, _MM_HINT_T0);
     }
-    const __m256i pairs_a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line_a));
-    const __m256 a_even = even_values(pairs_a), a_odd = odd_values_by_shifts(pairs_a);
-    for (int t = 0; t < RowsA; ++t) {
-      const __m256 input = _mm256_broadcast_ss(x_a + t * op.inner + i);
-      even_a[t] = _mm256_fmadd_ps(input, a_even, even_a[t]);
-      odd_a[t] = _mm256_fmadd_ps(input, a_odd, odd_a[t]);
-    }
-    const __m256i pairs_b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line_b));
-    const __m256 b_even = even_values(pairs_b), b_odd = odd_values_by_shifts(pairs_b);
-    for (int t = 0; t < RowsB; ++t) {
-      const __m256 input = _mm256_broadcast_ss(x_b + t * op.inner + i);
-      even_b[t] = _mm256_fmadd_ps(input, b_even, even_b[t]);
-      odd_b[t] = _mm256_fmadd_ps(input, b_odd, odd_b[t]);
-    }
+    line_sums<RowsA, true>(op, line_a, x_a, i, even_a, odd_a);
+    line_sums<RowsB, true>(op, line_b, x_b, i, even_b, odd_b);
   }
   for (int t = 0; t < RowsA; ++t) store_panel(op, row_a + t, panel_a, even_a[t], odd_a[t]);
   for (int t = 0; t < RowsB; ++t) store_panel(op, row_b + t, panel_b, even_b[t], odd_b[t]);
