@@ -243,6 +243,7 @@ __attribute__((always_inline)) inline void panel_rows(const PanelOperands& op, i
 // kChunkPanels panels from `panel` times `count` activation rows from `row` (2 <= count <= 6), in tiles of
 // 10-12 sums: 2 rows 3 panels at a time, 3 rows 2, 4 rows 1.5 (panel_pair_tile), 5-6 rows 1.
 inline void chunk_rows(const PanelOperands& op, int64_t row, int64_t count, int64_t panel) {
+  static_assert(kChunkPanels % 6 == 0, "a chunk holds whole tiles of 1.5, 2 and 3 panels");
   for (int64_t q = panel; q < panel + kChunkPanels;) {
     switch (count) {
       case 2: panel_tile<2, 3>(op, row, q), q += 3; break;
