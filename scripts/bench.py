@@ -140,11 +140,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="llama.cpp cases: flash attention off and on, the faster reported (both), or one setting "
         "(each setting prefills the context twice: at 32K most of a case's time)",
     )
-    parser.add_argument(
+    llama_tests = parser.add_mutually_exclusive_group()
+    llama_tests.add_argument(
         "--llama-decode-only",
         action="store_true",
         help="llama.cpp cases: time decode at the context's depth only, without llama-bench's separate "
         "prefill test (which prefills the context once more; no llama.cpp prefill figure then)",
+    )
+    llama_tests.add_argument(
+        "--llama-prefill-only",
+        action="store_true",
+        help="llama.cpp cases: time the context's prefill only, without the decode test at its depth "
+        "(which prefills the context once more, untimed; no llama.cpp decode figure then)",
     )
     parser.add_argument(
         "--llama-repetitions",
@@ -418,6 +425,7 @@ def run_llamacpp(
             flash_attn,
             prefill=not args.llama_decode_only,
             repetitions=args.llama_repetitions,
+            decode=not args.llama_prefill_only,
         )
     run["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     return run, []
@@ -483,6 +491,7 @@ def spawn_case(args: argparse.Namespace, impl: str, context: int, mode: str) -> 
         "--llama-flash-attn",
         args.llama_flash_attn,
         *(["--llama-decode-only"] if args.llama_decode_only else []),
+        *(["--llama-prefill-only"] if args.llama_prefill_only else []),
         "--llama-repetitions",
         str(args.llama_repetitions),
         *(["--store-only"] if args.store_only else []),
@@ -522,10 +531,10 @@ def run_round(
         case = spawn_case(args, impl, context, mode)
         run = case["run"]
         run.update(round=index, slot=slot, bandwidth_bytes_per_s=bandwidth)
-        prefill = rate_text(run["prefill_tokens_per_s"])
+        decode, prefill = (rate_text(run[key]) for key in RATES)
         bar.write(
             f"[round {index + 1}/{args.repeats} {impl:21} ctx {context:>6} {mode:6}] decode "
-            f"{run['decode_tokens_per_s']:7.1f} tok/s, prefill (tok/s) {prefill:>9}, "
+            f"{decode:>9} tok/s, prefill (tok/s) {prefill:>9}, "
             f"peak RSS {run['peak_rss_mb']:6.0f} MB{huge_page_text(run)} ({time.perf_counter() - started:.0f} s)",
             file=sys.stderr,
         )
@@ -558,7 +567,7 @@ def summarize(args: argparse.Namespace, case: Case, cases: list[dict], final: bo
     runs = [case["run"] for case in cases]
     if final and mode == "greedy" and any(case["token_ids"] != cases[0]["token_ids"] for case in cases):
         log(f"warning: {impl} at context {context} generated different tokens in different rounds")
-    decode = statistics.median(run["decode_tokens_per_s"] for run in runs)
+    decode = median_of(run["decode_tokens_per_s"] for run in runs)  # None: a prefill-only llama.cpp case
     stages = runs[0].get("stats", {}).get("stages", [])[:-1]
     return {
         "preset": impl,
@@ -566,7 +575,7 @@ def summarize(args: argparse.Namespace, case: Case, cases: list[dict], final: bo
         "temperature": SAMPLING[mode]["temperature"],
         "sampling": mode,
         "tokens_per_s": decode,
-        "ms_per_token": 1000 / decode,
+        "ms_per_token": None if decode is None else 1000 / decode,
         "speedup_vs_autoregressive": None,
         "acceptance": {stage["name"]: stage["acceptance_rate"] for stage in stages}
         or ({"draft": median_of(run["acceptance"] for run in runs)} if "acceptance" in runs[0] else {}),
@@ -589,7 +598,7 @@ def price_at_rooflines(runs: list[dict]) -> None:
     context measured them; the same checkpoint in the same precision for every implementation), the
     median over rounds; and ``decode_over_step_roofline``, its decode rate over that (at most 1 for
     autoregressive decoding; a speculating case can pass it)."""
-    bf16_runs = [run for run in runs if run["dtype"] in ("bfloat16", "bf16")]
+    bf16_runs = [run for run in runs if run["dtype"] in ("bfloat16", "bf16") and run["tokens_per_s"] is not None]
     step_bytes = {}
     for run in bf16_runs:
         if measured := [case["step_bytes"] for case in run["runs"] if "step_bytes" in case]:
@@ -647,6 +656,13 @@ def rate_text(rate: float | None) -> str:
     return "not timed" if rate is None else f"{rate:.1f}"
 
 
+def ratio_text(row: dict | None) -> str:
+    """A table's decode ratio: 1 for the baseline itself (no row), else the row's, if timed."""
+    if row is None:
+        return "1"
+    return "not timed" if row[RATES[0]] is None else f"**{row[RATES[0]]:.2f}x**"
+
+
 def roofline_text(run: dict) -> str:
     share = run["decode_over_step_roofline"]
     return "" if share is None else f"{share:.2f}"
@@ -668,10 +684,9 @@ def table(runs: list[dict], ratio_rows: list[dict]) -> str:
         ratio = ratio_of.get((run["preset"], run["context"], run["sampling"]))
         acceptance = " / ".join(f"{rate:.2f}" for rate in run["acceptance"].values())
         lines.append(
-            f"| {run['context']} | {run['sampling']} | {run['preset']} | {run['decode_tokens_per_s']:.1f} | "
-            f"{rate_text(run['prefill_tokens_per_s'])} | {run['peak_rss_mb']:.0f} | "
-            f"{f'**{ratio[RATES[0]]:.2f}x**' if ratio else '1'} | {same_process_text(run)} | {roofline_text(run)} | "
-            f"{acceptance} |"
+            f"| {run['context']} | {run['sampling']} | {run['preset']} | {rate_text(run['decode_tokens_per_s'])} | "
+            f"{rate_text(run['prefill_tokens_per_s'])} | {run['peak_rss_mb']:.0f} | {ratio_text(ratio)} | "
+            f"{same_process_text(run)} | {roofline_text(run)} | {acceptance} |"
         )
     return "\n".join(lines)
 
@@ -781,6 +796,10 @@ def write_report(
             "dtype",
             "set",
             "prompt_cache",
+            "llama_flash_attn",
+            "llama_decode_only",
+            "llama_prefill_only",
+            "llama_repetitions",
         )
     }
     settings["order"] = "each round runs every case once, in its own process; odd rounds in reverse"

@@ -202,3 +202,33 @@ def test_bench_report_written_mid_round_keeps_the_cases_measured_and_pairs_ratio
     report = json.loads(out.read_text())
     assert [run["preset"] for run in report["runs"]] == ["self-spec"] and report["ratios"] == []
     assert (report["rounds_done"], report["cases_measured"]) == (0, 1)
+
+
+def test_bench_report_of_a_prefill_only_llama_cpp_case_compares_prefill_and_leaves_decode_untimed(tmp_path):
+    bench = load_bench_script()
+    out = tmp_path / "bench.json"
+    argv = ["--impls", "autoregressive", "llama.cpp", "--contexts", "96", "--llama-prefill-only"]
+    args = bench.parse_args(argv)
+    args.files, args.llama_cpp = run_files("bench", out, "bench.json"), None
+    ours, peer = ("autoregressive", 96, "greedy"), ("llama.cpp", 96, "greedy")
+    prefill_only = measurement(0, None)
+    prefill_only["run"]["prefill_tokens_per_s"], prefill_only["token_ids"] = 50.0, []
+    _, ratio_rows, _ = bench.write_report(args, [ours, peer], [{ours: measurement(0, 10.0), peer: prefill_only}])
+    report = json.loads(out.read_text())
+    assert report["settings"]["llama_prefill_only"] and not report["settings"]["llama_decode_only"]
+    peer_run = next(run for run in report["runs"] if run["preset"] == "llama.cpp")
+    assert peer_run["tokens_per_s"] is None and peer_run["ms_per_token"] is None
+    assert peer_run["decode_over_step_roofline"] is None
+    [row] = report["ratios_to_llama_cpp"]["llama.cpp"]
+    assert (row["decode_tokens_per_s"], row["prefill_tokens_per_s"]) == (None, 2.0)  # 100 / 50
+    assert "| 96 | greedy | llama.cpp | not timed | 50.0 | 500 | not timed |" in bench.table(report["runs"], ratio_rows)
+
+
+def test_bench_refuses_llama_cpp_cases_both_prefill_only_and_decode_only(tmp_path):
+    out = tmp_path / "bench.json"
+    flags = ["--llama-prefill-only", "--llama-decode-only"]
+    command = [sys.executable, "scripts/bench.py", "--impls", "llama.cpp", *flags, "--out", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "not allowed with argument --llama-prefill-only" in result.stderr
+    assert not out.exists()

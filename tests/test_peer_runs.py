@@ -175,6 +175,23 @@ def test_a_decode_only_context_case_runs_no_prefill_test_and_reports_no_prefill_
     json.dumps(run)
 
 
+def test_a_prefill_only_context_case_runs_no_decode_test_and_reports_no_decode_rate(monkeypatch):
+    fake = recorded_tests_at(1024, 16, prefill={"off": 900.0, "on": 1000.0}, decode={})
+    asked = []
+    monkeypatch.setattr(bench_case, "run_llama_bench", lambda *call: asked.append(call[2]) or fake(*call))
+    run = context_case(Path("llama-bench"), Path("m.gguf"), 1024, 16, threads=2, decode=False)
+    assert [(settings.prompt_tokens, settings.gen_tokens) for settings in asked] == [((1024,), ())]  # no depth
+    assert (run["prefill_tokens_per_s"], run["decode_tokens_per_s"]) == (1000.0, None)
+    assert run["best_flash_attn"] == {"prefill_tokens_per_s": "on"}
+    json.dumps(run)
+
+
+def test_a_context_case_without_either_test_is_refused_before_running_llama_bench(monkeypatch):
+    monkeypatch.setattr(bench_case, "run_llama_bench", lambda *call: pytest.fail("llama-bench ran"))
+    with pytest.raises(CascadeError, match="prefill test, its decode test or both"):
+        context_case(Path("llama-bench"), Path("m.gguf"), 1024, 16, threads=2, prefill=False, decode=False)
+
+
 def test_flash_attn_summary_takes_medians_over_rounds_then_the_best_setting():
     def round_(off: float, on: float) -> dict:
         return {

@@ -7,8 +7,9 @@ the new tokens after N tokens in the cache (decode). Within the case the faster 
 setting gives ``prefill_tokens_per_s`` and ``decode_tokens_per_s``, so cascade is compared with
 llama.cpp at its best. Each setting prefills the context for both tests (llama-bench fills the
 decode test's depth untimed): at 32K tokens that is most of a case's time, so a case may be asked
-for one setting only (the one earlier runs found faster), and for decode alone (no prefill test:
-half the prefilling; its prefill rate is then None), and for several repetitions in one run:
+for one setting only (the one earlier runs found faster), for decode alone (no prefill test:
+half the prefilling; its prefill rate is then None) or prefill alone (no decode test, whose untimed
+depth is the other half; its decode rate is then None), and for several repetitions in one run:
 llama-bench prefills a depth once and restores it for each further repetition, and the case
 reports the median of the repetitions.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+from cascade.errors import CascadeError
 from cascade.peers.llama_bench import FLASH_ATTN, BenchSettings, run_llama_bench
 
 RATES = {"pp": "prefill_tokens_per_s", "tg": "decode_tokens_per_s"}
@@ -32,15 +34,19 @@ def context_case(
     flash_attn: tuple[str, ...] = FLASH_ATTN,
     prefill: bool = True,
     repetitions: int = 1,
+    decode: bool = True,
 ) -> dict:
     """One measurement of llama-bench (``tool``) on ``model`` at ``context`` with each ``flash_attn``
-    setting -> ``prefill_tokens_per_s`` (None without ``prefill``), ``decode_tokens_per_s`` (the best
-    setting's; each rate the median of ``repetitions``), ``flash_attn`` ({setting: the rates
-    measured}), ``best_flash_attn`` ({rate: setting}), ``build_commit`` and the parsed ``tests``."""
+    setting -> ``prefill_tokens_per_s`` (None without ``prefill``), ``decode_tokens_per_s`` (None
+    without ``decode``; each rate the best setting's, the median of its ``repetitions``),
+    ``flash_attn`` ({setting: the rates measured}), ``best_flash_attn`` ({rate: setting}),
+    ``build_commit`` and the parsed ``tests``."""
+    if not (prefill or decode):
+        raise CascadeError("a llama.cpp case needs its prefill test, its decode test or both")
     common = {"threads": threads, "repetitions": repetitions, "flash_attn": flash_attn}
-    runs = [BenchSettings(gen_tokens=(new_tokens,), depths=(context,), **common)]
-    if prefill:
-        runs.insert(0, BenchSettings(prompt_tokens=(context,), **common))
+    runs = [BenchSettings(prompt_tokens=(context,), **common)] if prefill else []
+    if decode:
+        runs.append(BenchSettings(gen_tokens=(new_tokens,), depths=(context,), **common))
     tests = [test for settings in runs for test in run_llama_bench(tool, model, settings)]
     by_setting = {
         setting: {
