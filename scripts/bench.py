@@ -68,6 +68,10 @@ NEEDS_DRAFT = {"speculative", "triforce", "transformers-assisted", "llama.cpp-sp
 WARMUP_TOKENS = 5000  # warm-up prompts are at most this long: first-touch costs without long prefills
 WARMUP_NEW_TOKENS = 16  # and generate this many: a few rounds of every pass shape, without a long decode
 SAMPLING = {"greedy": {"temperature": 0.0, "top_p": 1.0}, "sample": {"temperature": 0.7, "top_p": 0.9}}
+PREDICTION_TOLERANCE = 1.5
+"""How far the cost model's predicted speed-up of a preset (``predicted_speedup`` in its stats) may
+stray from the one measured against autoregressive decoding in the same round, as a factor either way:
+a report lists the cases beyond it (``predictions_off``) and the run warns of them."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -585,6 +589,7 @@ def summarize(args: argparse.Namespace, case: Case, cases: list[dict], final: bo
         **(flash_attn_summary(runs) if "flash_attn" in runs[0] else {}),
         "peak_rss_mb": max(run["peak_rss_mb"] for run in runs),
         "speedup_in_same_process": same_process_speedup(runs),
+        "predicted_speedup": median_of(predictions) if (predictions := predicted_speedups(runs)) else None,
         "step_roofline_tokens_per_s": None,
         "decode_over_step_roofline": None,
         "runs": runs,
@@ -642,8 +647,36 @@ def ratios(runs: list[dict], baseline: str) -> list[dict]:
         }  # llama.cpp generates no text
         if baseline == "autoregressive":
             run["speedup_vs_autoregressive"] = row[RATES[0]]
+            row["predicted_over_measured"] = prediction_error(pairs)
         out.append(row)
     return out
+
+
+def predicted_speedups(runs: list[dict]) -> list[float]:
+    """The cost model's predicted speed-up of each round of a speculating cascade case (empty for
+    autoregressive decoding and the peers: nothing predicted)."""
+    stages = [len(run.get("stats", {}).get("stages", [])) for run in runs]
+    return [run["stats"]["predicted_speedup"] for run in runs] if min(stages) > 1 else []
+
+
+def prediction_error(pairs: list[tuple[dict, dict]]) -> float | None:
+    """The median over rounds of a speculating case's predicted speed-up over its measured one (its
+    decode rate over autoregressive decoding's in the same round), or None: nothing predicted."""
+    cases = [case for case, _ in pairs]
+    if not (predicted := predicted_speedups(cases)):
+        return None
+    return statistics.median(p * base[RATES[0]] / case[RATES[0]] for p, (case, base) in zip(predicted, pairs))
+
+
+def predictions_off(ratio_rows: list[dict]) -> list[dict]:
+    """The cases whose predicted speed-up strays from the measured one by more than
+    ``PREDICTION_TOLERANCE`` either way."""
+    return [
+        {key: row[key] for key in ("preset", "context", "sampling", "predicted_over_measured")}
+        for row in ratio_rows
+        if (error := row.get("predicted_over_measured")) is not None
+        and not 1 / PREDICTION_TOLERANCE <= error <= PREDICTION_TOLERANCE
+    ]
 
 
 def median_of(values) -> float | None:
@@ -676,8 +709,8 @@ def table(runs: list[dict], ratio_rows: list[dict]) -> str:
     lines = [
         "| context | sampling | implementation | decode tok/s | prefill tok/s | peak RSS (MB) | decode vs "
         f"{ratio_rows[0]['baseline'] if ratio_rows else 'baseline'} | vs autoregressive, same process | "
-        "decode / step roofline | acceptance per stage |",
-        "|---:|---|---|---:|---:|---:|---:|---:|---:|---|",
+        "predicted speed-up | decode / step roofline | acceptance per stage |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     ratio_of = {(row["preset"], row["context"], row["sampling"]): row for row in ratio_rows}
     for run in runs:
@@ -686,7 +719,7 @@ def table(runs: list[dict], ratio_rows: list[dict]) -> str:
         lines.append(
             f"| {run['context']} | {run['sampling']} | {run['preset']} | {rate_text(run['decode_tokens_per_s'])} | "
             f"{rate_text(run['prefill_tokens_per_s'])} | {run['peak_rss_mb']:.0f} | {ratio_text(ratio)} | "
-            f"{same_process_text(run)} | {roofline_text(run)} | {acceptance} |"
+            f"{same_process_text(run)} | {predicted_text(run)} | {roofline_text(run)} | {acceptance} |"
         )
     return "\n".join(lines)
 
@@ -700,6 +733,11 @@ def same_process_speedup(runs: list[dict]) -> float | None:
         if (baseline := run.get("same_process_autoregressive_tokens_per_s"))
     ]
     return statistics.median(ratios) if ratios else None
+
+
+def predicted_text(run: dict) -> str:
+    predicted = run.get("predicted_speedup")
+    return "" if predicted is None else f"{predicted:.2f}x"
 
 
 def same_process_text(run: dict) -> str:
@@ -769,6 +807,11 @@ def drive(args: argparse.Namespace) -> None:
     print(table(runs, ratio_rows))
     for peer, rows in peer_rows.items():
         print(f"\nllama.cpp {args.llama_cpp['llama_cpp_commit']}:\n{peer_table(peer, rows)}")
+    for off in predictions_off(ratio_rows):
+        log(
+            f"warning: the cost model predicted {off['preset']} at {off['context']} ({off['sampling']}) "
+            f"{off['predicted_over_measured']:.2f}x the speed-up measured (tolerance {PREDICTION_TOLERANCE}x)"
+        )
     log(f"wrote {args.files.report} (manifest: {args.files.manifest})")
 
 
@@ -811,6 +854,8 @@ def write_report(
         "runs": runs,
         "ratios": ratio_rows,
         "ratios_to_llama_cpp": peer_rows,
+        "prediction_tolerance": PREDICTION_TOLERANCE,
+        "predictions_off": predictions_off(ratio_rows),
     }
     args.files.write(report, settings)
     return runs, ratio_rows, peer_rows

@@ -232,3 +232,39 @@ def test_bench_refuses_llama_cpp_cases_both_prefill_only_and_decode_only(tmp_pat
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "not allowed with argument --llama-prefill-only" in result.stderr
     assert not out.exists()
+
+
+def predicting(round_: int, decode: float, predicted: float) -> dict:
+    """A speculating preset's measurement: two stages, the cost model's prediction in its stats."""
+    case = measurement(round_, decode)
+    stages = [{"name": "target/retrieval", "acceptance_rate": 0.8}, {"name": "target/full", "acceptance_rate": 1.0}]
+    case["run"]["stats"] = {"stages": stages, "predicted_speedup": predicted}
+    return case
+
+
+def test_bench_report_sets_each_presets_prediction_beside_its_measured_speedup_and_lists_those_far_off(tmp_path):
+    bench = load_bench_script()
+    out = tmp_path / "bench.json"
+    impls = ["autoregressive", "self-spec", "triforce"]
+    args = bench.parse_args(["--impls", *impls, "--contexts", "96", "--repeats", "2"])
+    args.files, args.llama_cpp = run_files("bench", out, "bench.json"), None
+    base, close, far = ((impl, 96, "greedy") for impl in impls)
+    rounds = [  # self-spec: predicted 1.4 for 1.5 measured, then 2.0 for 1.2; triforce: 3.0 for 1.5 twice
+        {base: measurement(index, 10.0), close: predicting(index, decode, predicted), far: predicting(index, 15.0, 3.0)}
+        for index, (decode, predicted) in enumerate([(15.0, 1.4), (12.0, 2.0)])
+    ]
+    runs, ratio_rows, _ = bench.write_report(args, [base, close, far], rounds)
+    report = json.loads(out.read_text())
+    predicted = {run["preset"]: run["predicted_speedup"] for run in report["runs"]}
+    assert predicted == {"autoregressive": None, "self-spec": pytest.approx(1.7), "triforce": 3.0}
+    errors = {row["preset"]: row["predicted_over_measured"] for row in report["ratios"]}
+    assert errors == {"self-spec": pytest.approx((1.4 / 1.5 + 2.0 / 1.2) / 2), "triforce": pytest.approx(2.0)}
+    assert report["prediction_tolerance"] == 1.5
+    assert report["predictions_off"] == [
+        {"preset": "triforce", "context": 96, "sampling": "greedy", "predicted_over_measured": pytest.approx(2.0)}
+    ]
+    lines = bench.table(runs, ratio_rows).splitlines()
+    cells = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines]
+    column = cells[0].index("predicted speed-up")
+    predicted_cells = {row[2]: row[column] for row in cells[2:]}
+    assert predicted_cells == {"autoregressive": "", "self-spec": "1.70x", "triforce": "3.00x"}
