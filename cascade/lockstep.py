@@ -3,15 +3,19 @@
 Each sequence runs a pipeline of its own (its stages and caches, gamma schedules, generator and stop
 rule) as a greenlet, and the sequences take turns in the one thread that drives the batch: in its
 turn a sequence runs until it hands over its next model pass (``SharedModel``) or finishes. Once
-every unfinished sequence has handed one over, the batch runs them: the passes of one model in one
-``CausalLM.forward_batch``, where those its CPU kernels take share each read of its weights. Then
-each sequence takes its logits in its next turn. A row of a shared pass computes what the
-sequence's own pass would, bit for bit, so every sequence proposes, accepts (a ragged number of
-tokens per round), rolls back, selects its chunks, bypasses a stage and stops as it would alone; a
-sequence that finishes leaves the batch. Its timings are the batch's: a pass takes as long as the
-shared pass it ran in, which is what its cost model should weigh. (Greenlets, not threads: torch
-work from several threads would start an OpenMP team per thread, and a team whose region has ended
-spins on the cores the next one needs: a SmolLM2 step at 8K took 26 ms against 18 ms.)
+every unfinished sequence has handed one over, the batch runs the passes of one model (the draft's
+while any sequence waits on it, else the target's) in one ``CausalLM.forward_batch``, where those
+its CPU kernels take share each read of its weights. The sequences whose passes ran take their
+logits in their next turn; the others wait with theirs. So a sequence whose proposals end sooner (a
+smaller gamma, a proposal ended in doubt, a bypassed draft) waits for the others' before the target
+runs: the batch verifies together, and no tick reads both models' weights for different sequences.
+A row of a shared pass computes what the sequence's own pass would, bit for bit, so every sequence
+proposes, accepts (a ragged number of tokens per round), rolls back, selects its chunks, bypasses a
+stage and stops as it would alone; a sequence that finishes leaves the batch. Its timings are the
+batch's: a pass takes as long as the ticks from its handing over to its logits, waits included,
+which is what its cost model should weigh. (Greenlets, not threads: torch work from several threads
+would start an OpenMP team per thread, and a team whose region has ended spins on the cores the
+next one needs: a SmolLM2 step at 8K took 26 ms against 18 ms.)
 
 Autoregressive decoding has a tighter loop of its own (``cascade.batch``).
 """
@@ -42,6 +46,10 @@ class HandedPass:
     """[N, V] once run."""
     error: Exception | None = None
 
+    @property
+    def ran(self) -> bool:
+        return self.logits is not None or self.error is not None
+
 
 class Sequence:
     """One generation of the batch: its pipeline, run as a greenlet that the thread driving the
@@ -64,6 +72,11 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.done.is_set()
+
+    @property
+    def waiting(self) -> bool:
+        """It has handed over a pass that the batch has not run yet."""
+        return self.handed is not None and not self.handed.ran
 
     def take_turn(self) -> None:
         """In the thread driving the batch: run the sequence until it hands over its next pass, has
@@ -131,24 +144,38 @@ def generate_together(runtime: Runtime, requests: list[BatchRequest]) -> list[Ge
     sequences = [
         sequence_for(runtime, request, *cache_request) for request, cache_request in zip(requests, asked, strict=True)
     ]
+    order = pass_order(runtime)
     while prefilling := [sequence for sequence in sequences if not (sequence.prefilled or sequence.finished)]:
-        tick(prefilling)
+        tick(prefilling, order)
     running = [sequence for sequence in sequences if not sequence.finished]
     while running:
-        running = tick(running)
+        running = tick(running, order)
     failed = next((sequence.error for sequence in sequences if sequence.error is not None), None)
     if failed is not None:
         raise failed
     return [sequence.result for sequence in sequences]
 
 
-def tick(running: list[Sequence]) -> list[Sequence]:
-    """Every running sequence's turn, then the passes they handed over -> those still running."""
+def tick(running: list[Sequence], order: dict[int, int]) -> list[Sequence]:
+    """The turn of every running sequence not waiting on a pass, then the waiting passes of the model
+    first in ``order`` (``pass_order``) among them -> the sequences still running."""
     for sequence in running:
-        sequence.take_turn()
+        if not sequence.waiting:
+            sequence.take_turn()
     running = [sequence for sequence in running if not sequence.finished]
-    run_passes([sequence.handed for sequence in running if sequence.handed is not None])
+    waiting = [sequence.handed for sequence in running if sequence.waiting]
+    if waiting:
+        first = min(order[id(one.model)] for one in waiting)
+        run_passes([one for one in waiting if order[id(one.model)] == first])
     return running
+
+
+def pass_order(runtime: Runtime) -> dict[int, int]:
+    """The order in which a tick runs the models' waiting passes, by ``id`` of the model: the draft's
+    first (its passes are the cheap ones, and a round's proposals come before its verification)."""
+    models = runtime.models
+    ranked = [models.get("draft"), models["target"]]
+    return {id(model): rank for rank, model in enumerate(ranked) if model is not None}
 
 
 class JoiningBatch:
@@ -162,6 +189,7 @@ class JoiningBatch:
         self.turn = turn
         self.max_sequences = max_sequences
         self._arrived: list[Sequence] = []
+        self._order = pass_order(runtime)
         self._condition = threading.Condition()
         threading.Thread(target=self._drive, name="cascade-batch", daemon=True).start()
 
@@ -189,7 +217,7 @@ class JoiningBatch:
                 room = self.max_sequences - len(running)
                 joining, self._arrived = self._arrived[:room], self._arrived[room:]
             with self.turn:
-                running = tick(running + joining)
+                running = tick(running + joining, self._order)
 
 
 def kv_bytes_bound(runtime: Runtime, config: PipelineConfig, asked: CacheRequest) -> int:

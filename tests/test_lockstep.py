@@ -95,6 +95,43 @@ def test_the_cost_model_schedules_each_sequence_and_greedy_tokens_stay_the_targe
     assert all(result.stats.stages[0].schedule == "cost_model" for result in together)
 
 
+class ScriptedSequence:
+    """Stands in for a ``lockstep.Sequence`` in ``tick``: hands over a pass to each model of its
+    script in turn, one a turn, then finishes."""
+
+    def __init__(self, name: str, models: list[object]) -> None:
+        self.name = name
+        self.script = list(models)
+        self.handed: lockstep.HandedPass | None = None
+        self.finished = False
+
+    @property
+    def waiting(self) -> bool:
+        return self.handed is not None and not self.handed.ran
+
+    def take_turn(self) -> None:
+        self.handed = lockstep.HandedPass(self.script.pop(0), self.name) if self.script else None
+        self.finished = self.handed is None
+
+
+def test_a_tick_runs_the_drafts_waiting_passes_first_so_the_batch_verifies_together(monkeypatch):
+    """Sequence a proposes two tokens, b one: b's verification waits for a's second proposal, and the
+    target then runs both verifications in one call."""
+    draft, target = object(), object()
+    calls: list[list[tuple[object, str]]] = []
+
+    def run(handed: list[lockstep.HandedPass]) -> None:
+        calls.append([(one.model, one.sequence) for one in handed])
+        for one in handed:
+            one.logits = torch.zeros(1, 1)
+
+    monkeypatch.setattr(lockstep, "run_passes", run)
+    running = [ScriptedSequence("a", [draft, draft, target]), ScriptedSequence("b", [draft, target])]
+    while running:
+        running = lockstep.tick(running, {id(draft): 0, id(target): 1})
+    assert calls == [[(draft, "a"), (draft, "b")], [(draft, "a")], [(target, "a"), (target, "b")]]
+
+
 def test_a_sequence_that_stops_early_leaves_the_batch_and_the_others_go_on(tiny_dir, tiny_draft_dir):
     runtime = fixed_runtime("self-spec", tiny_dir, tiny_draft_dir, "float32")
     first = alone(runtime, requests(SAMPLINGS["greedy"])[0]).token_ids
