@@ -144,38 +144,30 @@ def generate_together(runtime: Runtime, requests: list[BatchRequest]) -> list[Ge
     sequences = [
         sequence_for(runtime, request, *cache_request) for request, cache_request in zip(requests, asked, strict=True)
     ]
-    order = pass_order(runtime)
+    draft = runtime.models.get("draft")
     while prefilling := [sequence for sequence in sequences if not (sequence.prefilled or sequence.finished)]:
-        tick(prefilling, order)
+        tick(prefilling, draft)
     running = [sequence for sequence in sequences if not sequence.finished]
     while running:
-        running = tick(running, order)
+        running = tick(running, draft)
     failed = next((sequence.error for sequence in sequences if sequence.error is not None), None)
     if failed is not None:
         raise failed
     return [sequence.result for sequence in sequences]
 
 
-def tick(running: list[Sequence], order: dict[int, int]) -> list[Sequence]:
-    """The turn of every running sequence not waiting on a pass, then the waiting passes of the model
-    first in ``order`` (``pass_order``) among them -> the sequences still running."""
+def tick(running: list[Sequence], draft: CausalLM | None) -> list[Sequence]:
+    """The turn of every running sequence not waiting on a pass, then the waiting passes: the
+    ``draft`` model's while any waits on it (they are the cheap ones, and a round's proposals come
+    before its verification), else the others -> the sequences still running."""
     for sequence in running:
         if not sequence.waiting:
             sequence.take_turn()
     running = [sequence for sequence in running if not sequence.finished]
     waiting = [sequence.handed for sequence in running if sequence.waiting]
     if waiting:
-        first = min(order[id(one.model)] for one in waiting)
-        run_passes([one for one in waiting if order[id(one.model)] == first])
+        run_passes([one for one in waiting if one.model is draft] or waiting)
     return running
-
-
-def pass_order(runtime: Runtime) -> dict[int, int]:
-    """The order in which a tick runs the models' waiting passes, by ``id`` of the model: the draft's
-    first (its passes are the cheap ones, and a round's proposals come before its verification)."""
-    models = runtime.models
-    ranked = [models.get("draft"), models["target"]]
-    return {id(model): rank for rank, model in enumerate(ranked) if model is not None}
 
 
 class JoiningBatch:
@@ -189,7 +181,7 @@ class JoiningBatch:
         self.turn = turn
         self.max_sequences = max_sequences
         self._arrived: list[Sequence] = []
-        self._order = pass_order(runtime)
+        self._draft = runtime.models.get("draft")
         self._condition = threading.Condition()
         threading.Thread(target=self._drive, name="cascade-batch", daemon=True).start()
 
@@ -217,7 +209,7 @@ class JoiningBatch:
                 room = self.max_sequences - len(running)
                 joining, self._arrived = self._arrived[:room], self._arrived[room:]
             with self.turn:
-                running = tick(running + joining, self._order)
+                running = tick(running + joining, self._draft)
 
 
 def kv_bytes_bound(runtime: Runtime, config: PipelineConfig, asked: CacheRequest) -> int:

@@ -105,9 +105,7 @@ class ScriptedSequence:
         self.handed: lockstep.HandedPass | None = None
         self.finished = False
 
-    @property
-    def waiting(self) -> bool:
-        return self.handed is not None and not self.handed.ran
+    waiting = lockstep.Sequence.waiting
 
     def take_turn(self) -> None:
         self.handed = lockstep.HandedPass(self.script.pop(0), self.name) if self.script else None
@@ -128,7 +126,7 @@ def test_a_tick_runs_the_drafts_waiting_passes_first_so_the_batch_verifies_toget
     monkeypatch.setattr(lockstep, "run_passes", run)
     running = [ScriptedSequence("a", [draft, draft, target]), ScriptedSequence("b", [draft, target])]
     while running:
-        running = lockstep.tick(running, {id(draft): 0, id(target): 1})
+        running = lockstep.tick(running, draft)
     assert calls == [[(draft, "a"), (draft, "b")], [(draft, "a")], [(target, "a"), (target, "b")]]
 
 
