@@ -217,7 +217,11 @@ def kv_bytes_bound(runtime: Runtime, config: PipelineConfig, asked: CacheRequest
     compact one holds less; a draft across tokenizers may spell the sequence in twice the tokens)."""
     spelled = {"target": 1, "draft": 1 if runtime.translation is None else TRANSLATED_TOKENS}
     layouts = {role: model.cache_layout(1) for role, model in runtime.models.items()}
-    return sum(asked.capacity * spelled[stage.model] * layouts[stage.model].bytes_per_token for stage in config.stages)
+    return sum(
+        asked.capacity * spelled[stage.model] * layouts[stage.model].bytes_per_token
+        for stage in config.stages
+        if stage.model != "lookup"  # it keeps no KV
+    )
 
 
 def sequence_for(runtime: Runtime, request: BatchRequest, config: PipelineConfig, asked: CacheRequest) -> Sequence:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cascade.lookup import LookupStage
 from cascade.sampling import draw, greedy_tokens, token_probs
 from cascade.stage import Stage, device_ids
 from cascade.stats import GenerationStats, StageStats
@@ -193,6 +194,8 @@ class Pipeline:
         fed to the next pass as a device tensor, so no pass waits for the host to read one (unless
         the stage ends early in doubt, ``stop_below``: then the host reads each token's confidence)."""
         stage = self.stages[0]
+        if isinstance(stage, LookupStage):  # one continuation: its distribution is one-hot (see _verify)
+            return Draw.of(stage.proposal(context, count), None, self.target.device)
         logits = stage.extend(context, 1)  # [1, V]
         drawn = self._draw_from_logits(logits)
         while len(drawn) < count and not self._in_doubt(stage.stop_below, logits[-1:], drawn.probs):
@@ -217,6 +220,8 @@ class Pipeline:
         stage = self.stages[level]
         proposer = self.stages[level - 1] if level > 0 else None
         gamma = proposer.schedule.next_gamma(proposer.stats, room) if proposer else 0
+        if gamma and isinstance(proposer, LookupStage):  # it proposes what it finds, maybe nothing
+            gamma = len(proposer.proposal(context, gamma))
         if proposer:
             proposer.stats.gamma_choices[gamma] = proposer.stats.gamma_choices.get(gamma, 0) + 1
         clean = len(context) - stage.length == 1  # the pass feeds no skipped tokens: time it
@@ -302,8 +307,11 @@ class Pipeline:
         if self.greedy:
             return verify_greedy(draft_tokens, greedy_tokens(logits)), None
         target_probs = token_probs(logits, self.sampling)  # [G + 1, V]
+        draft_probs = proposal.probs  # [G, V]; None: a lookup's one continuation
+        if draft_probs is None:
+            draft_probs = torch.nn.functional.one_hot(draft_tokens, target_probs.shape[-1]).to(target_probs.dtype)
         uniforms = torch.rand(len(draft_tokens), generator=self.generator, device=logits.device)
-        return verify(draft_tokens, proposal.probs, target_probs, uniforms, self.generator), target_probs
+        return verify(draft_tokens, draft_probs, target_probs, uniforms, self.generator), target_probs
 
     def _draw_from_logits(self, logits: torch.Tensor) -> Draw:
         """One token from logits [1, V], as autoregressive decoding draws it (left on the device)."""
@@ -334,7 +342,8 @@ class Pipeline:
             stats.clean_verifications[proposed] = stats.clean_verifications.get(proposed, 0) + 1
             stats.clean_verification_s[proposed] = stats.clean_verification_s.get(proposed, 0.0) + verify_s
         proposer.schedule.observe(stats, proposed, verdict.accepted)
-        proposer.cache.observe_acceptance(proposed, verdict.accepted)
+        if proposer.cache is not None:  # a lookup keeps none
+            proposer.cache.observe_acceptance(proposed, verdict.accepted)
 
     @staticmethod
     def _record_tree(stats: StageStats, nodes: int, ranks: list[int]) -> None:

@@ -18,6 +18,7 @@ from cascade.checkpoint import LoadedModel, load_checkpoint, stretch_factor
 from cascade.errors import CascadeError
 from cascade.graphs import MAX_GRAPH_TOKENS, Capture, cuda_graph
 from cascade.huge_pages import move_to_huge_pages
+from cascade.lookup import LookupStage
 from cascade.model import CausalLM, PassOptions
 from cascade.models import checkpoint_path, default_model
 from cascade.pipeline import GenerationResult, Pipeline, StopRule, TokenCallback
@@ -213,6 +214,10 @@ class Runtime:
         stages: dict[int, Stage] = {}
         for index in range(last, -1, -1):  # sources (full-cache stages) come after their readers
             stage = config.stages[index]
+            if stage.model == "lookup":
+                device = self.target.model.device
+                stages[index] = LookupStage(f"{index}:lookup", stage.lookup.sizes, device, schedules[index])
+                continue
             model = models[stage.model]
             source = config.source_of(index)
             translated = stage.model == "draft" and self.translation is not None

@@ -112,9 +112,31 @@ class TreeConfig(Strict):
         return self
 
 
+class LookupConfig(Strict):
+    """The n-grams a ``model: lookup`` stage matches (prompt lookup decoding): the sequence's last n
+    tokens for the longest n in [min_ngram, max_ngram] that occurred before."""
+
+    min_ngram: int = Field(2, ge=1, le=16)
+    """The shortest suffix matched (1 proposes after any repeated token: more proposals, fewer kept)."""
+    max_ngram: int = Field(4, ge=1, le=16)
+    """The longest suffix matched, tried first."""
+
+    @model_validator(mode="after")
+    def _ordered(self) -> LookupConfig:
+        if self.min_ngram > self.max_ngram:
+            raise ValueError(f"min_ngram ({self.min_ngram}) must not exceed max_ngram ({self.max_ngram})")
+        return self
+
+    @property
+    def sizes(self) -> range:
+        return range(self.min_ngram, self.max_ngram + 1)
+
+
 class StageConfig(Strict):
-    model: Literal["target", "draft"] = "target"
-    """Which model this stage runs; stages naming the same model share its weights."""
+    model: Literal["target", "draft", "lookup"] = "target"
+    """Which model this stage runs; stages naming the same model share its weights. lookup: no model,
+    the first stage proposes what followed the latest earlier occurrence of the sequence's last
+    tokens in the prompt and output (prompt lookup decoding; settings under ``lookup``, no cache)."""
     cache: CacheConfig = Field(default_factory=lambda: POLICIES["full"].config())
     """KV cache policy of this stage, selected by ``kind``."""
     gamma: int = Field(4, ge=1, le=64)
@@ -137,6 +159,17 @@ class StageConfig(Strict):
     stops growing after the first level all of whose nodes were drawn below doubtful ones. Only the
     first stage; it decides from the stage's own distributions alone, so the output is unchanged.
     null: always gamma tokens (a tree: all its levels)."""
+
+    lookup: LookupConfig = LookupConfig()
+    """The n-grams a ``model: lookup`` stage matches (only that stage takes these settings)."""
+
+    @model_validator(mode="after")
+    def _lookup_settings_fit(self) -> StageConfig:
+        if self.model == "lookup" and "cache" in self.model_fields_set:
+            raise ValueError("a lookup stage (model: lookup) keeps no KV cache: remove its cache settings")
+        if self.model != "lookup" and "lookup" in self.model_fields_set:
+            raise ValueError(f"lookup settings are a model: lookup stage's; this stage runs the {self.model}")
+        return self
 
     @property
     def speculative_tokens(self) -> int:
@@ -263,6 +296,16 @@ class PipelineConfig(Strict):
                 raise ValueError(
                     f"stages.{index}.tree: a {stage.cache.kind} cache cannot run token-tree "
                     f"passes; use one of {trees}, or tree: null"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _lookup_is_lowest(self) -> PipelineConfig:
+        for index, stage in enumerate(self.stages):
+            if stage.model == "lookup" and (index != 0 or len(self.stages) == 1 or stage.tree or stage.stop_below):
+                raise ValueError(
+                    f"stages.{index}: a lookup stage (model: lookup) proposes as the first stage of two or more, "
+                    "one continuation a round (tree: null, stop_below: null)"
                 )
         return self
 
