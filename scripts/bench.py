@@ -55,8 +55,9 @@ from cascade.limits import memory_bandwidth
 from cascade.peers.bench_case import flash_attn_summary
 from cascade.peers.llama_bench import FLASH_ATTN
 from cascade.runs import machine, run_files
+from configs.loading import preset_data, preset_names
 
-PRESETS = ("autoregressive", "speculative", "self-spec", "triforce")
+PRESETS = ("autoregressive", *(name for name in preset_names() if name != "autoregressive"))
 PEERS = {"llama.cpp": "bf16", "llama.cpp-q8_0": "q8_0", "llama.cpp-speculative": "bf16"}
 """llama.cpp cases: the GGUF type each runs (``llama.cpp-speculative``: the draft's GGUF proposing
 to the target's in llama-speculative at the case's sampling, llama.cpp's default 3 proposals per round)."""
@@ -64,7 +65,7 @@ SAMPLING_FREE = {"llama.cpp", "llama.cpp-q8_0"}
 """llama-bench cases: passes over random tokens that sample nothing, so one measurement per round and
 context stands for every sampling mode (each costs a prefill of the whole context)."""
 IMPLS = (*PRESETS, "transformers", "transformers-assisted", *PEERS)
-NEEDS_DRAFT = {"speculative", "triforce", "transformers-assisted", "llama.cpp-speculative"}
+PEERS_WITH_DRAFTS = {"transformers-assisted", "llama.cpp-speculative"}
 WARMUP_TOKENS = 5000  # warm-up prompts are at most this long: first-touch costs without long prefills
 WARMUP_NEW_TOKENS = 16  # and generate this many: a few rounds of every pass shape, without a long decode
 SAMPLING = {"greedy": {"temperature": 0.0, "top_p": 1.0}, "sample": {"temperature": 0.7, "top_p": 0.9}}
@@ -200,11 +201,18 @@ def impl_option(value: str) -> str:
     return value
 
 
+def needs_draft(name: str) -> bool:
+    """Whether implementation ``name`` runs a draft model (a peer's, or a preset stage's)."""
+    if name in PRESETS:
+        return any(stage.get("model") == "draft" for stage in preset_data(name)["stages"])
+    return name in PEERS_WITH_DRAFTS
+
+
 def model_dirs(args: argparse.Namespace, impl: str) -> tuple[Path, Path | None]:
     from cascade.models import default_model
 
     target = args.target or default_model("target")
-    if split_impl(impl)[0] not in NEEDS_DRAFT:
+    if not needs_draft(split_impl(impl)[0]):
         return target, None
     return target, args.draft or default_model("draft", target=target)
 
