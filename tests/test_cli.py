@@ -182,7 +182,8 @@ def test_a_token_tree_run_reports_its_trees(tiny_dir, tmp_path):
     [
         (
             ["--preset", "warp"],
-            "unknown preset 'warp'; available presets: autoregressive, self-spec, speculative, triforce",
+            "unknown preset 'warp'; available presets: autoregressive, lookup, lookup-speculative, self-spec, "
+            "speculative, triforce",
         ),
         (["--set", "sampling.tempreature=1"], "sampling.tempreature: unknown setting; allowed here: temperature"),
         (["--temperature", "-1"], "sampling.temperature: Input should be greater than or equal to 0"),

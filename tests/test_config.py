@@ -92,7 +92,8 @@ def test_a_retrieval_stage_needs_a_full_cache_stage_of_its_model_above_it():
 def test_unknown_preset_lists_the_available_ones():
     with pytest.raises(
         CascadeError,
-        match="unknown preset 'fastest'; available presets: autoregressive, self-spec, speculative, triforce",
+        match="unknown preset 'fastest'; available presets: autoregressive, lookup, lookup-speculative, self-spec, "
+        "speculative, triforce",
     ):
         load_config(preset="fastest")
 

@@ -85,6 +85,25 @@ def test_each_sequence_of_a_batch_gets_the_tokens_and_rounds_it_gets_alone(
         assert any(stage.rounds for stage in result.stats.stages)
 
 
+@pytest.mark.parametrize("sampling", list(SAMPLINGS))
+@pytest.mark.parametrize("preset", ["lookup", "lookup-speculative"])
+def test_prompt_lookup_in_a_batch_gets_what_each_sequence_gets_alone(preset, sampling, tiny_dir, tiny_draft_dir):
+    """A lookup stage runs no model: each sequence's proposals are its own, between the batch's passes.
+    Lookups of single tokens over 120 new tokens: the tiny model's greedy text repeats a token now and then."""
+    proposers = 2 if preset == "lookup-speculative" else 1
+    overrides = ["stages.0.lookup.min_ngram=1", *(f"stages.{i}.schedule=fixed" for i in range(proposers))]
+    runtime = runtime_for(preset, tiny_dir, tiny_draft_dir, overrides)
+    batch_requests = [replace(one, stop=StopRule(frozenset(), 120)) for one in requests(SAMPLINGS[sampling])]
+    together = lockstep.generate_together(runtime, batch_requests)
+    for request, result in zip(batch_requests, together, strict=True):
+        reference = alone(runtime, request)
+        assert result.token_ids == reference.token_ids
+        rounds = [(stage.rounds, stage.proposed, stage.accepted) for stage in result.stats.stages]
+        assert rounds == [(stage.rounds, stage.proposed, stage.accepted) for stage in reference.stats.stages]
+    if sampling == "greedy":
+        assert any(result.stats.stages[0].rounds for result in together)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_cost_model_schedules_each_sequence_and_greedy_tokens_stay_the_targets(tiny_dir, dtype):
     """The presets' cost model (timed in the batch, so its gammas may differ from a lone run's)."""

@@ -19,6 +19,7 @@ import torch
 import cascade.pipeline as pipeline_module
 from cache.base import TreePass
 from cascade.clock import Clock
+from cascade.lookup import LookupStage
 from cascade.pipeline import Pipeline, StopRule
 from cascade.sampling import sample, token_probs
 from cascade.schedule import SCHEDULES, Schedule
@@ -214,6 +215,19 @@ def test_token_trees_emit_the_target_distribution(sampling, levels, dynamic):
     pipeline = Pipeline(stages, sampling, prefill_chunk=16)
     assert follows_target(emitted_transitions(pipeline), sampling) > P_FLOOR
     assert stages[0].stats.tree_nodes > stages[0].stats.proposed > stages[0].stats.accepted > 0
+
+
+@pytest.mark.parametrize("levels", [2, 3])
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["plain", "transformed"])
+def test_prompt_lookup_proposals_emit_the_target_distribution(sampling, levels):
+    """A lookup's proposal is one continuation, verified as a one-hot distribution: on a 5-token chain
+    its bigrams and trigrams recur from the first tokens on, so it proposes nearly every round, to
+    the target or to a middle tier."""
+    lookup = LookupStage("lookup", range(2, 4), torch.device("cpu"), SCHEDULES["fixed"](4))
+    pipeline = Pipeline([lookup, *cascade_of([CLOSE, TARGET][-(levels - 1) :], [3][: levels - 2])], sampling, 16)
+    assert follows_target(emitted_transitions(pipeline), sampling) > P_FLOOR
+    assert 0 < lookup.stats.accepted < lookup.stats.proposed
+    assert lookup.stats.rounds > lookup.stats.plain_steps  # it found something to propose most rounds
 
 
 SHARED = [(2, 0), (0, 1), (1, 2), (5, 3)]
