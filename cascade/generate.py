@@ -223,6 +223,8 @@ def print_stats(stats: dict[str, Any]) -> None:
                 f"({stage['acceptance_rate']:.0%}, {stage['mean_accepted_run']:.2f} per round); "
                 f"{stage['schedule']} gamma, rounds per gamma {stage['gamma_choices']}"
             )
+            if stage["unmatched"]:
+                line += f"; found nothing to propose in {stage['unmatched']} rounds (plain steps)"
             if stage["verify_over_step"]:
                 line += f"; a verification pass costs {stage['verify_over_step']:.2f} plain steps"
             if stage["tree_nodes"]:

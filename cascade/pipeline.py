@@ -222,6 +222,7 @@ class Pipeline:
         gamma = proposer.schedule.next_gamma(proposer.stats, room) if proposer else 0
         if gamma and isinstance(proposer, LookupStage):  # it proposes what it finds, maybe nothing
             gamma = len(proposer.proposal(context, gamma))
+            proposer.stats.unmatched += gamma == 0
         if proposer:
             proposer.stats.gamma_choices[gamma] = proposer.stats.gamma_choices.get(gamma, 0) + 1
         clean = len(context) - stage.length == 1  # the pass feeds no skipped tokens: time it
@@ -363,4 +364,4 @@ class Pipeline:
         if len(self.stages) == 1:
             return 1.0
         proposer = self.stages[-2].stats
-        return proposer.expected_speedup(proposer.mean_gamma)
+        return proposer.overall_speedup(proposer.mean_gamma)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import asdict, dataclass, field
 
-from cascade.costs import along_curve, expected_speedup, rising_curve
+from cascade.costs import along_curve, expected_speedup, expected_tokens, rising_curve
 
 PLAIN_SAMPLES_KEPT = 32
 """Plain-step times, and per-token proposal times of rounds, a stage keeps for their medians
@@ -36,6 +36,8 @@ class StageStats:
     accepted: int = 0
     rejections: int = 0
     """Rounds that ended in a rejection (the others accepted every proposal)."""
+    unmatched: int = 0
+    """Rounds a lookup stage found nothing to propose in (the stage above took a plain step)."""
     timed_rounds: int = 0
     """Rounds whose time is counted: those during which no stage captured a pass as a graph (a
     capture's eager run and recording would be charged to the passes the cost model weighs)."""
@@ -163,6 +165,15 @@ class StageStats:
         acceptance = self.acceptance_mle if acceptance is None else acceptance
         proposal_s = self.proposal_s if proposal_s is None else proposal_s
         return expected_speedup(acceptance, proposal_s, self.verification_s(gamma), step_s, gamma)
+
+    def overall_speedup(self, gamma: float) -> float:
+        """``expected_speedup`` over the rounds this stage proposed in, blended by time with its
+        unmatched rounds (a lookup that found nothing: plain steps, one token a step each)."""
+        gain = self.expected_speedup(gamma)
+        if not self.unmatched or not self.rounds:
+            return gain
+        tokens = expected_tokens(self.acceptance_mle, gamma)  # a proposing round's, in tokens / steps = gain
+        return (self.rounds * tokens + self.unmatched) / (self.rounds * tokens / gain + self.unmatched)
 
     @property
     def mean_gamma(self) -> float:

@@ -64,6 +64,15 @@ def test_with_verification_as_cheap_as_a_step_the_speedup_is_the_textbook_one():
     assert expected_speedup(acceptance, 0.01, 0.2, 0.1, gamma) == pytest.approx(textbook / 2 * 1.4 / 1.2)
 
 
+def test_rounds_a_lookup_found_nothing_in_count_as_plain_steps_in_the_overall_speedup():
+    """Every round proposes 4 and keeps all 4 at the cost of one step: 5 tokens a step; 3 rounds
+    of 5 tokens and 2 unmatched rounds of 1 token take 3 + 2 steps."""
+    stats = measured([(4, 4)] * 3, propose_s=0.0, verify_s=0.1, step_s=0.1)
+    assert stats.overall_speedup(4) == pytest.approx(stats.expected_speedup(4)) == pytest.approx(5.0)
+    stats.unmatched = 2
+    assert stats.overall_speedup(4) == pytest.approx((3 * 5 + 2) / (3 + 2))
+
+
 def test_fixed_and_heuristic_schedules():
     stats = StageStats("proposer")
     assert Schedule(5).next_gamma(stats, room=3) == 3
