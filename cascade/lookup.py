@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from cascade.clock import Clock
+from cascade.pass_costs import fresh_stats
 from cascade.schedule import Schedule
 from cascade.stats import StageStats
 
@@ -75,9 +76,9 @@ class LookupStage:
         self.index = NgramIndex(sizes)
         self.restart(schedule)
 
-    def restart(self, schedule: Schedule | None) -> None:
+    def restart(self, schedule: Schedule | None, last: StageStats | None = None) -> None:
         self.schedule = schedule
-        self.stats = StageStats(self.name, schedule=schedule.name if schedule else "")
+        self.stats = fresh_stats(self.name, schedule, last)
         self.clock = Clock(self.device)
 
     @property

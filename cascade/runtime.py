@@ -21,11 +21,13 @@ from cascade.huge_pages import move_to_huge_pages
 from cascade.lookup import LookupStage
 from cascade.model import CausalLM, PassOptions
 from cascade.models import checkpoint_path, default_model
+from cascade.pass_costs import carries
 from cascade.pipeline import GenerationResult, Pipeline, StopRule, TokenCallback
 from cascade.prompt_cache import PromptCache, model_key
 from cascade.quantise import quantisation, quantise
 from cascade.schedule import SCHEDULES, Schedule
 from cascade.stage import Stage
+from cascade.stats import StageStats
 from cascade.stop_strings import StopStrings
 from cascade.translated_stage import TranslatedStage
 from cascade.translation import Translation
@@ -94,6 +96,8 @@ class Runtime:
     """The last request's stages, kept for the next request their caches hold."""
     built_for: CacheRequest | None = None
     """The request ``stages`` were built for."""
+    costs_timed_at: int | None = None
+    """Prompt tokens of the last request, whose pass costs ``stages``' stats hold (``cascade.pass_costs``)."""
     translation: Translation | None = None
     """The tokens a draft with another tokenizer shares with the target (``draft.cross_tokenizer``)."""
 
@@ -173,18 +177,28 @@ class Runtime:
 
     def pipeline_for(self, prompt_tokens: int, max_new_tokens: int, sampling: SamplingConfig | None = None) -> Pipeline:
         """Stages with caches sized for this request (checked against the context limit): the
-        last request's, restarted, where their caches hold this one too (so are their graphs).
+        last request's, restarted, where their caches hold this one too (so are their graphs), and
+        starting from its pass costs where ``carry_pass_costs`` and the prompts' lengths allow.
         ``sampling`` replaces the config's for this request."""
         config, request = self.cache_request(prompt_tokens, max_new_tokens)
         schedules = schedules_for(config)
-        if self.built_for is not None and self.built_for.holds(request):
-            for stage, schedule in zip(self.stages, schedules, strict=True):
-                stage.restart(schedule)
-        else:
+        last = self.last_stats(config, request, prompt_tokens)
+        if self.built_for is None or not self.built_for.holds(request):
             self.stages = []  # the old caches go before the new ones are allocated
             self.stages = self.build_stages(config, request, schedules)
             self.built_for = request
+        for stage, schedule, stats in zip(self.stages, schedules, last, strict=True):
+            stage.restart(schedule, stats)
+        self.costs_timed_at = prompt_tokens
         return Pipeline(self.stages, sampling or config.sampling, config.prefill_chunk)
+
+    def last_stats(self, config: PipelineConfig, request: CacheRequest, prompt_tokens: int) -> list[StageStats | None]:
+        """Each stage's stats from the last request, where this one starts from their pass costs
+        (``carry_pass_costs``, the same stages, prompts of about the same length), else Nones."""
+        same_stages = self.built_for is not None and self.built_for.stages == request.stages
+        if not (config.carry_pass_costs and same_stages and carries(self.costs_timed_at, prompt_tokens)):
+            return [None] * len(config.stages)
+        return [stage.stats for stage in self.stages]
 
     def cache_request(self, prompt_tokens: int, max_new_tokens: int) -> tuple[PipelineConfig, CacheRequest]:
         """The config this request runs (``check_request``) and what it asks of its caches."""

@@ -26,7 +26,9 @@
   more than its round (a full-cache draft catches up on what it skipped), and SmolLM2's `self-spec`
   at 8K ran at 0.90x autoregressive with a probe every 16 tokens. While a stage speculates for a small
   gain, the verifier takes a plain step now and then (``REFRESH_EVERY``) to re-time the cost that
-  gain is measured against.
+  gain is measured against. A request that starts from the pass costs of the runtime's previous one
+  (``cascade.pass_costs``) takes no plain steps first and runs ``hopeful_gamma`` over the configured
+  gamma from its first round: only the acceptance is left to measure.
 """
 
 from __future__ import annotations
@@ -107,10 +109,16 @@ class CostModelSchedule(Schedule):
         self.unrefreshed = 0
         """Verified rounds since the verifier last took a plain step."""
         self.refresh_after = REFRESH_EVERY
+        self.opened = False
+        """The first round's gamma is set (from carried costs, where there are)."""
 
     def next_gamma(self, stats: StageStats, room: int) -> int:
-        if stats.plain_steps < PLAIN_STEPS_FIRST:
+        if stats.plain_steps < PLAIN_STEPS_FIRST and not starts_warm(stats):
             return 0  # time plain steps of the verifier first
+        if not self.opened:
+            self.opened = True
+            if starts_warm(stats):
+                self.current = hopeful_gamma(stats, self.gamma)
         if self.current == 0:
             self.bypassed, self.unrefreshed = self.bypassed + 1, 0
             if self.bypassed > self.probe_after:
@@ -129,10 +137,18 @@ class CostModelSchedule(Schedule):
             if self.probing:  # back off while probes keep finding that the stage does not pay
                 self.probe_after = PROBE_EVERY if self.current else max(2 * self.probe_after, repaying_rounds(stats))
                 self.probing = False
+        elif starts_warm(stats):
+            self.current = hopeful_gamma(stats, self.gamma)
         elif rounds <= 1:  # one round's proposals may include a retrieval stage's selection: go on
             self.current = warmup_gammas(self.gamma)[rounds]
         else:
             self.current = hopeful_gamma(stats, warmup_gammas(self.gamma)[rounds])
+
+
+def starts_warm(stats: StageStats) -> bool:
+    """The generation began with carried pass costs enough to choose a gamma from: a plain step's,
+    a proposal's and a verification's."""
+    return stats.costs_carried and bool(stats.plain_samples and stats.proposal_samples and stats.carried_verifications)
 
 
 def repaying_rounds(stats: StageStats) -> int:

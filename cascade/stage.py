@@ -12,6 +12,7 @@ from cache.config import CachePolicyConfig
 from cascade.clock import Clock
 from cascade.graphs import Capture, PassGraphs
 from cascade.model import CausalLM
+from cascade.pass_costs import fresh_stats
 from cascade.profiling import labelled
 from cascade.prompt_cache import PromptCache
 from cascade.quantise import is_quantised
@@ -66,11 +67,12 @@ class Stage:
             self._use_cache(build_policy(cache_config, layout))
         self.restart(schedule)
 
-    def restart(self, schedule: Schedule | None) -> None:
-        """Fresh counters, clock and ``schedule`` for the next generation; the cache (emptied by
-        the next prefill) and its graphs are kept."""
+    def restart(self, schedule: Schedule | None, last: StageStats | None = None) -> None:
+        """Fresh counters (starting from the pass costs in the ``last`` generation's stats, where
+        given: see ``cascade.pass_costs``), clock and ``schedule`` for the next generation; the cache
+        (emptied by the next prefill) and its graphs are kept."""
         self.schedule = schedule
-        self.stats = StageStats(self.name, schedule=schedule.name if schedule else "")
+        self.stats = fresh_stats(self.name, schedule, last)
         self.clock = Clock(self.device)
         """Times this stage's passes; its spans are settled by the pipeline between rounds."""
 

@@ -76,6 +76,13 @@ class StageStats:
     """Token-tree rounds: at each node where the verifier chose its next token (the root and the
     accepted nodes this stage had fed), how often that token was this stage's r-th most likely,
     by r; the last count is for the tokens ranked lower than all of those."""
+    costs_carried: bool = False
+    """This generation started from the pass costs of the runtime's previous request
+    (``cascade.pass_costs``): ``plain_samples`` and ``proposal_samples`` began with that request's,
+    ``carried_verifications`` holds its verification passes."""
+    carried_verifications: dict[int, tuple[int, float]] = field(default_factory=dict)
+    """Verification passes carried from the previous request, by gamma: (count, seconds); where this
+    generation has clean passes of a gamma, ``verification_s`` takes those instead."""
 
     def record_plain_step(self, seconds: float) -> None:
         self.plain_steps += 1
@@ -135,22 +142,22 @@ class StageStats:
     @property
     def verify_over_step(self) -> float:
         """Time of one verification pass over one plain step of the verifier (0 if not measured)."""
-        if not self.timed_rounds or not self.plain_steps:
+        if not self.timed_rounds or not self.plain_samples:
             return 0.0
         return (self.verify_s / self.timed_rounds) / self.step_s
 
     def verification_s(self, gamma: float) -> float:
         """Expected time of a verification pass of ``gamma`` proposals: the piecewise-linear curve
-        through the mean pass time at each gamma verified so far and a plain step's at gamma 0, kept
-        from falling (``costs.rising_curve``; weighted by their counts). On a CPU it is flat while a
-        pass is bound by reading the weights and rises once its products become compute-bound; on a
-        GPU it stays nearly flat. Without clean passes or plain steps yet: the mean verification pass."""
-        points = [
-            (g, seconds / self.clean_verifications[g], self.clean_verifications[g])
-            for g, seconds in self.clean_verification_s.items()
-        ]
-        if self.plain_steps:
-            points.append((0, self.step_s, self.plain_steps))
+        through the mean pass time at each gamma verified so far (or carried from the previous
+        request: ``carried_verifications``) and a plain step's at gamma 0, kept from falling
+        (``costs.rising_curve``; weighted by their counts). On a CPU it is flat while a pass is bound
+        by reading the weights and rises once its products become compute-bound; on a GPU it stays
+        nearly flat. Without clean passes or plain steps yet: the mean verification pass."""
+        passes = {**self.carried_verifications}
+        passes.update({g: (count, self.clean_verification_s[g]) for g, count in self.clean_verifications.items()})
+        points = [(g, seconds / count, count) for g, (count, seconds) in passes.items()]
+        if self.plain_samples:
+            points.append((0, self.step_s, len(self.plain_samples)))
         if not points:
             return self.verify_s / self.timed_rounds if self.timed_rounds else 0.0
         return along_curve(rising_curve(points), gamma)
@@ -159,9 +166,9 @@ class StageStats:
         """The cost model's speed-up at ``gamma`` from these measurements (``acceptance``,
         ``proposal_s``: assumed instead of the measured ones); until a plain step has been timed, the
         mean verification pass stands in for one."""
-        if not self.timed_rounds or not self.timed_proposed:
+        if not self.proposal_samples or not (self.plain_samples or self.timed_rounds):
             return 1.0
-        step_s = self.step_s if self.plain_steps else self.verify_s / self.timed_rounds
+        step_s = self.step_s if self.plain_samples else self.verify_s / self.timed_rounds
         acceptance = self.acceptance_mle if acceptance is None else acceptance
         proposal_s = self.proposal_s if proposal_s is None else proposal_s
         return expected_speedup(acceptance, proposal_s, self.verification_s(gamma), step_s, gamma)

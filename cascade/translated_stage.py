@@ -17,6 +17,7 @@ import torch
 
 from cascade.schedule import Schedule
 from cascade.stage import Stage, device_ids
+from cascade.stats import StageStats
 from cascade.translation import Translation
 
 
@@ -47,8 +48,8 @@ class TranslatedStage:
     captured_passes = property(lambda self: self.inner.captured_passes)
     stop_below = property(lambda self: self.inner.stop_below)
 
-    def restart(self, schedule: Schedule | None) -> None:
-        self.inner.restart(schedule)
+    def restart(self, schedule: Schedule | None, last: StageStats | None = None) -> None:
+        self.inner.restart(schedule, last)
 
     @property
     def length(self) -> int:

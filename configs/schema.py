@@ -237,6 +237,11 @@ class PipelineConfig(Strict):
     cuda_graphs: bool = True
     """On CUDA, replay decode, proposal and verification passes (up to 16 tokens) as CUDA graphs,
     captured per pass shape on first use; ignored on CPU."""
+    carry_pass_costs: bool = True
+    """Each request starts its cost model from the pass costs the runtime's previous request timed,
+    where the prompts' lengths are within 1.25x of each other (``cascade.pass_costs``): no plain
+    steps timed first, no ladder of warm-up gammas; the acceptance is measured afresh. false times
+    every request from nothing (a one-off run's figures)."""
     long_documents: LongDocumentsConfig = LongDocumentsConfig()
     """How summarization jobs treat documents longer than the usable context."""
     prompt_cache: PromptCacheConfig = PromptCacheConfig()

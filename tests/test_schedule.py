@@ -38,17 +38,24 @@ def measured(
     for _ in range(PLAIN_STEPS_FIRST):
         stats.record_plain_step(step_s)
     for proposed, accepted in acceptance_runs:
-        seconds = verify_s[proposed] if isinstance(verify_s, dict) else verify_s
-        stats.rounds += 1
-        stats.timed_rounds += 1
-        stats.proposed += proposed
-        stats.accepted += accepted
-        stats.rejections += accepted < proposed
-        stats.record_proposals(proposed, propose_s * proposed)
-        stats.verify_s += seconds
-        stats.clean_verifications[proposed] = stats.clean_verifications.get(proposed, 0) + 1
-        stats.clean_verification_s[proposed] = stats.clean_verification_s.get(proposed, 0.0) + seconds
+        record_round(
+            stats, proposed, accepted, propose_s, verify_s[proposed] if isinstance(verify_s, dict) else verify_s
+        )
     return stats
+
+
+def record_round(stats: StageStats, proposed: int, accepted: int, propose_s: float, verify_s: float) -> None:
+    """What the pipeline records of a clean, timed round: ``proposed`` tokens at ``propose_s`` each,
+    ``accepted`` of them, verified in ``verify_s``."""
+    stats.rounds += 1
+    stats.timed_rounds += 1
+    stats.proposed += proposed
+    stats.accepted += accepted
+    stats.rejections += accepted < proposed
+    stats.record_proposals(proposed, propose_s * proposed)
+    stats.verify_s += verify_s
+    stats.clean_verifications[proposed] = stats.clean_verifications.get(proposed, 0) + 1
+    stats.clean_verification_s[proposed] = stats.clean_verification_s.get(proposed, 0.0) + verify_s
 
 
 def test_expected_tokens_per_verification():
