@@ -5,11 +5,10 @@ says, so a runtime that serves one request after another (the Python API, the se
 summarization job over many documents, a benchmark's warm-up generations) need not time its passes
 from nothing each time. Where the next prompt's length is within ``CARRY_WITHIN`` of the last one's,
 each stage's new stats start from the last request's costs (``fresh_stats``): its latest plain-step
-and proposal times, and its verification passes by width. The cost model then takes no plain steps
-first and picks its first gammas from these costs and a hopeful acceptance (``schedule``), while the
-acceptance, which depends on the prompt, is measured afresh. The request's own timings join the
-carried ones as they come (the sample windows keep the latest; a width verified again replaces the
-carried passes of that width).
+and proposal times, and its verification passes' by width. The cost model then takes no plain
+steps first and picks its first gammas from these costs and a hopeful acceptance (``schedule``),
+while the acceptance, which depends on the prompt, is measured afresh. The request's own timings
+join the carried ones in the same sample windows, the latest kept.
 
 The warm-up this spares: the Qwen2.5-Coder pair at 1K on a 2-core Zen 3 spent ~1.0 s of a 3.2 s,
 64-token generation on its 3 plain steps and its rounds at gammas 1, 2 and 8 (~14 tokens), which at
@@ -41,14 +40,11 @@ def fresh_stats(name: str, schedule: Schedule | None, last: StageStats | None = 
     schedule_name = schedule.name if schedule else ""
     if last is None:
         return StageStats(name, schedule=schedule_name)
-    verifications = dict(last.carried_verifications)
-    for gamma, count in last.clean_verifications.items():
-        verifications[gamma] = (count, last.clean_verification_s[gamma])
     return StageStats(
         name,
         schedule=schedule_name,
-        costs_carried=bool(last.plain_samples or last.proposal_samples or verifications),
+        costs_carried=bool(last.plain_samples or last.proposal_samples or last.verification_samples),
         plain_samples=list(last.plain_samples),
         proposal_samples=list(last.proposal_samples),
-        carried_verifications=verifications,
+        verification_samples={gamma: list(times) for gamma, times in last.verification_samples.items()},
     )

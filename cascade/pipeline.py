@@ -340,8 +340,7 @@ class Pipeline:
             stats.record_proposals(proposed, propose_s)
             stats.verify_s += verify_s
         if clean and timed:
-            stats.clean_verifications[proposed] = stats.clean_verifications.get(proposed, 0) + 1
-            stats.clean_verification_s[proposed] = stats.clean_verification_s.get(proposed, 0.0) + verify_s
+            stats.record_verification(proposed, verify_s)
         proposer.schedule.observe(stats, proposed, verdict.accepted)
         if proposer.cache is not None:  # a lookup keeps none
             proposer.cache.observe_acceptance(proposed, verdict.accepted)

@@ -13,7 +13,7 @@
   c = p / s. On a CPU a pass costs about a step while it is bound by reading the weights and more
   the more tokens it holds once its products are compute-bound (Qwen2.5 1.5B at 1K on a 2-core
   EPYC: 1.06 steps for 4 tokens, 1.10 for 8, 1.7 for 16), so ``v(g)`` is the rising piecewise-linear curve through
-  the measured passes and the plain step (``StageStats.verification_s``), and the warm-up rounds
+  the median passes and the plain step (``StageStats.verification_s``), and the warm-up rounds
   measure it at widths growing from the shortest (``warmup_gammas``: 8 -> 1, 2, 4, 8): a short gamma
   can pay where the configured one does not. From the third warm-up round on, each runs the gamma
   that would pay best if the stage were as good as its rounds so far allow (``hopeful_gamma``), and
@@ -26,9 +26,11 @@
   more than its round (a full-cache draft catches up on what it skipped), and SmolLM2's `self-spec`
   at 8K ran at 0.90x autoregressive with a probe every 16 tokens. While a stage speculates for a small
   gain, the verifier takes a plain step now and then (``REFRESH_EVERY``) to re-time the cost that
-  gain is measured against. A request that starts from the pass costs of the runtime's previous one
-  (``cascade.pass_costs``) takes no plain steps first and runs ``hopeful_gamma`` over the configured
-  gamma from its first round: only the acceptance is left to measure.
+  gain is measured against. After the warm-up, a wider pass timed fewer than ``TRUSTED_SAMPLES``
+  times is tried every other round (``explore_past``). A request that starts from the pass costs of
+  the runtime's previous one (``cascade.pass_costs``) takes no plain steps first and runs
+  ``hopeful_gamma`` over the configured gamma from its first round: only the acceptance is left to
+  measure.
 """
 
 from __future__ import annotations
@@ -59,6 +61,12 @@ REFRESH_BELOW = 1.5
 loss, so the step is re-timed; above it a re-timing costs more than it could save."""
 WARMUP_ROUNDS = 4
 """Verified rounds (at ``warmup_gammas``) before the cost model trusts its measurements."""
+TRUSTED_SAMPLES = 3
+"""Clean verification passes of a width after which their median time is trusted. Until then, every
+other round after the warm-up proposes one token more than the best gamma where that wider pass is
+short of them: one slow pass (the first after a pause; a 5-token pass of the Qwen2.5 1.5B at 1K on a
+2-core Zen 3 took 227-234 ms once, ~150 ms in other rounds) would otherwise rule out every wider
+gamma for the rest of the generation, and such runs stayed at gamma 2 for 18-21 rounds of 23."""
 HOPE = 0.9
 """How optimistically a warm-up reads its few rounds: the acceptance ``hopeful_gamma`` assumes is the
 one that this share of its posterior lies below (after 0 of 1, 2, 3 proposals accepted: 0.68, 0.54,
@@ -111,6 +119,8 @@ class CostModelSchedule(Schedule):
         self.refresh_after = REFRESH_EVERY
         self.opened = False
         """The first round's gamma is set (from carried costs, where there are)."""
+        self.explored = False
+        """The last round proposed one more than the best gamma, to time that wider pass."""
 
     def next_gamma(self, stats: StageStats, room: int) -> int:
         if stats.plain_steps < PLAIN_STEPS_FIRST and not starts_warm(stats):
@@ -133,7 +143,7 @@ class CostModelSchedule(Schedule):
         self.unrefreshed += 1
         rounds = stats.timed_rounds
         if rounds >= WARMUP_ROUNDS:
-            self.current = best_gamma(stats, self.gamma)
+            self.current = self.explore_past(stats, best_gamma(stats, self.gamma))
             if self.probing:  # back off while probes keep finding that the stage does not pay
                 self.probe_after = PROBE_EVERY if self.current else max(2 * self.probe_after, repaying_rounds(stats))
                 self.probing = False
@@ -144,11 +154,19 @@ class CostModelSchedule(Schedule):
         else:
             self.current = hopeful_gamma(stats, warmup_gammas(self.gamma)[rounds])
 
+    def explore_past(self, stats: StageStats, best: int) -> int:
+        """``best``, or one more where that width has fewer than ``TRUSTED_SAMPLES`` clean passes
+        (not two rounds in a row, and never past the configured gamma or out of a bypass)."""
+        wider = best + 1
+        under_timed = len(stats.verification_samples.get(wider, [])) < TRUSTED_SAMPLES
+        self.explored = not self.explored and 0 < best < self.gamma and under_timed
+        return wider if self.explored else best
+
 
 def starts_warm(stats: StageStats) -> bool:
     """The generation began with carried pass costs enough to choose a gamma from: a plain step's,
     a proposal's and a verification's."""
-    return stats.costs_carried and bool(stats.plain_samples and stats.proposal_samples and stats.carried_verifications)
+    return stats.costs_carried and bool(stats.plain_samples and stats.proposal_samples and stats.verification_samples)
 
 
 def repaying_rounds(stats: StageStats) -> int:

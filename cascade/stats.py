@@ -10,6 +10,8 @@ from cascade.costs import along_curve, expected_speedup, expected_tokens, rising
 PLAIN_SAMPLES_KEPT = 32
 """Plain-step times, and per-token proposal times of rounds, a stage keeps for their medians
 (``StageStats.step_s``, ``StageStats.proposal_s``)."""
+VERIFICATION_SAMPLES_KEPT = 8
+"""Clean verification passes' times a stage keeps per gamma for their median (``StageStats.verification_s``)."""
 
 
 @dataclass
@@ -56,6 +58,10 @@ class StageStats:
     by gamma: the passes the cost model fits its verification time to."""
     clean_verification_s: dict[int, float] = field(default_factory=dict)
     """Their time, by gamma."""
+    verification_samples: dict[int, list[float]] = field(default_factory=dict)
+    """The latest of their times by gamma (at most ``VERIFICATION_SAMPLES_KEPT``, carried ones
+    first), whose medians the cost model fits: one slow pass (the first after a pause) does not set
+    a width's cost once it has been measured again."""
     plain_steps: int = 0
     """One-token passes of the stage above decoding alone (gamma 0: bypassed, or timing a plain
     step); passes that also caught up on skipped tokens are not counted."""
@@ -78,17 +84,21 @@ class StageStats:
     by r; the last count is for the tokens ranked lower than all of those."""
     costs_carried: bool = False
     """This generation started from the pass costs of the runtime's previous request
-    (``cascade.pass_costs``): ``plain_samples`` and ``proposal_samples`` began with that request's,
-    ``carried_verifications`` holds its verification passes."""
-    carried_verifications: dict[int, tuple[int, float]] = field(default_factory=dict)
-    """Verification passes carried from the previous request, by gamma: (count, seconds); where this
-    generation has clean passes of a gamma, ``verification_s`` takes those instead."""
+    (``cascade.pass_costs``): ``plain_samples``, ``proposal_samples`` and ``verification_samples``
+    began with that request's."""
 
     def record_plain_step(self, seconds: float) -> None:
         self.plain_steps += 1
         self.plain_s += seconds
         self.plain_samples = [seconds] if self.plain_samples_stale else latest_samples(self.plain_samples, seconds)
         self.plain_samples_stale = False
+
+    def record_verification(self, proposed: int, seconds: float) -> None:
+        """A clean, timed verification of ``proposed`` tokens took ``seconds``."""
+        self.clean_verifications[proposed] = self.clean_verifications.get(proposed, 0) + 1
+        self.clean_verification_s[proposed] = self.clean_verification_s.get(proposed, 0.0) + seconds
+        kept = self.verification_samples.get(proposed, [])
+        self.verification_samples[proposed] = latest_samples(kept, seconds, VERIFICATION_SAMPLES_KEPT)
 
     def retime_plain_step(self) -> None:
         """The plain steps timed so far are from another phase of the generation (a process's slow
@@ -148,14 +158,12 @@ class StageStats:
 
     def verification_s(self, gamma: float) -> float:
         """Expected time of a verification pass of ``gamma`` proposals: the piecewise-linear curve
-        through the mean pass time at each gamma verified so far (or carried from the previous
-        request: ``carried_verifications``) and a plain step's at gamma 0, kept from falling
-        (``costs.rising_curve``; weighted by their counts). On a CPU it is flat while a pass is bound
-        by reading the weights and rises once its products become compute-bound; on a GPU it stays
-        nearly flat. Without clean passes or plain steps yet: the mean verification pass."""
-        passes = {**self.carried_verifications}
-        passes.update({g: (count, self.clean_verification_s[g]) for g, count in self.clean_verifications.items()})
-        points = [(g, seconds / count, count) for g, (count, seconds) in passes.items()]
+        through the median pass time at each gamma verified so far (``verification_samples``, carried
+        ones included) and a plain step's at gamma 0, kept from falling (``costs.rising_curve``;
+        weighted by their sample counts). On a CPU it is flat while a pass is bound by reading the
+        weights and rises once its products become compute-bound; on a GPU it stays nearly flat.
+        Without clean passes or plain steps yet: the mean verification pass."""
+        points = [(g, statistics.median(times), len(times)) for g, times in self.verification_samples.items()]
         if self.plain_samples:
             points.append((0, self.step_s, len(self.plain_samples)))
         if not points:
@@ -201,9 +209,9 @@ class StageStats:
         return data
 
 
-def latest_samples(samples: list[float], new: float) -> list[float]:
-    """``samples`` with ``new`` appended, the oldest dropped past ``PLAIN_SAMPLES_KEPT``."""
-    return [*samples[1 - PLAIN_SAMPLES_KEPT :], new]
+def latest_samples(samples: list[float], new: float, kept: int = PLAIN_SAMPLES_KEPT) -> list[float]:
+    """``samples`` with ``new`` appended, the oldest dropped past ``kept``."""
+    return [*samples[1 - kept :], new]
 
 
 @dataclass

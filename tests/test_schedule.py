@@ -18,6 +18,7 @@ from cascade.schedule import (
     PROBE_EVERY,
     REFRESH_BELOW,
     REFRESH_EVERY,
+    TRUSTED_SAMPLES,
     WARMUP_ROUNDS,
     CostModelSchedule,
     HeuristicSchedule,
@@ -54,8 +55,7 @@ def record_round(stats: StageStats, proposed: int, accepted: int, propose_s: flo
     stats.rejections += accepted < proposed
     stats.record_proposals(proposed, propose_s * proposed)
     stats.verify_s += verify_s
-    stats.clean_verifications[proposed] = stats.clean_verifications.get(proposed, 0) + 1
-    stats.clean_verification_s[proposed] = stats.clean_verification_s.get(proposed, 0.0) + verify_s
+    stats.record_verification(proposed, verify_s)
 
 
 def test_expected_tokens_per_verification():
@@ -106,7 +106,8 @@ def test_cost_model_times_plain_steps_first_then_picks_the_best_gamma():
     mediocre = measured([(4, 1)] * WARMUP_ROUNDS, propose_s=0.005, verify_s=0.12, step_s=0.1)  # a = 0.5
     schedule.observe(mediocre, 4, 1)
     # long runs rarely survive and a pass costs 0.1 + 0.005 g: speed-ups 1.36, 1.46, 1.44, 1.38 for gamma 1-4
-    assert schedule.current == 2
+    assert best_gamma(mediocre, 8) == 2
+    assert schedule.current == 3  # one more while a 4-token pass is untimed (TRUSTED_SAMPLES)
 
 
 def test_cost_model_bypasses_a_stage_that_does_not_pay_and_probes_it_again():
@@ -165,7 +166,7 @@ def test_a_stage_speculating_for_a_small_gain_re_times_a_plain_step_now_and_then
     """SmolLM2's `self-spec` at 64K: three first plain steps of 100 ms, 85 ms later; gamma 1 predicted
     1.21x on them. A plain step after 16 verified rounds (then 32, 64) replaces their time, and the
     stage, no longer paying, is bypassed."""
-    schedule = CostModelSchedule(4)
+    schedule = CostModelSchedule(1)
     stats = measured([(1, 1), (1, 0)] * (WARMUP_ROUNDS // 2), propose_s=0.015, verify_s=0.113, step_s=0.100)
     schedule.observe(stats, 1, 0)
     assert schedule.current == 1 and REFRESH_BELOW > stats.expected_speedup(1) > MIN_GAIN
@@ -271,7 +272,7 @@ def test_verification_cost_is_interpolated_between_a_plain_step_and_the_measured
     unstepped = measured([(6, 1)], propose_s=0.047, verify_s=0.215, step_s=0.13)
     unstepped.plain_steps, unstepped.plain_s, unstepped.plain_samples = 0, 0.0, []
     assert unstepped.verification_s(1) == pytest.approx(0.215)  # nothing to interpolate from yet
-    unstepped.clean_verifications, unstepped.clean_verification_s = {}, {}
+    unstepped.verification_samples = {}
     assert unstepped.verification_s(1) == pytest.approx(0.215)  # only passes that caught up: their mean
     assert StageStats("fresh").verification_s(1) == 0.0
 
@@ -289,6 +290,7 @@ def test_cost_model_finds_the_short_gamma_that_pays_when_passes_grow_with_their_
     assert schedule.next_gamma(stats, room=100) == 0
     cheaper = measured([(6, 1)] * WARMUP_ROUNDS, propose_s=0.03, verify_s=0.215, step_s=0.13)
     assert cheaper.expected_speedup(1) == pytest.approx(1.12, abs=0.01)
+    cheaper.verification_samples[2] = [cheaper.verification_s(2)] * TRUSTED_SAMPLES  # timed as the curve says
     schedule.observe(cheaper, 6, 1)
     assert schedule.next_gamma(cheaper, room=100) == 1
 
@@ -304,9 +306,29 @@ def test_cost_model_picks_the_widest_pass_still_bound_by_the_weights():
     assert stats.verification_s(3) == pytest.approx((0.112 + 0.131) / 2)
     assert stats.expected_speedup(4) == pytest.approx(2.16, abs=0.01)
     assert stats.expected_speedup(8) == pytest.approx(1.97, abs=0.01)
+    assert best_gamma(stats, 8) == 4
+
+
+def test_a_width_timed_dear_once_is_timed_again_before_it_rules_out_wider_gammas():
+    """The Qwen pair at 1K on the Zen 3: a 5-token pass timed once at 227 ms (~150 ms in other
+    rounds) held a generation at gamma 2 for 21 rounds. After the warm-up every other round proposes
+    one more than the best gamma while that width has fewer than ``TRUSTED_SAMPLES`` passes; their
+    median then sets its cost, and the wider gamma, paying better, is kept."""
+    passes = {1: 0.107, 2: 0.128, 4: 0.227}
+    stats = measured([(1, 1), (2, 2), (4, 3), (2, 2)], propose_s=0.025, verify_s=passes, step_s=0.1)
     schedule = CostModelSchedule(8)
-    schedule.observe(stats, 8, 3)
-    assert schedule.current == 4
+    schedule.observe(stats, 2, 2)
+    assert best_gamma(stats, 8) == 2 and schedule.current == 3  # the 4-token pass is untimed
+    record_round(stats, 3, 3, 0.025, 0.135)
+    schedule.observe(stats, 3, 3)
+    assert schedule.current == best_gamma(stats, 8) == 3  # not two rounds in a row
+    for _ in range(TRUSTED_SAMPLES - 1):
+        schedule.observe(stats, 3, 3)
+        assert schedule.current == 4  # a 5-token pass, again
+        record_round(stats, 4, 4, 0.025, 0.150)
+        schedule.observe(stats, 4, 4)
+    assert stats.verification_s(4) == 0.150 and best_gamma(stats, 8) >= 4
+    assert schedule.next_gamma(stats, room=100) == schedule.current >= 4
 
 
 def test_one_dear_first_round_does_not_set_a_proposals_cost():
