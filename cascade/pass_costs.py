@@ -5,7 +5,7 @@ says, so a runtime that serves one request after another (the Python API, the se
 summarization job over many documents, a benchmark's warm-up generations) need not time its passes
 from nothing each time. Where the next prompt's length is within ``CARRY_WITHIN`` of the last one's,
 each stage's new stats start from the last request's costs (``fresh_stats``): its latest plain-step
-and proposal times, and its verification passes' by width. The cost model then takes no plain
+and proposal times, and its verification passes' times by width. The cost model then takes no plain
 steps first and picks its first gammas from these costs and a hopeful acceptance (``schedule``),
 while the acceptance, which depends on the prompt, is measured afresh. The request's own timings
 join the carried ones in the same sample windows, the latest kept.

@@ -64,8 +64,8 @@ WARMUP_ROUNDS = 4
 TRUSTED_SAMPLES = 3
 """Clean verification passes of a width after which their median time is trusted. Until then, every
 other round after the warm-up proposes one token more than the best gamma where that wider pass is
-short of them: one slow pass (the first after a pause; a 5-token pass of the Qwen2.5 1.5B at 1K on a
-2-core Zen 3 took 227-234 ms once, ~150 ms in other rounds) would otherwise rule out every wider
+short of them: one slow pass (a 5-token pass of the Qwen2.5 1.5B at 1K on a 2-core Zen 3 took
+227-234 ms once in a generation, ~150 ms in other generations) would otherwise rule out every wider
 gamma for the rest of the generation, and such runs stayed at gamma 2 for 18-21 rounds of 23."""
 HOPE = 0.9
 """How optimistically a warm-up reads its few rounds: the acceptance ``hopeful_gamma`` assumes is the

@@ -60,8 +60,8 @@ class StageStats:
     """Their time, by gamma."""
     verification_samples: dict[int, list[float]] = field(default_factory=dict)
     """The latest of their times by gamma (at most ``VERIFICATION_SAMPLES_KEPT``, carried ones
-    first), whose medians the cost model fits: one slow pass (the first after a pause) does not set
-    a width's cost once it has been measured again."""
+    first), whose medians the cost model fits: one slow pass does not set a width's cost once it has
+    been timed again."""
     plain_steps: int = 0
     """One-token passes of the stage above decoding alone (gamma 0: bypassed, or timing a plain
     step); passes that also caught up on skipped tokens are not counted."""
