@@ -68,7 +68,6 @@ IMPLS = (*PRESETS, "transformers", "transformers-assisted", *PEERS)
 PEERS_WITH_DRAFTS = {"transformers-assisted", "llama.cpp-speculative"}
 WARMUP_TOKENS = 5000  # warm-up prompts are at most this long: first-touch costs without long prefills
 WARMUP_NEW_TOKENS = 16  # and generate this many: a few rounds of every pass shape, without a long decode
-DECODE_WARMUP_TOKENS = 64  # transformers' warm-up prompts where its timed run continues from a stored prompt
 SAMPLING = {"greedy": {"temperature": 0.0, "top_p": 1.0}, "sample": {"temperature": 0.7, "top_p": 0.9}}
 PREDICTION_TOLERANCE = 1.5
 """How far the cost model's predicted speed-up of a preset (``predicted_speedup`` in its stats) may
@@ -394,11 +393,8 @@ def run_transformers(
             out[0, ids.numel() :].tolist(),
         )
 
-    # a timed run that continues from the stored prompt only decodes: its warm-ups need not prefill
-    # the prompt (where oneDNN emulates bf16 products, as on AVX2 CPUs, they ran at ~16 GFLOP/s)
-    warmup = prompt[: DECODE_WARMUP_TOKENS if args.prompt_file else WARMUP_TOKENS]
     for _ in range(args.warmups):
-        timed(warmup, min(args.new_tokens, WARMUP_NEW_TOKENS))
+        timed(prompt[:WARMUP_TOKENS], min(args.new_tokens, WARMUP_NEW_TOKENS))
     continued = {}
     if args.prompt_file:
         stored = [Path(path) for path in args.prompt_file]
