@@ -351,3 +351,22 @@ def test_attention_bench_without_out_writes_a_run_directory_with_its_manifest(tm
     assert [row["queries"] for row in json.loads((run_dir / "attention.json").read_text())["rows"]] == [1]
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["settings"]["keys"] == [100] and manifest["machine"]["threads"] >= 1
+
+
+@pytest.mark.skipif(not kernels.weight_kernel_available(), reason="cascade's weight kernel does not run here")
+def test_product_chain_bench_times_a_chain_of_layer_products_beside_one_product_of_its_bytes(tmp_path):
+    """Two layers of SmolLM2's products (qkv [960, 576], o [576, 576], gate/up [3072, 576], down
+    [576, 1536]) in turn, and one product of as many bytes (whole panels of 16 outputs)."""
+    out = tmp_path / "chain.json"
+    command = [sys.executable, "scripts/product_chain_bench.py", "--layers", "2"]
+    subprocess.run([*command, "--rows", "1", "3", "--repeats", "1", "--out", str(out)], check=True)
+    report = json.loads(out.read_text())
+    layer_bytes = 2 * (960 * 576 + 576 * 576 + 3072 * 576 + 576 * 1536)
+    assert report["products"] == 8 and report["chain_bytes"] == 2 * layer_bytes
+    assert 0 <= report["one_bytes"] - report["chain_bytes"] < 2 * 16 * 576
+    assert [row["rows"] for row in report["rows"]] == [1, 3]
+    assert all(row["chain_ms"] > 0 and row["one_ms"] > 0 for row in report["rows"])
+    assert json.loads(out.with_name("chain.manifest.json").read_text())["settings"]["layers"] == 2
+    for bad, message in (("--rows 17", "the kernel takes 1 to 16 rows"), ("--layers 0", "--layers must be at least 1")):
+        refused = subprocess.run([*command, *bad.split()], capture_output=True, text=True)
+        assert refused.returncode == 2 and message in refused.stderr
