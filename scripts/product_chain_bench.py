@@ -6,8 +6,9 @@ work between them. One product over the same bytes streams its weight from memor
 The difference between the two, per product, is what the chain pays for starting and ending each
 product (the threads' fork and join, the memory streams' ramp, the threads' uneven ends), which no
 roofline counts. Both run through cascade's weight kernel (``rows_times_weight``, bf16; in panels where
-the AVX2 kernel takes them) on weights in huge pages, side by side in one process, alternated, the
-median of ``--repeats``:
+the AVX2 kernel takes them) on weights in huge pages (the chain's one after another in one region, as
+``cascade.huge_pages`` moves a model's), side by side in one process, alternated, the median of
+``--repeats``:
 
 - ``chain``: every layer's four products of ``--shape`` (random weights, each its own), ``--rows``
   activation rows each (1: a decode step);
@@ -80,11 +81,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def kernel_weight(outputs: int, inputs: int, in_panels: bool) -> torch.Tensor:
-    """A random bf16 weight [O, I] in huge pages, as the kernel reads it (panels [O / 16, I, 16] on AVX2)."""
-    weight = torch.randn(outputs, inputs).bfloat16()
-    packed = panels.pack(weight) if in_panels else weight
-    return huge_pages.zeros(tuple(packed.shape), torch.bfloat16, CPU).copy_(packed)
+def kernel_weights(shapes: list[tuple[int, int]], in_panels: bool) -> list[torch.Tensor]:
+    """Random bf16 weights [O, I] of ``shapes``, as the kernel reads them (panels [O / 16, I, 16] on AVX2),
+    one after another in one region of huge pages, as a model's weights are moved there."""
+    packed = [torch.randn(o, i).bfloat16() for o, i in shapes]
+    packed = [panels.pack(weight) if in_panels else weight for weight in packed]
+    sizes = [-(-weight.nbytes // huge_pages.ALIGNMENT) * huge_pages.ALIGNMENT for weight in packed]
+    region = huge_pages.advised_region(sum(sizes))
+    if region is None:
+        return packed
+    offsets = [sum(sizes[:index]) for index in range(len(sizes))]
+    return [
+        region[offset : offset + weight.nbytes].view(torch.bfloat16).view(weight.shape).copy_(weight)
+        for offset, weight in zip(offsets, packed, strict=True)
+    ]
 
 
 def timed_pair(chain: list[torch.Tensor], one: torch.Tensor, rows: int, repeats: int) -> tuple[float, float]:
@@ -112,10 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     shape = SHAPES[args.shape]
     layers = args.layers or shape.layers
     in_panels = "avx2" in kernels.compiled_features()
-    chain = [kernel_weight(o, i, in_panels) for _ in range(layers) for o, i in shape.products()]
+    chain = kernel_weights(shape.products() * layers, in_panels)
     chain_bytes = sum(weight.numel() * 2 for weight in chain)
     one_outputs = -(-chain_bytes // (2 * shape.hidden * 16)) * 16  # as many bytes, whole panels
-    one = kernel_weight(one_outputs, shape.hidden, in_panels)
+    [one] = kernel_weights([(one_outputs, shape.hidden)], in_panels)
     print("| rows | chain of products ms (GB/s) | one product ms (GB/s) | chain's cost a product, us |")
     print("|---:|---:|---:|---:|")
     rows = []
