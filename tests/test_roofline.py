@@ -367,6 +367,12 @@ def test_product_chain_bench_times_a_chain_of_layer_products_beside_one_product_
     assert [row["rows"] for row in report["rows"]] == [1, 3]
     assert all(row["chain_ms"] > 0 and row["one_ms"] > 0 for row in report["rows"])
     assert json.loads(out.with_name("chain.manifest.json").read_text())["settings"]["layers"] == 2
+    if kernels.quantised_kernels_available():  # the int8 products of a quantised draft, their scales counted
+        subprocess.run([*command, "--weights", "int8", "--repeats", "1", "--out", str(out)], check=True)
+        report = json.loads(out.read_text())
+        assert report["weights"] == "int8" and not report["panels"]
+        scales = 2 * 4 * (960 + 576 + 3072 + 576)  # float32, one an output row, 2 layers
+        assert report["chain_bytes"] == layer_bytes + scales  # 2 layers of 1-byte weights: layer_bytes
     for bad, message in (("--rows 17", "the kernel takes 1 to 16 rows"), ("--layers 0", "--layers must be at least 1")):
         refused = subprocess.run([*command, *bad.split()], capture_output=True, text=True)
         assert refused.returncode == 2 and message in refused.stderr
