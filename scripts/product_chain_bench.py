@@ -36,8 +36,6 @@ from cascade.logs import show_logs
 from cascade.quantise import Int4Linear, Int8Linear, projection
 from cascade.runs import run_files
 
-CPU = torch.device("cpu")
-
 
 class Shape(NamedTuple):
     hidden: int
