@@ -13,7 +13,7 @@ from cache import describe_policies
 from cascade import atomic
 from cascade.completion import Completion
 from cascade.errors import CascadeError, entry_point
-from cascade.llm import LLM
+from cascade.llm import LLM, with_kept_pass_costs
 from cascade.logs import show_logs
 from cascade.profiling import check_profile_dir, profiled
 from configs import load_config, preset_names
@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     texts = read_prompts(args)
     if not texts[0].strip():
         raise CascadeError("the prompt is empty: give some text with --prompt or --prompt-file")
-    llm = LLM.from_config(config, preset)
+    llm = LLM.from_config(with_kept_pass_costs(config), preset)
     requests = [
         llm.prepare([{"role": "user", "content": text}], chat=True) if args.chat else llm.prepare(text)
         for text in texts

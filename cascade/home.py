@@ -29,6 +29,12 @@ def prompt_cache_dir() -> Path:
     return cascade_home() / "prompt-cache"
 
 
+def pass_costs_dir() -> Path:
+    """Where the entry points keep pass costs for later processes by default (``pass_costs_dir`` in
+    the config): ``$CASCADE_PASS_COSTS``, else ``$CASCADE_HOME/pass-costs``."""
+    return Path(os.environ.get("CASCADE_PASS_COSTS", cascade_home() / "pass-costs")).expanduser()
+
+
 def prompt_cache_option(value: str) -> str | None:
     """The scripts' ``--prompt-cache``: a directory (the ``prompt_cache.dir`` setting), or 'none'."""
     return None if value == "none" else str(Path(value).expanduser())

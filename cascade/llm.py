@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from cascade.batch import BatchRequest, generate_batch
 from cascade.completion import FINISH_REASONS, Completion, IncrementalText, Stream, TextCallback
 from cascade.errors import CascadeError
-from cascade.home import prompt_cache_dir
+from cascade.home import pass_costs_dir, prompt_cache_dir
 from cascade.lockstep import JoiningBatch, generate_together
 from cascade.pipeline import GenerationResult, TokenCallback
 from cascade.runtime import Runtime, build_runtime
@@ -57,7 +57,8 @@ class LLM:
     ``__`` for the dots (``sampling__temperature=0.7``). A bad setting raises ``ValueError`` with the
     CLI's message. Prompts are reused (``reuse_prompts``): a prompt that begins as an earlier one did
     (a document asked another question) prefills only what follows the shared passes, from the
-    prompt cache (``prompt_cache.dir``, by default ``$CASCADE_HOME/prompt-cache``).
+    prompt cache (``prompt_cache.dir``, by default ``$CASCADE_HOME/prompt-cache``), and the passes'
+    costs are kept for later processes (``pass_costs_dir``, by default ``$CASCADE_HOME/pass-costs``).
 
     >>> llm = LLM("speculative", target="qwen2.5-coder-1.5b-instruct")
     >>> llm.generate("def quicksort(items):", max_new_tokens=64).text
@@ -78,6 +79,7 @@ class LLM:
         models = {"target.path": target, "draft.path": draft, "dtype": dtype}
         settings |= {key: str(value) for key, value in models.items() if value is not None}
         name, pipeline_config = load_config(preset, Path(config) if config else None, (), settings)
+        pipeline_config = with_kept_pass_costs(pipeline_config)
         self._load(name, with_prompt_cache(pipeline_config) if reuse_prompts else pipeline_config)
 
     @classmethod
@@ -288,6 +290,14 @@ def completion_of(request: Request, text: IncrementalText, result: GenerationRes
     """The Completion of ``request``'s finished generation (``text``: its decoded tokens)."""
     reason = FINISH_REASONS[result.stats.stop_reason]
     return Completion(text.text, result.token_ids, request.prompt_ids, reason, result.stats.to_dict())
+
+
+def with_kept_pass_costs(config: PipelineConfig) -> PipelineConfig:
+    """``config`` keeping its requests' pass costs for later processes (``cascade.cost_store``): in its
+    ``pass_costs_dir``, else the default one."""
+    if config.pass_costs_dir is not None:
+        return config
+    return config.model_copy(update={"pass_costs_dir": str(pass_costs_dir())})
 
 
 def with_prompt_cache(config: PipelineConfig) -> PipelineConfig:

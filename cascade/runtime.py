@@ -15,6 +15,7 @@ from cache.full import FullCache
 from cascade import fused, kernels, panels
 from cascade.attention import resolve_kernels
 from cascade.checkpoint import LoadedModel, load_checkpoint, stretch_factor
+from cascade.cost_store import costs_identity, keep_stats, kept_stats
 from cascade.errors import CascadeError
 from cascade.graphs import MAX_GRAPH_TOKENS, Capture, cuda_graph
 from cascade.huge_pages import move_to_huge_pages
@@ -194,11 +195,30 @@ class Runtime:
 
     def last_stats(self, config: PipelineConfig, request: CacheRequest, prompt_tokens: int) -> list[StageStats | None]:
         """Each stage's stats from the last request, where this one starts from their pass costs
-        (``carry_pass_costs``, the same stages, prompts of about the same length), else Nones."""
+        (``carry_pass_costs``, the same stages, prompts of about the same length), else those kept
+        on disk for these stages and this length (``pass_costs_dir``), else Nones."""
+        nothing = [None] * len(config.stages)
+        if not config.carry_pass_costs:
+            return nothing
         same_stages = self.built_for is not None and self.built_for.stages == request.stages
-        if not (config.carry_pass_costs and same_stages and carries(self.costs_timed_at, prompt_tokens)):
-            return [None] * len(config.stages)
-        return [stage.stats for stage in self.stages]
+        if same_stages and carries(self.costs_timed_at, prompt_tokens):
+            return [stage.stats for stage in self.stages]
+        if config.pass_costs_dir is None:
+            return nothing
+        identity = costs_identity(config, request.stages)
+        names = [stage_name(index, stage) for index, stage in enumerate(config.stages)]
+        return kept_stats(Path(config.pass_costs_dir), identity, names, prompt_tokens) or nothing
+
+    def keep_costs(self, prompt_tokens: int) -> None:
+        """Keep the last request's pass costs on disk for later processes (``pass_costs_dir``), where
+        a stage proposed or timed anything."""
+        config = self.config
+        if not (config.carry_pass_costs and config.pass_costs_dir and self.built_for):
+            return
+        stats = [stage.stats for stage in self.stages]
+        if any(one.plain_samples or one.proposal_samples for one in stats[:-1]):
+            identity = costs_identity(config, self.built_for.stages)
+            keep_stats(Path(config.pass_costs_dir), identity, prompt_tokens, stats)
 
     def cache_request(self, prompt_tokens: int, max_new_tokens: int) -> tuple[PipelineConfig, CacheRequest]:
         """The config this request runs (``check_request``) and what it asks of its caches."""
@@ -230,14 +250,14 @@ class Runtime:
             stage = config.stages[index]
             if stage.model == "lookup":
                 device = self.target.model.device
-                stages[index] = LookupStage(f"{index}:lookup", stage.lookup.sizes, device, schedules[index])
+                stages[index] = LookupStage(stage_name(index, stage), stage.lookup.sizes, device, schedules[index])
                 continue
             model = models[stage.model]
             source = config.source_of(index)
             translated = stage.model == "draft" and self.translation is not None
             spelled = TRANSLATED_TOKENS if translated else 1  # draft tokens per target token, at most
             stages[index] = Stage(
-                f"{index}:{stage.model}/{stage.cache.kind}",
+                stage_name(index, stage),
                 model,
                 stage.cache,
                 model.cache_layout(request.capacity * spelled, request.max_pending * spelled),
@@ -279,7 +299,14 @@ class Runtime:
         pipeline = self.pipeline_for(len(prompt_ids), max_new_tokens, sampling)
         generator = torch.Generator(device=device).manual_seed(self.config.seed if seed is None else seed)
         stop = self.stop_rule(max_new_tokens, stop_at_eos, stop_strings=stop_strings, cancelled=cancelled)
-        return pipeline.generate(torch.tensor(prompt_ids, device=device), stop, generator, on_tokens=on_tokens)
+        result = pipeline.generate(torch.tensor(prompt_ids, device=device), stop, generator, on_tokens=on_tokens)
+        self.keep_costs(len(prompt_ids))
+        return result
+
+
+def stage_name(index: int, stage: StageConfig) -> str:
+    """How stage ``index`` is named in stats: its position, model and cache."""
+    return f"{index}:lookup" if stage.model == "lookup" else f"{index}:{stage.model}/{stage.cache.kind}"
 
 
 def schedules_for(config: PipelineConfig) -> list[Schedule | None]:

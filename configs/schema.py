@@ -242,6 +242,13 @@ class PipelineConfig(Strict):
     where the prompts' lengths are within 1.25x of each other (``cascade.pass_costs``): no plain
     steps timed first, no ladder of warm-up gammas; the acceptance is measured afresh. false times
     every request from nothing (a one-off run's figures)."""
+    pass_costs_dir: str | None = None
+    """Where each request's pass costs are kept for later processes on this machine
+    (``cascade.cost_store``): a runtime's first request starts from the costs a run of the same
+    models and stages timed here on a prompt within 1.25x of its length, as ``carry_pass_costs``
+    carries them within a runtime (which must be on). null keeps none; ``cascade.generate``,
+    ``cascade.serve``, summarization jobs and ``cascade.LLM`` keep them in ``$CASCADE_HOME/pass-costs``
+    (or ``$CASCADE_PASS_COSTS``) unless this names another directory."""
     long_documents: LongDocumentsConfig = LongDocumentsConfig()
     """How summarization jobs treat documents longer than the usable context."""
     prompt_cache: PromptCacheConfig = PromptCacheConfig()

@@ -80,6 +80,15 @@ def runtime_messages(caplog) -> list[str]:
     return [record.getMessage() for record in caplog.records if record.name == "cascade.runtime"]
 
 
+@pytest.fixture(autouse=True)
+def kept_pass_costs(tmp_path_factory, monkeypatch) -> Path:
+    """Each test keeps pass costs (``cascade.cost_store``) where no other test reads them: a runtime's
+    first request starts from its own test's costs only (the CLIs it starts inherit the variable)."""
+    directory = tmp_path_factory.mktemp("pass-costs")
+    monkeypatch.setenv("CASCADE_PASS_COSTS", str(directory))
+    return directory
+
+
 @pytest.fixture
 def home(tmp_path, monkeypatch) -> Path:
     """An empty $CASCADE_HOME: nothing provisioned."""

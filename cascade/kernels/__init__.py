@@ -57,12 +57,22 @@ def build_directory() -> Path:
     """Per source version, CPU (the build uses -march=native) and PyTorch installation (the build's
     commands name its headers and libraries). Resolved: a ``$CASCADE_HOME`` whose ``build`` links to
     another home's names the same files, so ninja sees the same commands and does not rebuild."""
-    code = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     machine = platform.processor() + cpu_model() + str(Path(torch.__file__).parent)
-    digest = hashlib.sha256(code + machine.encode())
+    digest = hashlib.sha256(source_code() + machine.encode())
     path = cascade_home() / "build" / f"kernels-{torch.__version__}-{digest.hexdigest()[:12]}"
     path.mkdir(parents=True, exist_ok=True)
     return path.resolve()
+
+
+def source_code() -> bytes:
+    """The kernels' sources and headers, one after another."""
+    return b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
+
+
+@cache
+def source_digest() -> str:
+    """A digest of the kernels' sources: what a pass costs changes with them."""
+    return hashlib.sha256(source_code()).hexdigest()[:16]
 
 
 def staged_sources(directory: Path) -> list[str]:

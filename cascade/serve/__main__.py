@@ -14,7 +14,7 @@ from pathlib import Path
 
 from cascade.errors import CascadeError, entry_point
 from cascade.generate import FLAG_SETTINGS
-from cascade.llm import LLM, with_prompt_cache
+from cascade.llm import LLM, with_kept_pass_costs, with_prompt_cache
 from cascade.logs import show_logs
 from configs import load_config, preset_names
 
@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         raise CascadeError(
             f"the server needs FastAPI and uvicorn ({missing.name} is not installed): pip install 'cascade[serve]'"
         ) from None
+    config = with_kept_pass_costs(config)
     llm = LLM.from_config(config if args.no_prompt_cache else with_prompt_cache(config), preset)
     model_name = args.model_name or Path(llm.runtime.target.path).name
     logger.info(f"serving {model_name} with the {preset} preset on http://{args.host}:{args.port}/v1")

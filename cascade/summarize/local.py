@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import functools
 
-from cascade.llm import LLM
+from cascade.llm import LLM, with_kept_pass_costs
 from cascade.summarize.job import Job, Outcome, Progress, pending_documents, records_for
 from cascade.summarize.results import ResultLog
 from cascade.summarize.summarizer import Summarizer
 
 
 def summarizer_for(job: Job) -> Summarizer:
-    return Summarizer(LLM.from_config(job.config), job.template, job.config.max_new_tokens, job.batch_size)
+    llm = LLM.from_config(with_kept_pass_costs(job.config))
+    return Summarizer(llm, job.template, job.config.max_new_tokens, job.batch_size)
 
 
 def run_local(job: Job) -> Outcome:
