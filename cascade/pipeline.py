@@ -233,6 +233,7 @@ class Pipeline:
             if proposer and clean and self._captured_graphs(level) == captured:  # timing it waits for it (CUDA)
                 proposer.stats.record_plain_step(self.clock.seconds(stepping, self.clock.mark()))
             return drawn
+        caught_up = len(context) - proposer.length > 1  # its proposal first feeds tokens it skipped
         proposing = self.clock.mark()
         speculate = self._speculate_tree if proposer.tree is not None else self._speculate
         verdict, drawn, verifying, proposed = speculate(level, context, gamma)  # read: the host has caught up
@@ -246,6 +247,7 @@ class Pipeline:
             self.clock.seconds(verifying, finished),
             clean,
             timed,
+            caught_up,
         )
         return drawn
 
@@ -327,9 +329,11 @@ class Pipeline:
         verify_s: float,
         clean: bool,
         timed: bool,
+        caught_up: bool,
     ) -> None:
         """Count a verified round of ``proposed`` tokens; its times only if ``timed`` (no pass of it was
-        captured)."""
+        captured), its verification's only if ``clean`` and its proposal's apart if the proposer first
+        ``caught_up`` on tokens it had skipped."""
         stats = proposer.stats
         stats.rounds += 1
         stats.proposed += proposed
@@ -337,7 +341,7 @@ class Pipeline:
         stats.rejections += verdict.accepted < proposed
         if timed:
             stats.timed_rounds += 1
-            stats.record_proposals(proposed, propose_s)
+            stats.record_proposals(proposed, propose_s, caught_up)
             stats.verify_s += verify_s
         if clean and timed:
             stats.record_verification(proposed, verify_s)

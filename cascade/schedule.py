@@ -171,8 +171,8 @@ def starts_warm(stats: StageStats) -> bool:
 
 def repaying_rounds(stats: StageStats) -> int:
     """Bypassed rounds over which the last probe's extra time (its proposal beyond a proposal's
-    median: the stage catching up on what it skipped) is ``PROBE_SHARE`` of decoding alone."""
-    extra = stats.proposal_samples[-1] - stats.proposal_s if stats.proposal_samples else 0.0
+    median: the stage catching up on what it skipped, ``catch_up_s``) is ``PROBE_SHARE`` of decoding alone."""
+    extra = stats.catch_up_s - stats.proposal_s if stats.catch_up_s else 0.0
     return math.ceil(max(extra, 0.0) / (PROBE_SHARE * stats.step_s)) if stats.step_s else 0
 
 
@@ -188,7 +188,7 @@ def hopeful_gamma(stats: StageStats, widest: int) -> int:
     allow (acceptance at its ``HOPE`` upper bound, a proposal at its cheapest round), or 0 if even
     that falls short of ``MIN_GAIN``: a warm-up round that cannot pay is not run."""
     acceptance = acceptance_upper_bound(stats.accepted, stats.rejections, HOPE)
-    proposal_s = min(stats.proposal_samples)
+    proposal_s = min(stats.proposal_samples or [stats.catch_up_s])  # none clean yet: the catch-up's
     speedups = {gamma: stats.expected_speedup(gamma, acceptance, proposal_s) for gamma in range(1, widest + 1)}
     gamma = max(speedups, key=lambda g: (speedups[g], -g))
     return gamma if speedups[gamma] >= MIN_GAIN else 0

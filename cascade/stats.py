@@ -50,7 +50,13 @@ class StageStats:
     proposal_samples: list[float] = field(default_factory=list)
     """Per timed round, its proposal time over its proposals (the latest ``PLAIN_SAMPLES_KEPT``):
     their median is a proposal's cost, which a one-off dear pass (a retrieval cache's first
-    selection) does not set."""
+    selection) does not set. Rounds whose proposal began by catching up on tokens the stage skipped
+    (after plain steps or bypassed rounds) are not among them (``catch_up_s``)."""
+    catch_up_s: float = 0.0
+    """The latest timed round whose proposal began by catching up on skipped tokens (a probe after
+    bypassed rounds): its time over its proposals. Counted among the proposal samples, two probes'
+    catch-ups among a cold warm-up's four rounds priced the Qwen2.5 0.5B draft's proposals at 16K at
+    0.12 s instead of 0.03, and its cost model bypassed a draft that paid 1.5x (2-core Zen 3)."""
     verify_s: float = 0.0
     """Time the stage above spent verifying them."""
     clean_verifications: dict[int, int] = field(default_factory=dict)
@@ -105,11 +111,15 @@ class StageStats:
         first steps, a shorter context): the next one's time replaces theirs."""
         self.plain_samples_stale = True
 
-    def record_proposals(self, proposed: int, seconds: float) -> None:
-        """A timed round drew ``proposed`` tokens in ``seconds``."""
+    def record_proposals(self, proposed: int, seconds: float, caught_up: bool = False) -> None:
+        """A timed round drew ``proposed`` tokens in ``seconds``, after catching up on tokens the stage
+        had skipped if ``caught_up`` (then its time is ``catch_up_s``, not a proposal sample)."""
         self.timed_proposed += proposed
         self.propose_s += seconds
-        self.proposal_samples = latest_samples(self.proposal_samples, seconds / proposed)
+        if caught_up:
+            self.catch_up_s = seconds / proposed
+        else:
+            self.proposal_samples = latest_samples(self.proposal_samples, seconds / proposed)
 
     @property
     def proposal_s(self) -> float:
@@ -174,7 +184,8 @@ class StageStats:
         """The cost model's speed-up at ``gamma`` from these measurements (``acceptance``,
         ``proposal_s``: assumed instead of the measured ones); until a plain step has been timed, the
         mean verification pass stands in for one."""
-        if not self.proposal_samples or not (self.plain_samples or self.timed_rounds):
+        unpriced = proposal_s is None and not self.proposal_samples
+        if unpriced or not (self.plain_samples or self.timed_rounds):
             return 1.0
         step_s = self.step_s if self.plain_samples else self.verify_s / self.timed_rounds
         acceptance = self.acceptance_mle if acceptance is None else acceptance

@@ -144,9 +144,30 @@ def test_a_dear_probe_comes_again_only_once_the_bypassed_rounds_repay_it():
     useless = measured([(1, 0)] * WARMUP_ROUNDS, propose_s=0.030, verify_s=0.12, step_s=0.113)
     schedule.observe(useless, 1, 0)
     assert [schedule.next_gamma(useless, room=100) for _ in range(PROBE_EVERY + 1)][-1] == 1
-    useless.record_proposals(1, 0.305)  # the probe's round
+    useless.record_proposals(1, 0.305, caught_up=True)  # the probe's round
+    assert useless.proposal_s == 0.030 and useless.catch_up_s == 0.305
     schedule.observe(useless, 1, 0)
     assert schedule.current == 0 and schedule.probe_after == repaying_rounds(useless) == 49 > 2 * PROBE_EVERY
+
+
+def test_a_probes_catch_up_does_not_price_the_proposals():
+    """The Qwen2.5 0.5B draft at 16K on a 2-core Zen 3, cold: its first round followed the verifier's
+    plain steps and two probes followed bypassed rounds, each first feeding the tokens it had skipped
+    (0.063, 0.189 and 0.242 s a token against 0.03-0.04): among the proposal samples they priced a
+    proposal at 0.12 s. Kept apart, they leave the clean rounds' median, and the latest is the probe's
+    price (``repaying_rounds``)."""
+    stats = measured([(1, 1), (2, 2)], propose_s=0.03, verify_s={1: 0.17, 2: 0.2}, step_s=0.13)
+    for seconds in (0.063, 0.189, 0.242):
+        stats.record_proposals(1, seconds, caught_up=True)
+    assert stats.proposal_samples == [0.03, 0.03] and stats.proposal_s == 0.03 and stats.catch_up_s == 0.242
+    assert stats.timed_proposed == 6 and stats.propose_s == pytest.approx(0.03 * 3 + 0.063 + 0.189 + 0.242)
+    assert best_gamma(stats, 8) > 0
+    only_caught_up = StageStats("proposer")
+    only_caught_up.record_plain_step(0.13)
+    only_caught_up.record_proposals(1, 0.063, caught_up=True)
+    assert only_caught_up.expected_speedup(1) == 1.0  # no clean proposal: no estimate
+    assumed = only_caught_up.expected_speedup(1, 0.9, proposal_s=0.063)  # a price given is used
+    assert assumed == pytest.approx(expected_speedup(0.9, 0.063, 0.13, 0.13, 1))
 
 
 def test_a_slow_first_plain_step_does_not_set_the_cost_speculation_is_measured_against():
