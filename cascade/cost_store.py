@@ -5,13 +5,14 @@ run (``python -m cascade.generate``, one case of a benchmark) has no previous re
 model times plain steps first and warms up at a ladder of gammas. Here each request's costs are
 written to a file named by what they depend on (``costs_identity``: the machine, torch, cascade's
 kernels, the models and how they run, and the stages), one entry per prompt length, and a runtime's
-first request on a prompt within ``cascade.pass_costs.CARRY_WITHIN`` of a kept length starts from that entry's costs.
-The acceptance, which depends on the prompt, is never kept. A file that cannot be read or written
-costs a warning, never a generation.
+first request on a prompt within ``cascade.pass_costs.CARRY_WITHIN`` of a kept length starts from that
+entry's costs. The acceptance, which depends on the prompt, is never kept. A file that cannot be read
+or written costs a warning (once per file and process), never a generation.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -110,7 +111,7 @@ def keep_stats(directory: Path, identity: dict, prompt_tokens: int, stats: list[
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic.write_text(path, kept.model_dump_json(indent=1) + "\n")
     except OSError as error:
-        logger.warning(f"cascade: could not keep pass costs in {path} ({error}); later runs time them afresh")
+        warn_once(f"cascade: could not keep pass costs in {path} ({error}); later runs time them afresh")
 
 
 def read_entries(path: Path, identity: dict) -> list[CostEntry]:
@@ -120,6 +121,11 @@ def read_entries(path: Path, identity: dict) -> list[CostEntry]:
     except FileNotFoundError:
         return []
     except (OSError, ValidationError) as error:
-        logger.warning(f"cascade: kept pass costs {path} are unreadable ({error}); timing passes afresh")
+        warn_once(f"cascade: kept pass costs {path} are unreadable ({error}); timing passes afresh")
         return []
     return kept.entries if kept.identity == identity else []
+
+
+@functools.cache
+def warn_once(message: str) -> None:
+    logger.warning(message)
