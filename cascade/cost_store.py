@@ -51,6 +51,8 @@ def costs_path(directory: Path, identity: dict) -> Path:
 
 
 class StageCosts(BaseModel):
+    """What a stage's stats hold of its pass costs (``StageStats``' fields of the same names)."""
+
     name: str
     plain_samples: list[float]
     proposal_samples: list[float]
@@ -80,15 +82,7 @@ def kept_stats(directory: Path, identity: dict, names: list[str], prompt_tokens:
     entry = min(near, key=lambda entry: abs(entry.prompt_tokens - prompt_tokens))
     if [stage.name for stage in entry.stages] != names:
         return None
-    return [
-        StageStats(
-            stage.name,
-            plain_samples=stage.plain_samples,
-            proposal_samples=stage.proposal_samples,
-            verification_samples=stage.verification_samples,
-        )
-        for stage in entry.stages
-    ]
+    return [StageStats(**stage.model_dump()) for stage in entry.stages]
 
 
 def keep_stats(directory: Path, identity: dict, prompt_tokens: int, stats: list[StageStats]) -> None:
@@ -96,15 +90,7 @@ def keep_stats(directory: Path, identity: dict, prompt_tokens: int, stats: list[
     entry whose length carries to it (the oldest dropped past ``KEPT_LENGTHS``)."""
     path = costs_path(directory, identity)
     entries = [entry for entry in read_entries(path, identity) if not carries(entry.prompt_tokens, prompt_tokens)]
-    stages = [
-        StageCosts(
-            name=one.name,
-            plain_samples=one.plain_samples,
-            proposal_samples=one.proposal_samples,
-            verification_samples=one.verification_samples,
-        )
-        for one in stats
-    ]
+    stages = [StageCosts.model_validate(one, from_attributes=True) for one in stats]
     entry = CostEntry(prompt_tokens=prompt_tokens, kept_at=time.time(), stages=stages)
     kept = CostFile(identity=identity, entries=[*entries[1 - KEPT_LENGTHS :], entry])
     try:

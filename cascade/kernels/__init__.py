@@ -90,6 +90,7 @@ def staged_sources(directory: Path) -> list[str]:
     return [str(staged / path.name) for path in SOURCES]
 
 
+@cache
 def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
