@@ -118,6 +118,9 @@ class Pipeline:
         self.generator: torch.Generator | None = None
         self.clock = stages[-1].clock
         """Times the rounds (proposing, verifying, plain steps) for the schedules."""
+        self.draft_runs_anyway: Callable[[], bool] | None = None
+        """Set by a batch (``cascade.lockstep``): whether the draft's pass that would take the lowest
+        stage's next proposal runs now for other sequences anyway, so the proposal costs no time."""
         lowest = stages[0]
         depths = range(1, lowest.tree.depth + 1) if lowest.tree else ()
         self._tree_plans = {depth: TreePlan(lowest.tree.up_to(depth), lowest.device) for depth in depths}
@@ -176,11 +179,12 @@ class Pipeline:
             stage.prefill(prompt_ids, self.prefill_chunk)
         return target_logits
 
-    def _draw(self, level: int, context: list[int], count: int) -> Draw:
+    def _draw(self, level: int, context: list[int], count: int, room: int) -> Draw:
         """``count`` tokens from stage ``level``'s distribution after ``context`` (not changed); from
-        the lowest stage, fewer where it ends its proposals early (``stop_below``)."""
+        the lowest stage, fewer where it ends its proposals early (``stop_below``), or up to ``room``
+        where more cost it nothing (``_proposes_free``)."""
         if level == 0:
-            return self._decode(context, count)
+            return self._decode(context, count, room)
         drawn = self._round(level, context, count)
         while len(drawn) < count:
             drawn += self._round(level, context + drawn.tokens, count - len(drawn))
@@ -189,19 +193,35 @@ class Pipeline:
                 stage.truncate(len(context) + count)
         return drawn.first(count)
 
-    def _decode(self, context: list[int], count: int) -> Draw:
+    def _decode(self, context: list[int], count: int, room: int) -> Draw:
         """Up to ``count`` tokens the lowest stage decodes by itself after ``context``: each token is
         fed to the next pass as a device tensor, so no pass waits for the host to read one (unless
-        the stage ends early in doubt, ``stop_below``: then the host reads each token's confidence)."""
+        the stage ends early in doubt, ``stop_below``: then the host reads each token's confidence).
+        Past ``count``, up to ``room``, while more cost it nothing (``_proposes_free``)."""
         stage = self.stages[0]
         if isinstance(stage, LookupStage):  # one continuation: its distribution is one-hot (see _verify)
             return Draw.of(stage.proposal(context, count), None, self.target.device)
         logits = stage.extend(context, 1)  # [1, V]
         drawn = self._draw_from_logits(logits)
-        while len(drawn) < count and not self._in_doubt(stage.stop_below, logits[-1:], drawn.probs):
+        while not self._in_doubt(stage.stop_below, logits[-1:], drawn.probs) and (
+            len(drawn) < count or self._proposes_free(stage, len(drawn), room)
+        ):
             logits = stage.feed(drawn.ids[-1:], 1)
             drawn += self._draw_from_logits(logits)
         return drawn
+
+    def _proposes_free(self, stage: Stage, drawn: int, room: int) -> bool:
+        """Whether the lowest stage, having drawn its round's ``drawn`` tokens, proposes one more: in
+        a batch whose draft runs its next pass for other sequences anyway (the batch verifies together,
+        so this sequence would only wait for them), where its schedule finds that the token pays for
+        its place in the verification pass (``Schedule.extends``). Which tokens are proposed never
+        changes which are emitted."""
+        return (
+            self.draft_runs_anyway is not None
+            and drawn < room
+            and stage.schedule.extends(stage.stats, drawn)
+            and self.draft_runs_anyway()
+        )
 
     def _in_doubt(self, stop_below: float | None, logits: torch.Tensor, probs: torch.Tensor | None = None) -> bool:
         """Whether every row of ``logits`` [R, V] had its most likely next token under ``stop_below``
@@ -235,8 +255,11 @@ class Pipeline:
             return drawn
         caught_up = len(context) - proposer.length > 1  # its proposal first feeds tokens it skipped
         proposing = self.clock.mark()
-        speculate = self._speculate_tree if proposer.tree is not None else self._speculate
-        verdict, drawn, verifying, proposed = speculate(level, context, gamma)  # read: the host has caught up
+        if proposer.tree is not None:
+            verdict, drawn, verifying, proposed = self._speculate_tree(level, context, gamma)
+        else:
+            verdict, drawn, verifying, proposed = self._speculate(level, context, gamma, room)
+        # read: the host has caught up
         finished = self.clock.mark()
         timed = self._captured_graphs(level) == captured
         self._record(
@@ -251,11 +274,11 @@ class Pipeline:
         )
         return drawn
 
-    def _speculate(self, level: int, context: list[int], gamma: int) -> tuple[Verdict, Draw, int, int]:
-        """Up to ``gamma`` tokens of stage ``level - 1``'s distribution, verified by stage ``level`` ->
-        (verdict, the tokens it emits with their probabilities, the clock mark where verifying began,
-        how many were proposed)."""
-        proposal = self._draw(level - 1, context, gamma)
+    def _speculate(self, level: int, context: list[int], gamma: int, room: int) -> tuple[Verdict, Draw, int, int]:
+        """Up to ``gamma`` tokens of stage ``level - 1``'s distribution (``room`` where more cost
+        nothing), verified by stage ``level`` -> (verdict, the tokens it emits with their
+        probabilities, the clock mark where verifying began, how many were proposed)."""
+        proposal = self._draw(level - 1, context, gamma, room)
         verifying = self.clock.mark()
         logits = self.stages[level].extend(context, len(proposal) + 1, proposal.ids)  # [G + 1, V]
         verdict, target_probs = self._verify(level, proposal, logits)

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 
-from cascade.costs import acceptance_upper_bound
+from cascade.costs import acceptance_upper_bound, expected_tokens
 from cascade.stats import StageStats
 
 PROBE_EVERY = 16
@@ -94,6 +94,12 @@ class Schedule:
 
     def observe(self, stats: StageStats, proposed: int, accepted: int) -> None:
         """A round of ``proposed`` tokens was verified and ``accepted`` kept; ``stats`` is cumulative."""
+
+    def extends(self, stats: StageStats, drawn: int) -> bool:
+        """Whether a proposal of ``drawn`` tokens, at or past this round's gamma, may take one more
+        whose draft pass costs no time (a batch runs it for other sequences anyway): never, for a
+        schedule whose gammas are the user's."""
+        return False
 
 
 class HeuristicSchedule(Schedule):
@@ -153,6 +159,19 @@ class CostModelSchedule(Schedule):
             self.current = warmup_gammas(self.gamma)[rounds]
         else:
             self.current = hopeful_gamma(stats, warmup_gammas(self.gamma)[rounds])
+
+    def extends(self, stats: StageStats, drawn: int) -> bool:
+        """After the warm-up and short of the configured gamma: where the token it adds is worth more
+        than what it adds to the verification pass. It is the (``drawn`` + 1)-th proposal, emitted
+        beyond the round's tokens only if every proposal is accepted (a^(drawn + 1)), and a token is
+        worth what one costs at this round's gamma; the pass's cost grows along ``verification_s``."""
+        if stats.timed_rounds < WARMUP_ROUNDS or not 0 < self.current <= drawn < self.gamma:
+            return False
+        acceptance = stats.acceptance_mle
+        round_s = stats.proposal_s * self.current + stats.verification_s(self.current)
+        token_s = round_s / expected_tokens(acceptance, self.current)
+        added_s = stats.verification_s(drawn + 1) - stats.verification_s(drawn)
+        return acceptance ** (drawn + 1) * token_s > added_s
 
     def explore_past(self, stats: StageStats, best: int) -> int:
         """``best``, or one more where that width has fewer than ``TRUSTED_SAMPLES`` clean passes

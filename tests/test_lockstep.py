@@ -15,6 +15,7 @@ from cascade.errors import CascadeError
 from cascade.llm import LLM
 from cascade.model import CausalLM
 from cascade.pipeline import StopRule
+from cascade.schedule import Schedule
 from configs.schema import SamplingConfig
 from tests.test_batch import needs_layer_kernels
 from tests.test_pipeline import SMALL_CACHES, generate, runtime_for
@@ -116,19 +117,30 @@ def test_the_cost_model_schedules_each_sequence_and_greedy_tokens_stay_the_targe
 
 class ScriptedSequence:
     """Stands in for a ``lockstep.Sequence`` in ``tick``: hands over a pass to each model of its
-    script in turn, one a turn, then finishes."""
+    script in turn, one a turn, then finishes. A script entry ``(draft, model)`` asks first whether
+    the draft runs in this tick, and hands over a draft pass if it does, else one to ``model``."""
 
     def __init__(self, name: str, models: list[object]) -> None:
         self.name = name
         self.script = list(models)
         self.handed: lockstep.HandedPass | None = None
         self.finished = False
+        self.asking = False
+        self.answers: list[bool] = []
 
     waiting = lockstep.Sequence.waiting
 
     def take_turn(self) -> None:
-        self.handed = lockstep.HandedPass(self.script.pop(0), self.name) if self.script else None
-        self.finished = self.handed is None
+        self.asking = bool(self.script) and isinstance(self.script[0], tuple)
+        if not self.asking:
+            self.handed = lockstep.HandedPass(self.script.pop(0), self.name) if self.script else None
+            self.finished = self.handed is None
+
+    def answer(self, draft_runs: bool) -> None:
+        self.asking = False
+        self.answers.append(draft_runs)
+        draft, otherwise = self.script.pop(0)
+        self.handed = lockstep.HandedPass(draft if draft_runs else otherwise, self.name)
 
 
 def test_a_tick_runs_the_drafts_waiting_passes_first_so_the_batch_verifies_together(monkeypatch):
@@ -147,6 +159,55 @@ def test_a_tick_runs_the_drafts_waiting_passes_first_so_the_batch_verifies_toget
     while running:
         running = lockstep.tick(running, draft)
     assert calls == [[(draft, "a"), (draft, "b")], [(draft, "a")], [(target, "a"), (target, "b")]]
+
+
+def test_a_sequence_that_asks_proposes_in_the_ticks_the_draft_runs_for_others(monkeypatch):
+    """a has proposed its gamma and asks twice: the draft runs for b in the first tick (a proposes
+    in it too), not in the second (a verifies with b, told only once b has taken its turn)."""
+    draft, target = object(), object()
+    calls: list[list[tuple[object, str]]] = []
+
+    def run(handed: list[lockstep.HandedPass]) -> None:
+        calls.append([(one.model, one.sequence) for one in handed])
+        for one in handed:
+            one.logits = torch.zeros(1, 1)
+
+    monkeypatch.setattr(lockstep, "run_passes", run)
+    a = ScriptedSequence("a", [draft, (draft, target), (draft, target)])
+    b = ScriptedSequence("b", [draft, draft, target])
+    running = [a, b]
+    while running:
+        running = lockstep.tick(running, draft)
+    assert a.answers == [True, False]
+    assert calls == [[(draft, "a"), (draft, "b")], [(draft, "a"), (draft, "b")], [(target, "a"), (target, "b")]]
+
+
+class FreeProposals(Schedule):
+    """A fixed ``gamma`` that takes every proposal that costs nothing, up to ``widest``."""
+
+    def __init__(self, gamma: int, widest: int) -> None:
+        super().__init__(gamma)
+        self.widest = widest
+
+    def extends(self, stats, drawn: int) -> bool:
+        return drawn < self.widest
+
+
+def test_a_sequence_proposes_while_the_draft_runs_for_another_and_emits_the_same_tokens(tiny_dir, monkeypatch):
+    """The first sequence's gamma is 1, the second's 4: in the ticks the draft runs for the second,
+    the first proposes too (every proposal of the target drafting for itself is accepted), so it
+    needs fewer rounds than alone, with the target's greedy tokens."""
+    runtime = runtime_for("speculative", tiny_dir, tiny_dir, ["stages.0.stop_below=null", "stages.0.schedule=fixed"])
+    gammas = iter([1, 4])
+    monkeypatch.setattr(lockstep, "schedules_for", lambda config: [FreeProposals(next(gammas), 4), None])
+    batch_requests = requests(SAMPLINGS["greedy"])[:2]
+    together = lockstep.generate_together(runtime, batch_requests)
+    for request, result in zip(batch_requests, together, strict=True):
+        assert result.token_ids == alone(runtime, request).token_ids
+    first, second = (result.stats.stages[0] for result in together)
+    assert second.proposed == sum(gamma * rounds for gamma, rounds in second.gamma_choices.items())
+    assert first.gamma_choices == {1: first.rounds}
+    assert first.proposed > first.rounds and first.accepted == first.proposed
 
 
 def test_a_sequence_that_stops_early_leaves_the_batch_and_the_others_go_on(tiny_dir, tiny_draft_dir):

@@ -359,3 +359,29 @@ def test_one_dear_first_round_does_not_set_a_proposals_cost():
     stats.proposal_samples[0] = (5 * 0.0155 + 0.046) / 6  # the first round's selecting pass
     assert stats.proposal_s == pytest.approx(0.0155)
     assert best_gamma(stats, 6) > 0
+
+
+def test_only_the_cost_model_takes_a_free_proposal_and_only_where_it_pays_for_its_verification():
+    """Qwen2.5 0.5B drafting for 1.5B at 8K, batch 4, on a 2-core Xeon with AMX: a = 0.74 at gamma
+    2, a batch's proposal 35 ms, passes of 1-3 proposals 230 ms and of 4-8 240 ms (tiles), a plain
+    step 209 ms. A round of 2 costs 300 ms for 2.30 tokens, 131 ms a token: a third proposal (a^3 =
+    0.41 tokens, 54 ms) pays for the 0 ms it adds to the pass, a fourth (0.30, 40 ms) for its 10 ms,
+    an eighth (0.09 tokens, 12 ms) not where each token past 4 adds 15 ms, and none past the
+    configured gamma, during the warm-up or in a bypass."""
+    passes = {1: 0.23, 2: 0.23, 3: 0.23, 4: 0.24, 8: 0.24}
+    rounds = [(1, 1), (2, 2), (4, 2), (8, 3)] + [(2, 1), (2, 2), (3, 2), (4, 2), (8, 4)] * 4  # a = 0.74
+    stats = measured(rounds, propose_s=0.035, verify_s=passes, step_s=0.209)
+    assert stats.acceptance_mle == pytest.approx(0.74, abs=0.01)
+    schedule = CostModelSchedule(8)
+    schedule.current = 2
+    assert [schedule.extends(stats, drawn) for drawn in range(2, 9)] == [True] * 6 + [False]
+    dearer = measured(rounds, propose_s=0.035, verify_s=passes | {8: 0.30}, step_s=0.209)
+    assert dearer.verification_s(8) - dearer.verification_s(7) == pytest.approx(0.015)
+    assert schedule.extends(dearer, 3) and not schedule.extends(dearer, 7)
+    assert not schedule.extends(stats, 1)  # short of this round's gamma: the round goes on anyway
+    schedule.current = 0
+    assert not schedule.extends(stats, 2)
+    warming = measured(rounds[: WARMUP_ROUNDS - 1], propose_s=0.035, verify_s=passes, step_s=0.209)
+    schedule.current = 2
+    assert not schedule.extends(warming, 2)
+    assert not Schedule(2).extends(stats, 2) and not HeuristicSchedule(2).extends(stats, 2)
