@@ -211,13 +211,14 @@ class Pipeline:
         return drawn
 
     def _proposes_free(self, stage: Stage, drawn: int, room: int) -> bool:
-        """Whether the lowest stage, having drawn its round's ``drawn`` tokens, proposes one more: in
-        a batch whose draft runs its next pass for other sequences anyway (the batch verifies together,
-        so this sequence would only wait for them), where its schedule finds that the token pays for
-        its place in the verification pass (``Schedule.extends``). Which tokens are proposed never
-        changes which are emitted."""
+        """Whether the lowest stage, having drawn its round's ``drawn`` tokens (0: its schedule
+        bypasses it this round), proposes one more: in a batch whose draft runs its next pass for
+        other sequences anyway (the batch verifies together, so this sequence would only wait for
+        them), where its schedule finds that the token pays for its place in the verification pass
+        (``Schedule.extends``). Which tokens are proposed never changes which are emitted."""
         return (
             self.draft_runs_anyway is not None
+            and not isinstance(stage, LookupStage)
             and drawn < room
             and stage.schedule.extends(stage.stats, drawn)
             and self.draft_runs_anyway()
@@ -247,7 +248,7 @@ class Pipeline:
             proposer.stats.gamma_choices[gamma] = proposer.stats.gamma_choices.get(gamma, 0) + 1
         clean = len(context) - stage.length == 1  # the pass feeds no skipped tokens: time it
         captured = self._captured_graphs(level)
-        if gamma == 0:
+        if gamma == 0 and not (level == 1 and self._proposes_free(proposer, 0, room)):
             stepping = self.clock.mark()
             drawn = self._draw_from_logits(stage.extend(context, 1))
             if proposer and clean and self._captured_graphs(level) == captured:  # timing it waits for it (CUDA)

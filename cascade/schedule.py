@@ -162,10 +162,11 @@ class CostModelSchedule(Schedule):
 
     def extends(self, stats: StageStats, drawn: int) -> bool:
         """After the warm-up and short of the configured gamma: where the token it adds is worth more
-        than what it adds to the verification pass. It is the (``drawn`` + 1)-th proposal, emitted
-        beyond the round's tokens only if every proposal is accepted (a^(drawn + 1)), and a token is
-        worth what one costs at this round's gamma; the pass's cost grows along ``verification_s``."""
-        if stats.timed_rounds < WARMUP_ROUNDS or not 0 < self.current <= drawn < self.gamma:
+        than what it adds to the verification pass (or, bypassed, to a plain step). It is the
+        (``drawn`` + 1)-th proposal, emitted beyond the round's tokens only if every proposal is
+        accepted (a^(drawn + 1)), and a token is worth what one costs at this round's gamma (a plain
+        step, bypassed); the pass's cost grows along ``verification_s``."""
+        if stats.timed_rounds < WARMUP_ROUNDS or not self.current <= drawn < self.gamma:
             return False
         acceptance = stats.acceptance_mle
         round_s = stats.proposal_s * self.current + stats.verification_s(self.current)

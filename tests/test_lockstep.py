@@ -210,6 +210,23 @@ def test_a_sequence_proposes_while_the_draft_runs_for_another_and_emits_the_same
     assert first.proposed > first.rounds and first.accepted == first.proposed
 
 
+def test_a_bypassed_sequence_proposes_while_the_draft_runs_for_another_and_emits_the_same_tokens(
+    tiny_dir, monkeypatch
+):
+    """The first sequence's schedule bypasses its draft (gamma 0), the second's proposes 3 tokens a
+    round: the first proposes in the second's ticks instead of stepping alone."""
+    runtime = runtime_for("speculative", tiny_dir, tiny_dir, ["stages.0.stop_below=null", "stages.0.schedule=fixed"])
+    gammas = iter([0, 3])
+    monkeypatch.setattr(lockstep, "schedules_for", lambda config: [FreeProposals(next(gammas), 3), None])
+    batch_requests = requests(SAMPLINGS["greedy"])[:2]
+    together = lockstep.generate_together(runtime, batch_requests)
+    for request, result in zip(batch_requests, together, strict=True):
+        assert result.token_ids == alone(runtime, request).token_ids
+    first = together[0].stats.stages[0]
+    assert first.gamma_choices == {0: first.rounds + first.plain_steps}
+    assert first.rounds == together[1].stats.stages[0].rounds and first.accepted == first.proposed > 0
+
+
 def test_a_sequence_that_stops_early_leaves_the_batch_and_the_others_go_on(tiny_dir, tiny_draft_dir):
     runtime = fixed_runtime("self-spec", tiny_dir, tiny_draft_dir, "float32")
     first = alone(runtime, requests(SAMPLINGS["greedy"])[0]).token_ids

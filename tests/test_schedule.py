@@ -367,7 +367,9 @@ def test_only_the_cost_model_takes_a_free_proposal_and_only_where_it_pays_for_it
     step 209 ms. A round of 2 costs 300 ms for 2.30 tokens, 131 ms a token: a third proposal (a^3 =
     0.41 tokens, 54 ms) pays for the 0 ms it adds to the pass, a fourth (0.30, 40 ms) for its 10 ms,
     an eighth (0.09 tokens, 12 ms) not where each token past 4 adds 15 ms, and none past the
-    configured gamma, during the warm-up or in a bypass."""
+    configured gamma or during the warm-up. Bypassed, a token is worth a plain step: a first
+    proposal (0.74 tokens, 155 ms) pays for the 21 ms a 1-token pass costs over a step, one the
+    draft never gets right does not."""
     passes = {1: 0.23, 2: 0.23, 3: 0.23, 4: 0.24, 8: 0.24}
     rounds = [(1, 1), (2, 2), (4, 2), (8, 3)] + [(2, 1), (2, 2), (3, 2), (4, 2), (8, 4)] * 4  # a = 0.74
     stats = measured(rounds, propose_s=0.035, verify_s=passes, step_s=0.209)
@@ -380,7 +382,8 @@ def test_only_the_cost_model_takes_a_free_proposal_and_only_where_it_pays_for_it
     assert schedule.extends(dearer, 3) and not schedule.extends(dearer, 7)
     assert not schedule.extends(stats, 1)  # short of this round's gamma: the round goes on anyway
     schedule.current = 0
-    assert not schedule.extends(stats, 2)
+    assert schedule.extends(stats, 0) and not schedule.extends(stats, 8)
+    assert not schedule.extends(measured([(2, 0)] * 8, propose_s=0.035, verify_s=passes, step_s=0.209), 0)
     warming = measured(rounds[: WARMUP_ROUNDS - 1], propose_s=0.035, verify_s=passes, step_s=0.209)
     schedule.current = 2
     assert not schedule.extends(warming, 2)
