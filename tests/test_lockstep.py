@@ -210,9 +210,7 @@ def test_a_sequence_proposes_while_the_draft_runs_for_another_and_emits_the_same
     assert first.proposed > first.rounds and first.accepted == first.proposed
 
 
-def test_a_bypassed_sequence_proposes_while_the_draft_runs_for_another_and_emits_the_same_tokens(
-    tiny_dir, monkeypatch
-):
+def test_a_bypassed_sequence_proposes_while_the_draft_runs_for_another_and_emits_the_same_tokens(tiny_dir, monkeypatch):
     """The first sequence's schedule bypasses its draft (gamma 0), the second's proposes 3 tokens a
     round: the first proposes in the second's ticks instead of stepping alone."""
     runtime = runtime_for("speculative", tiny_dir, tiny_dir, ["stages.0.stop_below=null", "stages.0.schedule=fixed"])
