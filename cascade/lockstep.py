@@ -192,7 +192,10 @@ def tick(running: list[Sequence], draft: CausalLM | None) -> list[Sequence]:
     for sequence in running:
         if sequence.asking:
             sequence.answer(draft_runs)
-    running = [sequence for sequence in running if not sequence.finished]
+    if (left := [sequence for sequence in running if not sequence.finished]) and len(left) < len(running):
+        for sequence in left:  # their passes will cost what a smaller batch's do
+            sequence.pipeline.forget_pass_costs()
+    running = left
     waiting = [sequence.handed for sequence in running if sequence.waiting]
     if waiting:
         run_passes([one for one in waiting if one.model is draft] or waiting)

@@ -168,6 +168,13 @@ class Pipeline:
         stats.predicted_speedup = self._predicted_speedup()
         return GenerationResult(emitted, stats)
 
+    def forget_pass_costs(self) -> None:
+        """The batch this generation runs in has shrunk (``cascade.lockstep``): the proposing
+        stages' pass costs were timed in a larger one."""
+        for stage in self.stages[:-1]:
+            stage.stats.forget_pass_costs()
+            stage.schedule.costs_forgotten()
+
     def _settle_timings(self) -> None:
         for stage in self.stages:
             stage.clock.settle()

@@ -95,6 +95,9 @@ class Schedule:
     def observe(self, stats: StageStats, proposed: int, accepted: int) -> None:
         """A round of ``proposed`` tokens was verified and ``accepted`` kept; ``stats`` is cumulative."""
 
+    def costs_forgotten(self) -> None:
+        """The stage's pass costs were dropped (``StageStats.forget_pass_costs``)."""
+
     def extends(self, stats: StageStats, drawn: int) -> bool:
         """Whether a proposal of ``drawn`` tokens, at or past this round's gamma, may take one more
         whose draft pass costs no time (a batch runs it for other sequences anyway): never, for a
@@ -159,6 +162,11 @@ class CostModelSchedule(Schedule):
             self.current = warmup_gammas(self.gamma)[rounds]
         else:
             self.current = hopeful_gamma(stats, warmup_gammas(self.gamma)[rounds])
+
+    def costs_forgotten(self) -> None:
+        """A bypassed stage is probed at its next round: what ruled it out was timed in another batch."""
+        if self.current == 0:
+            self.bypassed = self.probe_after
 
     def extends(self, stats: StageStats, drawn: int) -> bool:
         """After the warm-up and short of the configured gamma: where the token it adds is worth more

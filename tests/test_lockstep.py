@@ -16,6 +16,7 @@ from cascade.llm import LLM
 from cascade.model import CausalLM
 from cascade.pipeline import StopRule
 from cascade.schedule import Schedule
+from cascade.stats import StageStats
 from configs.schema import SamplingConfig
 from tests.test_batch import needs_layer_kernels
 from tests.test_pipeline import SMALL_CACHES, generate, runtime_for
@@ -223,6 +224,23 @@ def test_a_bypassed_sequence_proposes_while_the_draft_runs_for_another_and_emits
     first = together[0].stats.stages[0]
     assert first.gamma_choices == {0: first.rounds + first.plain_steps}
     assert first.rounds == together[1].stats.stages[0].rounds and first.accepted == first.proposed > 0
+
+
+def test_the_sequences_left_when_one_finishes_drop_the_pass_costs_timed_in_the_larger_batch(
+    tiny_dir, tiny_draft_dir, monkeypatch
+):
+    """Budgets of 24, 9 and 17 tokens: when the second finishes the first and third forget their
+    verifications' times, when the third does the first (a batch-4 verification costs more than
+    one of the last row alone), and every sequence's tokens stay its own."""
+    forgotten: list[int] = []
+    forget = StageStats.forget_pass_costs
+    monkeypatch.setattr(StageStats, "forget_pass_costs", lambda stats: forgotten.append(id(stats)) or forget(stats))
+    runtime = fixed_runtime("speculative", tiny_dir, tiny_draft_dir, "float32")
+    batch_requests = requests(SAMPLINGS["greedy"])
+    together = lockstep.generate_together(runtime, batch_requests)
+    assert [r.token_ids for r in together] == [alone(runtime, request).token_ids for request in batch_requests]
+    first, _, third = (result.stats.stages[0] for result in together)
+    assert forgotten == [id(first), id(third), id(first)]
 
 
 def test_a_sequence_that_stops_early_leaves_the_batch_and_the_others_go_on(tiny_dir, tiny_draft_dir):

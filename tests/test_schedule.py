@@ -388,3 +388,22 @@ def test_only_the_cost_model_takes_a_free_proposal_and_only_where_it_pays_for_it
     schedule.current = 2
     assert not schedule.extends(warming, 2)
     assert not Schedule(2).extends(stats, 2) and not HeuristicSchedule(2).extends(stats, 2)
+
+
+def test_a_batch_that_shrinks_drops_the_verifications_timed_in_it_and_probes_a_bypassed_stage():
+    """A stage bypassed on passes timed at batch 4 is probed at its next round once the batch is
+    smaller; its verifications' times are gone and the next plain step's replaces the plain steps'."""
+    stats = measured([(2, 0)] * WARMUP_ROUNDS, propose_s=0.035, verify_s=0.28, step_s=0.2)
+    schedule = CostModelSchedule(8)
+    schedule.observe(stats, 2, 0)
+    assert schedule.next_gamma(stats, room=100) == 0
+    stats.forget_pass_costs()
+    schedule.costs_forgotten()
+    assert stats.verification_samples == {} and stats.proposal_samples
+    assert schedule.next_gamma(stats, room=100) == 1 and schedule.probing
+    stats.record_plain_step(0.17)
+    assert stats.plain_samples == [0.17]
+    speculating = CostModelSchedule(8)
+    speculating.current = 4
+    speculating.costs_forgotten()
+    assert speculating.next_gamma(stats, room=100) == 4
