@@ -144,10 +144,8 @@ class ScriptedSequence:
         self.handed = lockstep.HandedPass(draft if draft_runs else otherwise, self.name)
 
 
-def test_a_tick_runs_the_drafts_waiting_passes_first_so_the_batch_verifies_together(monkeypatch):
-    """Sequence a proposes two tokens, b one: b's verification waits for a's second proposal, and the
-    target then runs both verifications in one call."""
-    draft, target = object(), object()
+def ticks(running: list[ScriptedSequence], draft: object, monkeypatch) -> list[list[tuple[object, str]]]:
+    """Tick ``running`` until every scripted sequence has finished -> each tick's passes (model, sequence)."""
     calls: list[list[tuple[object, str]]] = []
 
     def run(handed: list[lockstep.HandedPass]) -> None:
@@ -156,9 +154,17 @@ def test_a_tick_runs_the_drafts_waiting_passes_first_so_the_batch_verifies_toget
             one.logits = torch.zeros(1, 1)
 
     monkeypatch.setattr(lockstep, "run_passes", run)
-    running = [ScriptedSequence("a", [draft, draft, target]), ScriptedSequence("b", [draft, target])]
     while running:
         running = lockstep.tick(running, draft)
+    return calls
+
+
+def test_a_tick_runs_the_drafts_waiting_passes_first_so_the_batch_verifies_together(monkeypatch):
+    """Sequence a proposes two tokens, b one: b's verification waits for a's second proposal, and the
+    target then runs both verifications in one call."""
+    draft, target = object(), object()
+    running = [ScriptedSequence("a", [draft, draft, target]), ScriptedSequence("b", [draft, target])]
+    calls = ticks(running, draft, monkeypatch)
     assert calls == [[(draft, "a"), (draft, "b")], [(draft, "a")], [(target, "a"), (target, "b")]]
 
 
@@ -166,19 +172,9 @@ def test_a_sequence_that_asks_proposes_in_the_ticks_the_draft_runs_for_others(mo
     """a has proposed its gamma and asks twice: the draft runs for b in the first tick (a proposes
     in it too), not in the second (a verifies with b, told only once b has taken its turn)."""
     draft, target = object(), object()
-    calls: list[list[tuple[object, str]]] = []
-
-    def run(handed: list[lockstep.HandedPass]) -> None:
-        calls.append([(one.model, one.sequence) for one in handed])
-        for one in handed:
-            one.logits = torch.zeros(1, 1)
-
-    monkeypatch.setattr(lockstep, "run_passes", run)
     a = ScriptedSequence("a", [draft, (draft, target), (draft, target)])
     b = ScriptedSequence("b", [draft, draft, target])
-    running = [a, b]
-    while running:
-        running = lockstep.tick(running, draft)
+    calls = ticks([a, b], draft, monkeypatch)
     assert a.answers == [True, False]
     assert calls == [[(draft, "a"), (draft, "b")], [(draft, "a"), (draft, "b")], [(target, "a"), (target, "b")]]
 
@@ -194,12 +190,15 @@ class FreeProposals(Schedule):
         return drawn < self.widest
 
 
-def test_a_sequence_proposes_while_the_draft_runs_for_another_and_emits_the_same_tokens(tiny_dir, monkeypatch):
-    """The first sequence's gamma is 1, the second's 4: in the ticks the draft runs for the second,
-    the first proposes too (every proposal of the target drafting for itself is accepted), so it
-    needs fewer rounds than alone, with the target's greedy tokens."""
+@pytest.mark.parametrize("first_gamma", [1, 0])
+def test_a_sequence_proposes_while_the_draft_runs_for_another_and_emits_the_same_tokens(
+    first_gamma, tiny_dir, monkeypatch
+):
+    """The first sequence's gamma is 1 (or 0: its schedule bypasses its draft), the second's 4: in
+    the ticks the draft runs for the second, the first proposes too (every proposal of the target
+    drafting for itself is accepted), with the target's greedy tokens."""
     runtime = runtime_for("speculative", tiny_dir, tiny_dir, ["stages.0.stop_below=null", "stages.0.schedule=fixed"])
-    gammas = iter([1, 4])
+    gammas = iter([first_gamma, 4])
     monkeypatch.setattr(lockstep, "schedules_for", lambda config: [FreeProposals(next(gammas), 4), None])
     batch_requests = requests(SAMPLINGS["greedy"])[:2]
     together = lockstep.generate_together(runtime, batch_requests)
@@ -207,23 +206,9 @@ def test_a_sequence_proposes_while_the_draft_runs_for_another_and_emits_the_same
         assert result.token_ids == alone(runtime, request).token_ids
     first, second = (result.stats.stages[0] for result in together)
     assert second.proposed == sum(gamma * rounds for gamma, rounds in second.gamma_choices.items())
-    assert first.gamma_choices == {1: first.rounds}
-    assert first.proposed > first.rounds and first.accepted == first.proposed
-
-
-def test_a_bypassed_sequence_proposes_while_the_draft_runs_for_another_and_emits_the_same_tokens(tiny_dir, monkeypatch):
-    """The first sequence's schedule bypasses its draft (gamma 0), the second's proposes 3 tokens a
-    round: the first proposes in the second's ticks instead of stepping alone."""
-    runtime = runtime_for("speculative", tiny_dir, tiny_dir, ["stages.0.stop_below=null", "stages.0.schedule=fixed"])
-    gammas = iter([0, 3])
-    monkeypatch.setattr(lockstep, "schedules_for", lambda config: [FreeProposals(next(gammas), 3), None])
-    batch_requests = requests(SAMPLINGS["greedy"])[:2]
-    together = lockstep.generate_together(runtime, batch_requests)
-    for request, result in zip(batch_requests, together, strict=True):
-        assert result.token_ids == alone(runtime, request).token_ids
-    first = together[0].stats.stages[0]
-    assert first.gamma_choices == {0: first.rounds + first.plain_steps}
-    assert first.rounds == together[1].stats.stages[0].rounds and first.accepted == first.proposed > 0
+    assert first.gamma_choices == {first_gamma: first.rounds + first.plain_steps}
+    assert first.rounds >= second.rounds and first.proposed > first_gamma * first.rounds
+    assert first.accepted == first.proposed
 
 
 def test_the_sequences_left_when_one_finishes_drop_the_pass_costs_timed_in_the_larger_batch(
