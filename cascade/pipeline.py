@@ -222,10 +222,12 @@ class Pipeline:
         bypasses it this round), proposes one more: in a batch whose draft runs its next pass for
         other sequences anyway (the batch verifies together, so this sequence would only wait for
         them), where its schedule finds that the token pays for its place in the verification pass
-        (``Schedule.extends``). Which tokens are proposed never changes which are emitted."""
+        (``Schedule.extends``). Not a lookup (it runs no pass) nor a token tree (it grows by levels).
+        Which tokens are proposed never changes which are emitted."""
         return (
             self.draft_runs_anyway is not None
             and not isinstance(stage, LookupStage)
+            and stage.tree is None
             and drawn < room
             and stage.schedule.extends(stage.stats, drawn)
             and self.draft_runs_anyway()

@@ -211,6 +211,21 @@ def test_a_sequence_proposes_while_the_draft_runs_for_another_and_emits_the_same
     assert first.accepted == first.proposed
 
 
+def test_a_bypassed_token_tree_takes_plain_steps_in_a_batch(tiny_dir, monkeypatch):
+    """A tree grows by levels, not by one more proposal: bypassed, it steps while the other
+    sequence's trees are drafted, with the target's greedy tokens."""
+    tree = ["stages.0.tree.nodes=6", "stages.0.tree.rank_acceptance=[0.6, 0.2, 0.1]", "stages.0.schedule=fixed"]
+    runtime = runtime_for("speculative", tiny_dir, tiny_dir, ["stages.0.stop_below=null", *tree])
+    gammas = iter([0, 3])
+    monkeypatch.setattr(lockstep, "schedules_for", lambda config: [FreeProposals(next(gammas), 4), None])
+    batch_requests = requests(SAMPLINGS["greedy"])[:2]
+    together = lockstep.generate_together(runtime, batch_requests)
+    for request, result in zip(batch_requests, together, strict=True):
+        assert result.token_ids == alone(runtime, request).token_ids
+    first, second = (result.stats.stages[0] for result in together)
+    assert first.rounds == 0 and first.plain_steps == len(together[0].token_ids) - 1 and second.rounds > 0
+
+
 def test_the_sequences_left_when_one_finishes_drop_the_pass_costs_timed_in_the_larger_batch(
     tiny_dir, tiny_draft_dir, monkeypatch
 ):
