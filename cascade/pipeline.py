@@ -265,11 +265,10 @@ class Pipeline:
             return drawn
         caught_up = len(context) - proposer.length > 1  # its proposal first feeds tokens it skipped
         proposing = self.clock.mark()
-        if proposer.tree is not None:
+        if proposer.tree is not None:  # either way, once read the host has caught up
             verdict, drawn, verifying, proposed = self._speculate_tree(level, context, gamma)
         else:
             verdict, drawn, verifying, proposed = self._speculate(level, context, gamma, room)
-        # read: the host has caught up
         finished = self.clock.mark()
         timed = self._captured_graphs(level) == captured
         self._record(
