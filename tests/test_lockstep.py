@@ -190,6 +190,19 @@ class FreeProposals(Schedule):
         return drawn < self.widest
 
 
+def free_proposal_batch(tiny_dir, monkeypatch, gammas: list[int], settings: list[str]):
+    """Two sequences of the target drafting for itself, each on a ``FreeProposals`` schedule of its
+    gamma (up to 4) -> their results, checked to be their greedy tokens alone."""
+    runtime = runtime_for("speculative", tiny_dir, tiny_dir, ["stages.0.stop_below=null", *settings])
+    schedules = iter(gammas)
+    monkeypatch.setattr(lockstep, "schedules_for", lambda config: [FreeProposals(next(schedules), 4), None])
+    batch_requests = requests(SAMPLINGS["greedy"])[:2]
+    together = lockstep.generate_together(runtime, batch_requests)
+    for request, result in zip(batch_requests, together, strict=True):
+        assert result.token_ids == alone(runtime, request).token_ids
+    return together
+
+
 @pytest.mark.parametrize("first_gamma", [1, 0])
 def test_a_sequence_proposes_while_the_draft_runs_for_another_and_emits_the_same_tokens(
     first_gamma, tiny_dir, monkeypatch
@@ -197,13 +210,7 @@ def test_a_sequence_proposes_while_the_draft_runs_for_another_and_emits_the_same
     """The first sequence's gamma is 1 (or 0: its schedule bypasses its draft), the second's 4: in
     the ticks the draft runs for the second, the first proposes too (every proposal of the target
     drafting for itself is accepted), with the target's greedy tokens."""
-    runtime = runtime_for("speculative", tiny_dir, tiny_dir, ["stages.0.stop_below=null", "stages.0.schedule=fixed"])
-    gammas = iter([first_gamma, 4])
-    monkeypatch.setattr(lockstep, "schedules_for", lambda config: [FreeProposals(next(gammas), 4), None])
-    batch_requests = requests(SAMPLINGS["greedy"])[:2]
-    together = lockstep.generate_together(runtime, batch_requests)
-    for request, result in zip(batch_requests, together, strict=True):
-        assert result.token_ids == alone(runtime, request).token_ids
+    together = free_proposal_batch(tiny_dir, monkeypatch, [first_gamma, 4], ["stages.0.schedule=fixed"])
     first, second = (result.stats.stages[0] for result in together)
     assert second.proposed == sum(gamma * rounds for gamma, rounds in second.gamma_choices.items())
     assert first.gamma_choices == {first_gamma: first.rounds + first.plain_steps}
@@ -215,13 +222,7 @@ def test_a_bypassed_token_tree_takes_plain_steps_in_a_batch(tiny_dir, monkeypatc
     """A tree grows by levels, not by one more proposal: bypassed, it steps while the other
     sequence's trees are drafted, with the target's greedy tokens."""
     tree = ["stages.0.tree.nodes=6", "stages.0.tree.rank_acceptance=[0.6, 0.2, 0.1]", "stages.0.schedule=fixed"]
-    runtime = runtime_for("speculative", tiny_dir, tiny_dir, ["stages.0.stop_below=null", *tree])
-    gammas = iter([0, 3])
-    monkeypatch.setattr(lockstep, "schedules_for", lambda config: [FreeProposals(next(gammas), 4), None])
-    batch_requests = requests(SAMPLINGS["greedy"])[:2]
-    together = lockstep.generate_together(runtime, batch_requests)
-    for request, result in zip(batch_requests, together, strict=True):
-        assert result.token_ids == alone(runtime, request).token_ids
+    together = free_proposal_batch(tiny_dir, monkeypatch, [0, 3], tree)
     first, second = (result.stats.stages[0] for result in together)
     assert first.rounds == 0 and first.plain_steps == len(together[0].token_ids) - 1 and second.rounds > 0
 
