@@ -16,17 +16,19 @@
 //   scratch (heads up to 64 dimensions), or 32 dimensions at a time as the sums use them (128);
 // - scores: 16 keys at a time transposed into pairs of head dimensions (pair p of key j in lane j),
 //   shared by every row; a row's 16 scores are one chain of products over the even pairs and one
-//   over the odd pairs against its own query pair, broadcast (with AMX, for a model whose step keeps
-//   its sums in registers: tiles of 16 keys read from the cache x 16 rows, see takes_tiles);
+//   over the odd pairs against its own query pair, broadcast;
 // - softmax in float32, the weights rounded to bf16 (as flash attention's P) and summed as rounded;
 // - each row's output: its weight pairs times the value pairs, 16 dimensions per accumulator.
-// With AMX (head sizes 32, 64, 128; models whose step has more rows per KV head than the AVX-512
-// sums keep in registers, see takes_tiles) the block's keys and values are paired once into the
-// thread's scratch, and each chunk of up to 16 rows takes its scores and weighted sums from tiles:
-// a [rows, 32 dimensions] tile of queries times 16 key pairs, a [rows, 32 keys] tile of weights
-// times 16 value pairs of 16 dimensions. A verification pass's arithmetic then grows little with
-// its tokens (with AVX-512 it grows with the pass's rows: over 32K keys of Qwen2.5-1.5B's shape, 8
-// tokens cost 5-6 times one).
+// With AMX (head sizes 32, 64, 128) every pass takes its products from tiles, per chunk of up to
+// 16 rows, in one of two ways fixed by the model (takes_tiles):
+// - models whose steps have many rows per KV head (Qwen2.5's 6 and 7 query heads): the block's keys
+//   and values paired once into the thread's scratch, shared by the chunks; a [rows, 32 dimensions]
+//   tile of queries times 16 key pairs, a [rows, 32 keys] tile of weights times 16 value pairs;
+// - the others (SmolLM2's 3): nothing paired, both operands from the cache's own rows: 16 keys'
+//   rows times the chunk's query pairs (key_tile_scores), and 16 values' rows times the weights
+//   spread with zeros, the even and the odd dimensions in two products (value_tiles_from_cache).
+// A verification pass's arithmetic then grows little with its tokens (with AVX-512 it grows with
+// the pass's rows: over 32K keys of Qwen2.5-1.5B's shape, 8 tokens cost 5-6 times one).
 // A key's score and a row's weighted sum take the same operations in the same order whatever the
 // pass's width and however many keys follow, so a verification pass equals the decode steps it
 // replaces bit for bit. A tree pass does too: the blocks before the tree's are shared, and from the
@@ -310,12 +312,15 @@ template <int D>
 constexpr int kValueRows = 8 / ((D + 31) / 32);
 
 // Whether a pass whose KV heads each serve `group` query heads takes its scores and weighted sums
-// from AMX tiles: for head sizes tiles take, where a one-token step's rows are more than the AVX-512
-// sums keep in registers (kValueRows), so that such a step pairs its values in memory either way
-// (Qwen2.5's 6 and 7 query heads per KV head; SmolLM2's 3 stay in registers, where tiles made its
-// step ~25% slower, and only its scores come from tiles: key_tile_scores). The choice depends on
-// the model alone, never on the pass's width, so every pass and the steps it replaces take the same
-// path and agree bit for bit.
+// from AMX tiles over keys and values paired in scratch (tile_block): for head sizes tiles take,
+// where a one-token step's rows are more than the AVX-512 sums keep in registers (kValueRows), so
+// the pairing serves many rows (Qwen2.5's 6 and 7 query heads per KV head). Fewer rows (SmolLM2's 3)
+// take tiles of the cache's own rows instead (key_tile_block): over 8K-32K keys of SmolLM2's shape
+// from memory, its steps took 0.70-0.74x and its 8-token passes 0.65-0.68x the time they took with
+// AVX-512 value sums, while Qwen2.5-1.5B's 6-8-token passes took 1.05-1.07x tile_block's (its steps
+// 0.9x) on a Xeon with AMX (2026-12-06).
+// The choice depends on the model alone, never on the pass's width, so every pass and the steps it
+// replaces take the same path and agree bit for bit.
 template <int D>
 bool takes_tiles(int64_t group) {
 #if defined(__AMX_BF16__)
@@ -416,6 +421,7 @@ struct Scratch {
   at::BFloat16* weights;  // [rows, kBlockKeys]
   __m512i* value_pairs;  // [kBlockKeys / 2, pairs of 32 dimensions, 2]
   __m512i* key_pairs;  // [kBlockKeys / 16, D / 2] (tiles only)
+  uint32_t* spread;  // [kBlockKeys / 16, 2, 16 rows, 16] (value tiles from the cache only, spread_weights)
 };
 
 #if defined(__AMX_BF16__)
@@ -518,22 +524,30 @@ void tile_values(const at::BFloat16* weights, const __m512i* value_pairs, int64_
 }
 
 // Scores [rows, kBlockKeys] of keys [k0, k1) against `rows` query rows (query_pairs [D / 2, rows, 2]),
-// unscaled, from tiles of 16 keys read straight from the cache ([16 keys, rows], transposed into the
-// rows); the last few keys are copied into a zero-padded tile first, so a key's score never depends
-// on how many keys follow it. For models whose steps keep their sums in registers (not takes_tiles).
+// unscaled, from tiles of 16 keys read straight from the cache ([16 keys, rows]; the block's tiles
+// stored first, then gathered into the rows, so no load waits on a tile store just made); the last
+// few keys are copied into a zero-padded tile first, so a key's score never depends on how many keys
+// follow it. With `ahead`, the next block's keys are asked for (into L2) on the way, a group's keys
+// as it is read. For models whose steps' rows stay few (not takes_tiles).
 template <int D>
 void key_tile_scores(const Operands& op, const at::BFloat16* query_pairs, int64_t rows, int64_t k0, int64_t k1,
-                     float* scores) {
+                     bool ahead, float* scores) {
   alignas(64) at::BFloat16 padded[kTileRows * D] = {};  // the last keys
-  alignas(64) float tile[kTileRows * kTileRows];  // [keys, rows]
-  for (int64_t k = k0; k < k1; k += kTileRows) {
-    const int64_t count = std::min(kTileRows, k1 - k);
+  alignas(64) float tiles[kBlockKeys / kGroupKeys][kTileRows * 16];  // per group [16 keys, 16 lanes: rows]
+  const int64_t groups = (k1 - k0 + kGroupKeys - 1) / kGroupKeys;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t k = k0 + g * kGroupKeys, count = std::min(kGroupKeys, k1 - k);
     const at::BFloat16* source = op.keys + k * op.key_stride;
     int64_t stride = op.key_stride;
-    if (count < kTileRows) {
+    if (count < kGroupKeys) {
       for (int64_t j = 0; j < count; ++j) std::copy_n(op.keys + (k + j) * op.key_stride, D, padded + j * D);
       source = padded;
       stride = D;
+    }
+    if (ahead) {
+      for (int64_t j = 0; j < kGroupKeys; ++j) {
+        prefetch_row<D, _MM_HINT_T1>(op.keys + (k + kBlockKeys + j) * op.key_stride);
+      }
     }
     _tile_zero(0);
     for (int64_t d = 0; d < D; d += kPairInputs) {
@@ -541,9 +555,96 @@ void key_tile_scores(const Operands& op, const at::BFloat16* query_pairs, int64_
       _tile_loadd(4, query_pairs + d * rows, rows * 4);
       _tile_dpbf16ps(0, 2, 4);
     }
-    _tile_stored(0, tile, rows * 4);
-    for (int64_t j = 0; j < count; ++j) {
-      for (int64_t r = 0; r < rows; ++r) scores[r * kBlockKeys + (k - k0) + j] = tile[j * rows + r];
+    _tile_stored(0, tiles[g], 64);
+  }
+  const __m512i keys = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32(16));  // key j's float in lane j: 16 j
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m512 row = _mm512_i32gather_ps(_mm512_add_epi32(keys, _mm512_set1_epi32(r)), tiles[g], 4);
+      _mm512_storeu_ps(scores + r * kBlockKeys + g * kGroupKeys, row);
+    }
+  }
+}
+
+// A chunk's weights of 16 keys as the first operands of two tile products against 16 value rows
+// read straight from the cache (a row of 32 dimensions per key, as pairs of dimensions): the even
+// operand pairs each weight with a zero, [rows, 16 keys x (w, 0)], so its products sum the even
+// dimensions; the odd one, [rows, 16 keys x (0, w)], the odd dimensions. Weights [rows, kBlockKeys]
+// -> spread [groups, 2, rows, 32] for the block's groups of 16 keys.
+void spread_weights(const at::BFloat16* weights, int64_t rows, int64_t groups, uint32_t* spread) {
+  for (int64_t g = 0; g < groups; ++g) {
+    uint32_t* even = spread + g * 2 * rows * 16;
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m256i row = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(weights + r * kBlockKeys + g * 16));
+      const __m512i widened = _mm512_cvtepu16_epi32(row);  // (w, 0) pairs: the weight in the low half
+      _mm512_store_si512(even + r * 16, widened);
+      _mm512_store_si512(even + (rows + r) * 16, _mm512_slli_epi32(widened, 16));
+    }
+  }
+}
+
+// out [rows, D] = weights x the values of keys [k0, k1) for one chunk of up to 16 rows, from tiles whose
+// value operands are the cache's own rows (no pairing into scratch): per 16 keys and 32 dimensions,
+// tile 4 or 6 holds the 16 keys' rows, and the spread weights (spread_weights) in tiles 5 and 7 take
+// its even and odd dimensions into sums 0-3 (64 dimensions at a time). The last keys of the cache are
+// copied into a zero-padded tile first, so a sum never depends on how many keys follow. With `ahead`,
+// the next block's value rows are asked for (into L2) on the way, a group's rows as it is read.
+template <int D>
+void value_tiles_from_cache(const Operands& op, const uint32_t* spread, int64_t rows, int64_t k0, int64_t k1,
+                            bool ahead, float* out) {
+  constexpr int kChunks = D / kPairInputs;  // 32 dimensions each
+  alignas(64) at::BFloat16 padded[kTileRows * D] = {};
+  alignas(64) float sums[4][kTileRows * 16];  // even and odd sums of two chunks of 32 dimensions, [rows, 16]
+  const int64_t groups = (k1 - k0 + kGroupKeys - 1) / kGroupKeys;
+  for (int c0 = 0; c0 < kChunks; c0 += 2) {
+    const int chunks = std::min(2, kChunks - c0);
+    _tile_zero(0);  // sums 0-3: the even and odd dimensions of chunk c0, then of c0 + 1
+    _tile_zero(1);
+    if (chunks > 1) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t k = k0 + g * kGroupKeys, count = std::min(kGroupKeys, k1 - k);
+      const at::BFloat16* source = op.values + k * op.value_stride;
+      int64_t stride = op.value_stride;
+      if (count < kGroupKeys) {
+        for (int64_t j = 0; j < count; ++j) std::copy_n(op.values + (k + j) * op.value_stride, D, padded + j * D);
+        source = padded;
+        stride = D;
+      }
+      if (ahead && c0 == 0) {
+        for (int64_t j = 0; j < kGroupKeys; ++j) {
+          prefetch_row<D, _MM_HINT_T1>(op.values + (k + kBlockKeys + j) * op.value_stride);
+        }
+      }
+      _tile_loadd(5, spread + g * 2 * rows * 16, 64);
+      _tile_loadd(7, spread + (g * 2 + 1) * rows * 16, 64);
+      _tile_loadd(4, source + c0 * kPairInputs, stride * 2);
+      if (chunks > 1) _tile_loadd(6, source + (c0 + 1) * kPairInputs, stride * 2);
+      _tile_dpbf16ps(0, 5, 4);
+      _tile_dpbf16ps(1, 7, 4);
+      if (chunks > 1) {
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 7, 6);
+      }
+    }
+    _tile_stored(0, sums[0], 64);
+    _tile_stored(1, sums[1], 64);
+    if (chunks > 1) {
+      _tile_stored(2, sums[2], 64);
+      _tile_stored(3, sums[3], 64);
+    }
+    const __m512i low = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int c = 0; c < chunks; ++c) {  // dimension 2n of the chunk from the even sums' lane n, 2n + 1 the odd's
+        const __m512 even = _mm512_load_ps(sums[2 * c] + r * 16), odd = _mm512_load_ps(sums[2 * c + 1] + r * 16);
+        float* target = out + r * D + (c0 + c) * kPairInputs;
+        _mm512_storeu_ps(target, _mm512_permutex2var_ps(even, low, odd));
+        _mm512_storeu_ps(target + 16, _mm512_permutex2var_ps(even, high, odd));
+      }
     }
   }
 }
@@ -585,26 +686,31 @@ std::vector<at::Tensor> key_tile_operands(const at::Tensor& grouped, int64_t dim
   return pairs;
 }
 
-// Scores [rows, kBlockKeys] of keys [k0, k1) of KV head `head` (its rows `queries` [rows, D]) into
-// `scores`, unscaled: from key tiles per chunk of 16 rows where `query_pairs` holds their operands
-// (key_tile_operands), else from AVX512-BF16 products.
-template <int D>
-void block_scores(const Operands& op, const at::BFloat16* queries, const std::vector<at::Tensor>& query_pairs,
-                  int64_t head, int64_t rows, int64_t k0, int64_t k1, float* scores) {
 #if defined(__AMX_BF16__)
-  if (!query_pairs.empty()) {
-    for (int64_t c0 = 0; c0 < rows; c0 += kChunkRows) {
-      const int64_t count = std::min(kChunkRows, rows - c0);
-      cascade_tiles::configure_tiles(count);
-      key_tile_scores<D>(op, query_pairs[c0 / kChunkRows].data_ptr<at::BFloat16>() + head * D * count, count, k0, k1,
-                         scores + c0 * kBlockKeys);
-    }
-    _tile_release();
-    return;
+
+// A block's results for a model whose step's rows stay few (not takes_tiles), for rows of KV head
+// `head` over keys [k0, k1): per chunk of up to 16 rows, its scores from key tiles (operands
+// `query_pairs`, key_tile_operands), its softmax weights, and its weighted sums from tiles of the
+// cache's value rows. Sums are `partial` [rows, D], maxima and totals [rows].
+template <int D>
+void key_tile_block(const Operands& op, const std::vector<at::Tensor>& query_pairs, int64_t head,
+                    const int32_t* last_visible, int64_t rows, int64_t k0, int64_t k1, const Scratch& scratch,
+                    float* partial, float* maxima, float* totals) {
+  const int64_t groups = (k1 - k0 + kGroupKeys - 1) / kGroupKeys;
+  for (int64_t c0 = 0; c0 < rows; c0 += kChunkRows) {
+    const int64_t count = std::min(kChunkRows, rows - c0);
+    const at::BFloat16* chunk_pairs = query_pairs[c0 / kChunkRows].data_ptr<at::BFloat16>() + head * D * count;
+    cascade_tiles::configure_tiles(count);
+    key_tile_scores<D>(op, chunk_pairs, count, k0, k1, c0 == 0, scratch.scores);
+    block_weights(op, last_visible + c0, count, k0, k1, scratch.scores, scratch.weights, maxima + c0, totals + c0);
+    spread_weights(scratch.weights, count, groups, scratch.spread);
+    configure_attention_tiles(count);
+    value_tiles_from_cache<D>(op, scratch.spread, count, k0, k1, c0 == 0, partial + c0 * D);
   }
-#endif
-  vector_scores<D>(op, reinterpret_cast<const int32_t*>(queries), rows, k0, k1, scores);
+  _tile_release();
 }
+
+#endif  // __AMX_BF16__
 
 // A thread's working memory for a pass of `rows` rows per KV head.
 template <int D>
@@ -613,7 +719,8 @@ Scratch thread_scratch(int64_t rows) {
   thread_local int64_t held = 0;
   const int64_t score_bytes = rows * kBlockKeys * 4, weight_bytes = rows * kBlockKeys * 2;
   const int64_t value_bytes = kBlockKeys * ((D + 31) / 32) * 64, key_bytes = kBlockKeys * std::max(D, 32) * 2;
-  const int64_t bytes = score_bytes + weight_bytes + value_bytes + key_bytes;  // multiples of 64
+  const int64_t spread_bytes = kBlockKeys / kGroupKeys * 2 * kChunkRows * 64;
+  const int64_t bytes = score_bytes + weight_bytes + value_bytes + key_bytes + spread_bytes;  // multiples of 64
   if (bytes > held) {
     memory.reset(static_cast<char*>(std::aligned_alloc(64, bytes)));
     TORCH_CHECK(memory != nullptr, "decode_attention: no memory for ", bytes, " bytes of working space");
@@ -622,7 +729,8 @@ Scratch thread_scratch(int64_t rows) {
   char* base = memory.get();
   return {reinterpret_cast<float*>(base), reinterpret_cast<at::BFloat16*>(base + score_bytes),
           reinterpret_cast<__m512i*>(base + score_bytes + weight_bytes),
-          reinterpret_cast<__m512i*>(base + score_bytes + weight_bytes + value_bytes)};
+          reinterpret_cast<__m512i*>(base + score_bytes + weight_bytes + value_bytes),
+          reinterpret_cast<uint32_t*>(base + score_bytes + weight_bytes + value_bytes + key_bytes)};
 }
 
 // What a pass's key blocks share beyond its rows: whether they take tiles (takes_tiles) and the
@@ -645,9 +753,12 @@ void block_task(const Operands& op, const PassOperands<D>& pass, const at::BFloa
 #if defined(__AMX_BF16__)
   if constexpr (D % kPairInputs == 0) {  // tiles take 32 dimensions at a time
     if (pass.tiles) return tile_block<D>(op, queries, last_visible, rows, k0, k1, scratch, partial, maxima, totals);
+    if (!pass.query_pairs.empty()) {
+      return key_tile_block<D>(op, pass.query_pairs, head, last_visible, rows, k0, k1, scratch, partial, maxima, totals);
+    }
   }
 #endif
-  block_scores<D>(op, queries, pass.query_pairs, head, rows, k0, k1, scratch.scores);
+  vector_scores<D>(op, reinterpret_cast<const int32_t*>(queries), rows, k0, k1, scratch.scores);
   block_weights(op, last_visible, rows, k0, k1, scratch.scores, scratch.weights, maxima, totals);
   block_values<D>(op, scratch.weights, rows, k0, k1, scratch.value_pairs, partial);
 }
