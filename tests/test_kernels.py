@@ -129,6 +129,7 @@ def reference_attention(query, keys, values, scale, causal):
         (9, 3, 8, 257, 64),
         (2, 1, 1, 1, 64),
         (4, 2, 3, 70, 16),
+        (4, 2, 9, 700, 128),
     ],
 )
 @pytest.mark.parametrize("causal", [True, False])
@@ -145,7 +146,14 @@ def test_decode_attention_equals_float64_reference(path, heads, kv_heads, tokens
 
 @pytest.mark.parametrize(
     "heads, kv_heads, tokens, num_keys, dim",
-    [(9, 3, 8, 1000, 64), (12, 2, 9, 611, 128), (14, 2, 16, 300, 64), (4, 2, 5, 33, 16), (4, 4, 3, 520, 32)],
+    [
+        (9, 3, 8, 1000, 64),
+        (12, 2, 9, 611, 128),
+        (14, 2, 16, 300, 64),
+        (4, 2, 5, 33, 16),
+        (4, 4, 3, 520, 32),
+        (4, 2, 9, 700, 128),
+    ],
 )
 def test_each_token_of_a_causal_pass_equals_its_one_token_step_bit_for_bit(
     path, heads, kv_heads, tokens, num_keys, dim
