@@ -4,8 +4,8 @@ compiler torch.compile already needs.
 ``rows_times_weight``: 1-16 bf16 activation rows times a bf16 weight matrix, reading the weight
 once at memory speed (see ``rows_times_weight.cpp``). ``decode_attention``: a short pass's
 attention over a bf16 KV cache, each key and value read once for every query head of its group
-and every token of the pass, key blocks split across threads (see ``attention.cpp``; scores from
-AMX tiles where the CPU has them, else from AVX512-BF16 products). ``rows_times_int8``: the same
+and every token of the pass, key blocks split across threads (see ``attention.cpp``; scores and
+weighted sums from AMX tiles where the CPU has them, else from AVX512-BF16 products). ``rows_times_int8``: the same
 product for an int8 weight packed by ``cascade.quantise``, the activations quantised per 64 inputs
 (see ``rows_times_int8.cpp``; AMX-INT8, AVX512-VNNI or AVX2); ``rows_times_int4``: for a 4-bit weight
 with a scale and a low per 32 inputs (``rows_times_int4.cpp``; AVX512-VNNI or AVX2). A CPU without AVX512-BF16
@@ -196,7 +196,7 @@ def quantised_kernels_available() -> bool:
 @cache
 def attention_kernel_available() -> bool:
     """Whether ``torch.ops.cascade_kernels.decode_attention`` runs here (it needs AVX512-BF16 or AVX2,
-    as the weight kernel does; AMX only speeds its scores up)."""
+    as the weight kernel does; AMX only speeds its products up)."""
     return weight_kernel_available()
 
 
