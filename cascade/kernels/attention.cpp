@@ -55,6 +55,7 @@
 #include <optional>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "tiles.h"
@@ -523,6 +524,22 @@ void tile_values(const at::BFloat16* weights, const __m512i* value_pairs, int64_
   }
 }
 
+// Keys or values [k, k + 16) of `rows` (`stride` elements apart) as a tile operand -> (first row,
+// stride): the cache's own rows, or where the cache ends before k + 16 (at k1) a copy in `padded`
+// whose rows past the end stay zero, so a product never depends on how many rows follow. With
+// `ahead`, the same rows a block further on are asked for (into L2) on the way.
+template <int D>
+inline std::pair<const at::BFloat16*, int64_t> group_rows(const at::BFloat16* rows, int64_t stride, int64_t k,
+                                                          int64_t k1, bool ahead, at::BFloat16* padded) {
+  if (ahead) {
+    for (int64_t j = 0; j < kGroupKeys; ++j) prefetch_row<D, _MM_HINT_T1>(rows + (k + kBlockKeys + j) * stride);
+  }
+  const int64_t count = std::min(kGroupKeys, k1 - k);
+  if (count == kGroupKeys) return {rows + k * stride, stride};
+  for (int64_t j = 0; j < count; ++j) std::copy_n(rows + (k + j) * stride, D, padded + j * D);
+  return {padded, D};
+}
+
 // Scores [rows, kBlockKeys] of keys [k0, k1) against `rows` query rows (query_pairs [D / 2, rows, 2]),
 // unscaled, from tiles of 16 keys read straight from the cache ([16 keys, rows]; the block's tiles
 // stored first, then gathered into the rows, so no load waits on a tile store just made); the last
@@ -536,19 +553,7 @@ void key_tile_scores(const Operands& op, const at::BFloat16* query_pairs, int64_
   alignas(64) float tiles[kBlockKeys / kGroupKeys][kTileRows * 16];  // per group [16 keys, 16 lanes: rows]
   const int64_t groups = (k1 - k0 + kGroupKeys - 1) / kGroupKeys;
   for (int64_t g = 0; g < groups; ++g) {
-    const int64_t k = k0 + g * kGroupKeys, count = std::min(kGroupKeys, k1 - k);
-    const at::BFloat16* source = op.keys + k * op.key_stride;
-    int64_t stride = op.key_stride;
-    if (count < kGroupKeys) {
-      for (int64_t j = 0; j < count; ++j) std::copy_n(op.keys + (k + j) * op.key_stride, D, padded + j * D);
-      source = padded;
-      stride = D;
-    }
-    if (ahead) {
-      for (int64_t j = 0; j < kGroupKeys; ++j) {
-        prefetch_row<D, _MM_HINT_T1>(op.keys + (k + kBlockKeys + j) * op.key_stride);
-      }
-    }
+    const auto [source, stride] = group_rows<D>(op.keys, op.key_stride, k0 + g * kGroupKeys, k1, ahead, padded);
     _tile_zero(0);
     for (int64_t d = 0; d < D; d += kPairInputs) {
       _tile_loadd(2, source + d, stride * 2);
@@ -606,19 +611,8 @@ void value_tiles_from_cache(const Operands& op, const uint32_t* spread, int64_t 
       _tile_zero(3);
     }
     for (int64_t g = 0; g < groups; ++g) {
-      const int64_t k = k0 + g * kGroupKeys, count = std::min(kGroupKeys, k1 - k);
-      const at::BFloat16* source = op.values + k * op.value_stride;
-      int64_t stride = op.value_stride;
-      if (count < kGroupKeys) {
-        for (int64_t j = 0; j < count; ++j) std::copy_n(op.values + (k + j) * op.value_stride, D, padded + j * D);
-        source = padded;
-        stride = D;
-      }
-      if (ahead && c0 == 0) {
-        for (int64_t j = 0; j < kGroupKeys; ++j) {
-          prefetch_row<D, _MM_HINT_T1>(op.values + (k + kBlockKeys + j) * op.value_stride);
-        }
-      }
+      const auto [source, stride] =
+          group_rows<D>(op.values, op.value_stride, k0 + g * kGroupKeys, k1, ahead && c0 == 0, padded);
       _tile_loadd(5, spread + g * 2 * rows * 16, 64);
       _tile_loadd(7, spread + (g * 2 + 1) * rows * 16, 64);
       _tile_loadd(4, source + c0 * kPairInputs, stride * 2);
