@@ -602,6 +602,9 @@ void value_tiles_from_cache(const Operands& op, const uint32_t* spread, int64_t 
   alignas(64) at::BFloat16 padded[kTileRows * D] = {};
   alignas(64) float sums[4][kTileRows * 16];  // even and odd sums of two chunks of 32 dimensions, [rows, 16]
   const int64_t groups = (k1 - k0 + kGroupKeys - 1) / kGroupKeys;
+  // dimension 2n of 32 from the even sums' lane n, 2n + 1 from the odd sums': the first 16, the last 16
+  const __m512i low = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
   for (int c0 = 0; c0 < kChunks; c0 += 2) {
     const int chunks = std::min(2, kChunks - c0);
     _tile_zero(0);  // sums 0-3: the even and odd dimensions of chunk c0, then of c0 + 1
@@ -630,10 +633,8 @@ void value_tiles_from_cache(const Operands& op, const uint32_t* spread, int64_t 
       _tile_stored(2, sums[2], 64);
       _tile_stored(3, sums[3], 64);
     }
-    const __m512i low = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
     for (int64_t r = 0; r < rows; ++r) {
-      for (int c = 0; c < chunks; ++c) {  // dimension 2n of the chunk from the even sums' lane n, 2n + 1 the odd's
+      for (int c = 0; c < chunks; ++c) {
         const __m512 even = _mm512_load_ps(sums[2 * c] + r * 16), odd = _mm512_load_ps(sums[2 * c + 1] + r * 16);
         float* target = out + r * D + (c0 + c) * kPairInputs;
         _mm512_storeu_ps(target, _mm512_permutex2var_ps(even, low, odd));
