@@ -263,7 +263,9 @@ class Pipeline:
             if proposer and clean and self._captured_graphs(level) == captured:  # timing it waits for it (CUDA)
                 proposer.stats.record_plain_step(self.clock.seconds(stepping, self.clock.mark()))
             return drawn
-        caught_up = len(context) - proposer.length > 1  # its proposal first feeds tokens it skipped
+        # its proposal first feeds tokens it skipped: a round leaves it one token behind (a rejection)
+        # or two (all accepted: its last proposal and the verifier's next token were never fed to it)
+        caught_up = len(context) - proposer.length > 2
         proposing = self.clock.mark()
         if proposer.tree is not None:  # either way, once read the host has caught up
             verdict, drawn, verifying, proposed = self._speculate_tree(level, context, gamma)

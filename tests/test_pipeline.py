@@ -134,6 +134,18 @@ def test_adaptive_schedules_stay_exact(schedule, tiny_dir, tiny_draft_dir, autor
     assert all(sum(stage.clean_verifications.values()) > 0 for stage in fitted)
 
 
+def test_rounds_whose_proposals_all_pass_price_the_next_proposals(tiny_dir):
+    """A round whose proposals are all accepted leaves the draft two tokens behind (its last proposal
+    and the verifier's next token were never fed to it): its next proposal is an ordinary one, priced
+    among the proposal samples, not as a catch-up on skipped tokens (which left a draft that agreed on
+    everything unpriced, so the cost model bypassed it)."""
+    overrides = ["stages.0.schedule=fixed", "stages.0.gamma=4"]
+    result = generate(runtime_for("speculative", tiny_dir, tiny_dir, overrides), PROMPT)
+    draft = result.stats.stages[0]
+    assert draft.rounds > 1 and draft.accepted == draft.proposed  # the target drafts for itself
+    assert draft.catch_up_s == 0.0 and len(draft.proposal_samples) == draft.timed_rounds
+
+
 def test_a_stage_bypassed_for_long_catches_up_within_its_room(tiny_dir, tiny_draft_dir):
     """The cost model bypasses the useless draft; its streaming cache then lags the context by more
     than a prefill chunk and must be fed the missed tokens in chunks, not overflow."""
