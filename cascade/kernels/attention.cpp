@@ -38,7 +38,9 @@
 // are spread evenly through the work that reads the block (a line of a next key as each line of a
 // key is loaded, two value rows per step of the weighted sums), not issued in bursts: a burst
 // outruns the core's outstanding-miss slots, and a one-token pass over 32K keys of head size 128
-// then read its KV at 12-16 GB/s while its arithmetic alone ran at 32.
+// then read its KV at 12-16 GB/s while its arithmetic alone ran at 32. Blocks from tiles of the
+// cache's rows pace their asks by the whole block's work, its softmax and its chunks of rows
+// included (NextBlockAsks), so a pass of many rows reads memory while it computes.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -205,13 +207,14 @@ void vector_scores(const Operands& op, const int32_t* query_pairs, int64_t rows,
   }
 }
 
-// Softmax weights of a block, row by row (keys in the vector lanes), rounded to bf16 into `weights`
-// [rows, kBlockKeys]: a row's keys past its last visible one get weight 0 -> the rows' block maxima
-// (scaled scores; -inf for a row that sees no key here) and the sums of the rounded weights. Keys a
-// row cannot see add exact zeros, so a row's figures are those of a pass that ends at its last
-// visible key.
+// Softmax weights of a block, row by row (keys in the vector lanes), rounded to bf16: a row's keys past
+// its last visible one get weight 0; each 32 keys' weights, float32 as rounded, go to store(r, k, low,
+// high) (keys k to k + 15, k + 16 to k + 31) -> the rows' block maxima (scaled scores; -inf for a row
+// that sees no key here) and the sums of the rounded weights. Keys a row cannot see add exact zeros,
+// so a row's figures are those of a pass that ends at its last visible key.
+template <typename Store>
 void block_weights(const Operands& op, const int32_t* last_visible, int64_t rows, int64_t k0, int64_t k1,
-                   const float* scores, at::BFloat16* weights, float* maximum, float* total) {
+                   const float* scores, float* maximum, float* total, Store store) {
   const __m512 scale = _mm512_set1_ps(op.scale);
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = scores + r * kBlockKeys;
@@ -231,12 +234,19 @@ void block_weights(const Operands& op, const int32_t* last_visible, int64_t rows
     __m512 sum = _mm512_setzero_ps();
     for (int64_t k = 0; k < keys; k += 32) {
       const __m512 low = rounded_weights(k), high = rounded_weights(k + 16);
-      _mm512_storeu_si512(weights + r * kBlockKeys + k, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+      store(r, k, low, high);
       sum = _mm512_add_ps(_mm512_add_ps(sum, low), high);
     }
     maximum[r] = largest;
     total[r] = _mm512_reduce_add_ps(sum);
   }
+}
+
+// block_weights' store for weights [rows, kBlockKeys] bf16.
+inline auto weights_into(at::BFloat16* weights) {
+  return [weights](int64_t r, int64_t k, __m512 low, __m512 high) {
+    _mm512_storeu_si512(weights + r * kBlockKeys + k, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+  };
 }
 
 // Keys k, k + 1 of the values as key pairs in registers: for each 32 dimensions c, the two rows
@@ -422,7 +432,7 @@ struct Scratch {
   at::BFloat16* weights;  // [rows, kBlockKeys]
   __m512i* value_pairs;  // [kBlockKeys / 2, pairs of 32 dimensions, 2]
   __m512i* key_pairs;  // [kBlockKeys / 16, D / 2] (tiles only)
-  uint32_t* spread;  // [kBlockKeys / 16, 2, 16 rows, 16] (value tiles from the cache only, spread_weights)
+  uint32_t* spread;  // [kBlockKeys / 16, 2, 16 rows, 16] (value tiles from the cache only, spread_into)
 };
 
 #if defined(__AMX_BF16__)
@@ -526,41 +536,123 @@ void tile_values(const at::BFloat16* weights, const __m512i* value_pairs, int64_
 
 // Keys or values [k, k + 16) of `rows` (`stride` elements apart) as a tile operand -> (first row,
 // stride): the cache's own rows, or where the cache ends before k + 16 (at k1) a copy in `padded`
-// whose rows past the end stay zero, so a product never depends on how many rows follow. With
-// `ahead`, the same rows a block further on are asked for (into L2) on the way.
+// whose rows past the end are zeros, so a product never depends on how many rows follow.
 template <int D>
 inline std::pair<const at::BFloat16*, int64_t> group_rows(const at::BFloat16* rows, int64_t stride, int64_t k,
-                                                          int64_t k1, bool ahead, at::BFloat16* padded) {
-  if (ahead) {
-    for (int64_t j = 0; j < kGroupKeys; ++j) prefetch_row<D, _MM_HINT_T1>(rows + (k + kBlockKeys + j) * stride);
-  }
+                                                          int64_t k1, at::BFloat16* padded) {
   const int64_t count = std::min(kGroupKeys, k1 - k);
   if (count == kGroupKeys) return {rows + k * stride, stride};
   for (int64_t j = 0; j < count; ++j) std::copy_n(rows + (k + j) * stride, D, padded + j * D);
+  std::fill(padded + count * D, padded + kTileRows * D, at::BFloat16(0.f));
   return {padded, D};
 }
 
+// The next block's keys, then its values, asked for (into L2) a few lines at a time as a block's
+// work goes on: each call ask(work) asks for the share of the lines its `work` is of the block's
+// (`total_work`, in the callers' units), so the asks keep pace with the work however many rows the
+// pass has. Issued together, the asks of a block outran the core's outstanding misses and then
+// waited on memory while the rest of the block's work left it idle: an 8-token pass of SmolLM2's
+// shape over 32K keys cost its step's time plus all of its own arithmetic.
+template <int D>
+class NextBlockAsks {
+ public:
+  NextBlockAsks(const Operands& op, int64_t k0, int64_t total_work)
+      : keys_(op.keys + (k0 + kBlockKeys) * op.key_stride),
+        values_(op.values + (k0 + kBlockKeys) * op.value_stride),
+        key_stride_(op.key_stride),
+        value_stride_(op.value_stride),
+        rows_per_work_(((2 * kBlockKeys) << kFraction) / total_work + 1) {}  // a step's work costs no division
+
+  void ask(int64_t work) {
+    done_ += work;
+    const int64_t end = std::min(2 * kBlockKeys, (done_ * rows_per_work_) >> kFraction);
+    int64_t row = row_;
+    for (; row < std::min(end, kBlockKeys); ++row) prefetch_row<D, _MM_HINT_T1>(keys_ + row * key_stride_);
+    for (; row < end; ++row) prefetch_row<D, _MM_HINT_T1>(values_ + (row - kBlockKeys) * value_stride_);
+    row_ = row;
+  }
+
+ private:
+  static constexpr int kFraction = 20;  // bits of rows_per_work_ below the point
+  const at::BFloat16 *keys_, *values_;
+  int64_t key_stride_, value_stride_, rows_per_work_, done_ = 0, row_ = 0;  // rows asked for: keys, then values
+};
+
+// Work of the parts of a key tile block, in NextBlockAsks' units: a group of 16 keys' score or value
+// products, and one row's softmax weights of 32 keys (about a quarter of it).
+constexpr int64_t kGroupWork = 4, kWeightsWork = 1;
+
+// Tiles for key tile scores of a chunk of `rows` rows: 0 and 1 float32 sums [16 keys, rows], for
+// groups of 16 keys in turn; 2, 3 and 6, 7 the keys' rows [16 keys, 32 dimensions] of those groups
+// (two slices of 32 dimensions each); 4 and 5 the query pairs [16 pairs, rows] of the slices.
+inline void configure_key_tiles(int64_t rows) {
+  cascade_tiles::TileConfig config;
+  for (const int tile : {0, 1, 4, 5}) {
+    config.rows[tile] = kTileRows;
+    config.bytes_per_row[tile] = rows * 4;
+  }
+  for (const int tile : {2, 3, 6, 7}) {
+    config.rows[tile] = kTileRows;
+    config.bytes_per_row[tile] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// One group's scores from its keys' rows (`source`, `stride` elements apart), slice by slice of 32
+// dimensions in order: into sum 0 from key tiles 2 and 3, or (Odd) into sum 1 from key tiles 6 and 7
+// (tile numbers are immediates). The query pairs of slices 0 and 1 stay in tiles 4 and 5 (Resident),
+// else each slice's are loaded as it is taken.
+template <int D, bool Odd, bool Resident>
+inline void key_group_products(const at::BFloat16* source, int64_t stride, const at::BFloat16* query_pairs,
+                               int64_t rows) {
+  if constexpr (Odd) _tile_zero(1);
+  if constexpr (!Odd) _tile_zero(0);
+  for (int64_t d = 0; d < D; d += 2 * kPairInputs) {
+    if constexpr (Odd) _tile_loadd(6, source + d, stride * 2);
+    if constexpr (!Odd) _tile_loadd(2, source + d, stride * 2);
+    if (!Resident) _tile_loadd(4, query_pairs + d * rows, rows * 4);
+    if constexpr (Odd) _tile_dpbf16ps(1, 6, 4);
+    if constexpr (!Odd) _tile_dpbf16ps(0, 2, 4);
+    if (d + kPairInputs < D) {
+      if constexpr (Odd) _tile_loadd(7, source + d + kPairInputs, stride * 2);
+      if constexpr (!Odd) _tile_loadd(3, source + d + kPairInputs, stride * 2);
+      if (!Resident) _tile_loadd(5, query_pairs + (d + kPairInputs) * rows, rows * 4);
+      if constexpr (Odd) _tile_dpbf16ps(1, 7, 5);
+      if constexpr (!Odd) _tile_dpbf16ps(0, 3, 5);
+    }
+  }
+}
+
 // Scores [rows, kBlockKeys] of keys [k0, k1) against `rows` query rows (query_pairs [D / 2, rows, 2]),
-// unscaled, from tiles of 16 keys read straight from the cache ([16 keys, rows]; the block's tiles
-// stored first, then gathered into the rows, so no load waits on a tile store just made); the last
-// few keys are copied into a zero-padded tile first, so a key's score never depends on how many keys
-// follow it. With `ahead`, the next block's keys are asked for (into L2) on the way, a group's keys
-// as it is read. For models whose steps' rows stay few (not takes_tiles).
+// unscaled, from tiles of 16 keys read straight from the cache ([16 keys, rows]); groups of keys take
+// two sets of tiles in turn, so one group's keys load while the other's products run, and the
+// queries of heads up to 64 dimensions stay in their tiles. The block's tiles are stored first, then
+// gathered into the rows, so no load waits on a tile store just made; the last few keys are copied
+// into a zero-padded tile first, so a key's score never depends on how many keys follow it. Each
+// group asks for its share of the next block (`next`). For models whose steps' rows stay few (not
+// takes_tiles).
 template <int D>
 void key_tile_scores(const Operands& op, const at::BFloat16* query_pairs, int64_t rows, int64_t k0, int64_t k1,
-                     bool ahead, float* scores) {
-  alignas(64) at::BFloat16 padded[kTileRows * D] = {};  // the last keys
+                     NextBlockAsks<D>& next, float* scores) {
+  constexpr bool kResident = D <= 2 * kPairInputs;
+  alignas(64) at::BFloat16 padded[kTileRows * D];  // the last keys
   alignas(64) float tiles[kBlockKeys / kGroupKeys][kTileRows * 16];  // per group [16 keys, 16 lanes: rows]
   const int64_t groups = (k1 - k0 + kGroupKeys - 1) / kGroupKeys;
+  configure_key_tiles(rows);
+  if (kResident) {
+    _tile_loadd(4, query_pairs, rows * 4);
+    if (D > kPairInputs) _tile_loadd(5, query_pairs + kPairInputs * rows, rows * 4);
+  }
   for (int64_t g = 0; g < groups; ++g) {
-    const auto [source, stride] = group_rows<D>(op.keys, op.key_stride, k0 + g * kGroupKeys, k1, ahead, padded);
-    _tile_zero(0);
-    for (int64_t d = 0; d < D; d += kPairInputs) {
-      _tile_loadd(2, source + d, stride * 2);
-      _tile_loadd(4, query_pairs + d * rows, rows * 4);
-      _tile_dpbf16ps(0, 2, 4);
+    next.ask(kGroupWork);
+    const auto [source, stride] = group_rows<D>(op.keys, op.key_stride, k0 + g * kGroupKeys, k1, padded);
+    if (g % 2 == 0) {
+      key_group_products<D, false, kResident>(source, stride, query_pairs, rows);
+      _tile_stored(0, tiles[g], 64);
+    } else {
+      key_group_products<D, true, kResident>(source, stride, query_pairs, rows);
+      _tile_stored(1, tiles[g], 64);
     }
-    _tile_stored(0, tiles[g], 64);
   }
   const __m512i keys = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                           _mm512_set1_epi32(16));  // key j's float in lane j: 16 j
@@ -572,34 +664,35 @@ void key_tile_scores(const Operands& op, const at::BFloat16* query_pairs, int64_
   }
 }
 
-// A chunk's weights of 16 keys as the first operands of two tile products against 16 value rows
-// read straight from the cache (a row of 32 dimensions per key, as pairs of dimensions): the even
-// operand pairs each weight with a zero, [rows, 16 keys x (w, 0)], so its products sum the even
-// dimensions; the odd one, [rows, 16 keys x (0, w)], the odd dimensions. Weights [rows, kBlockKeys]
-// -> spread [groups, 2, rows, 32] for the block's groups of 16 keys.
-void spread_weights(const at::BFloat16* weights, int64_t rows, int64_t groups, uint32_t* spread) {
-  for (int64_t g = 0; g < groups; ++g) {
-    uint32_t* even = spread + g * 2 * rows * 16;
-    for (int64_t r = 0; r < rows; ++r) {
-      const __m256i row = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(weights + r * kBlockKeys + g * 16));
-      const __m512i widened = _mm512_cvtepu16_epi32(row);  // (w, 0) pairs: the weight in the low half
-      _mm512_store_si512(even + r * 16, widened);
-      _mm512_store_si512(even + (rows + r) * 16, _mm512_slli_epi32(widened, 16));
+// block_weights' store for a chunk of `rows` rows whose weights of 16 keys are the first operands of
+// two tile products against 16 value rows read straight from the cache (a row of 32 dimensions per
+// key, as pairs of dimensions): the even operand pairs each weight with a zero, [rows, 16 keys x
+// (w, 0)], so its products sum the even dimensions; the odd one, [rows, 16 keys x (0, w)], the odd
+// dimensions -> spread [groups of 16 keys, 2, rows, 16 x 32 bits]. A weight rounded to bf16 is the
+// high half of its float32's bits, the low half zero: (0, w) is those bits, (w, 0) them shifted down.
+template <int D>
+inline auto spread_into(uint32_t* spread, int64_t rows, NextBlockAsks<D>& next) {
+  return [spread, rows, &next](int64_t r, int64_t k, __m512 low, __m512 high) {
+    next.ask(kWeightsWork);
+    for (const auto& [g, weights] : {std::pair{k / kGroupKeys, low}, std::pair{k / kGroupKeys + 1, high}}) {
+      const __m512i odd = _mm512_castps_si512(weights);
+      _mm512_store_si512(spread + (g * 2 * rows + r) * 16, _mm512_srli_epi32(odd, 16));
+      _mm512_store_si512(spread + ((g * 2 + 1) * rows + r) * 16, odd);
     }
-  }
+  };
 }
 
 // out [rows, D] = weights x the values of keys [k0, k1) for one chunk of up to 16 rows, from tiles whose
 // value operands are the cache's own rows (no pairing into scratch): per 16 keys and 32 dimensions,
-// tile 4 or 6 holds the 16 keys' rows, and the spread weights (spread_weights) in tiles 5 and 7 take
+// tile 4 or 6 holds the 16 keys' rows, and the spread weights (spread_into) in tiles 5 and 7 take
 // its even and odd dimensions into sums 0-3 (64 dimensions at a time). The last keys of the cache are
-// copied into a zero-padded tile first, so a sum never depends on how many keys follow. With `ahead`,
-// the next block's value rows are asked for (into L2) on the way, a group's rows as it is read.
+// copied into a zero-padded tile first, so a sum never depends on how many keys follow. Each group
+// asks for its share of the next block (`next`).
 template <int D>
 void value_tiles_from_cache(const Operands& op, const uint32_t* spread, int64_t rows, int64_t k0, int64_t k1,
-                            bool ahead, float* out) {
+                            NextBlockAsks<D>& next, float* out) {
   constexpr int kChunks = D / kPairInputs;  // 32 dimensions each
-  alignas(64) at::BFloat16 padded[kTileRows * D] = {};
+  alignas(64) at::BFloat16 padded[kTileRows * D];
   alignas(64) float sums[4][kTileRows * 16];  // even and odd sums of two chunks of 32 dimensions, [rows, 16]
   const int64_t groups = (k1 - k0 + kGroupKeys - 1) / kGroupKeys;
   // dimension 2n of 32 from the even sums' lane n, 2n + 1 from the odd sums': the first 16, the last 16
@@ -614,8 +707,8 @@ void value_tiles_from_cache(const Operands& op, const uint32_t* spread, int64_t 
       _tile_zero(3);
     }
     for (int64_t g = 0; g < groups; ++g) {
-      const auto [source, stride] =
-          group_rows<D>(op.values, op.value_stride, k0 + g * kGroupKeys, k1, ahead && c0 == 0, padded);
+      next.ask(kGroupWork);
+      const auto [source, stride] = group_rows<D>(op.values, op.value_stride, k0 + g * kGroupKeys, k1, padded);
       _tile_loadd(5, spread + g * 2 * rows * 16, 64);
       _tile_loadd(7, spread + (g * 2 + 1) * rows * 16, 64);
       _tile_loadd(4, source + c0 * kPairInputs, stride * 2);
@@ -761,7 +854,8 @@ void tile_block(const Operands& op, const at::BFloat16* grouped, const int32_t* 
       if (chunks == 2) shared_tile_scores<D, 2>(grouped + c0 * D, scratch.key_pairs, k1 - k0, chunk_scores);
       if (chunks == 3) shared_tile_scores<D, 3>(grouped + c0 * D, scratch.key_pairs, k1 - k0, chunk_scores);
     }
-    block_weights(op, last_visible + c0, count, k0, k1, chunk_scores, chunk_weights, maxima + c0, totals + c0);
+    block_weights(op, last_visible + c0, count, k0, k1, chunk_scores, maxima + c0, totals + c0,
+                  weights_into(chunk_weights));
     if (chunks == 1) tile_values<D>(chunk_weights, scratch.value_pairs, count, num_pairs, partial + c0 * D);
     if (chunks == 2) shared_tile_values<D, 2>(chunk_weights, scratch.value_pairs, count, num_pairs, partial + c0 * D);
     if (chunks == 3) shared_tile_values<D, 3>(chunk_weights, scratch.value_pairs, count, num_pairs, partial + c0 * D);
@@ -796,16 +890,17 @@ template <int D>
 void key_tile_block(const Operands& op, const std::vector<at::Tensor>& query_pairs, int64_t head,
                     const int32_t* last_visible, int64_t rows, int64_t k0, int64_t k1, const Scratch& scratch,
                     float* partial, float* maxima, float* totals) {
-  const int64_t groups = (k1 - k0 + kGroupKeys - 1) / kGroupKeys;
+  const int64_t groups = (k1 - k0 + kGroupKeys - 1) / kGroupKeys, chunks = (rows + kChunkRows - 1) / kChunkRows;
+  const int64_t value_passes = (D + 2 * kPairInputs - 1) / (2 * kPairInputs), weight_stores = (k1 - k0 + 31) / 32;
+  NextBlockAsks<D> next(op, k0, chunks * groups * (1 + value_passes) * kGroupWork + rows * weight_stores * kWeightsWork);
   for (int64_t c0 = 0; c0 < rows; c0 += kChunkRows) {
     const int64_t count = std::min(kChunkRows, rows - c0);
     const at::BFloat16* chunk_pairs = query_pairs[c0 / kChunkRows].data_ptr<at::BFloat16>() + head * D * count;
-    cascade_tiles::configure_tiles(count);
-    key_tile_scores<D>(op, chunk_pairs, count, k0, k1, c0 == 0, scratch.scores);
-    block_weights(op, last_visible + c0, count, k0, k1, scratch.scores, scratch.weights, maxima + c0, totals + c0);
-    spread_weights(scratch.weights, count, groups, scratch.spread);
+    key_tile_scores<D>(op, chunk_pairs, count, k0, k1, next, scratch.scores);
+    block_weights(op, last_visible + c0, count, k0, k1, scratch.scores, maxima + c0, totals + c0,
+                  spread_into<D>(scratch.spread, count, next));
     configure_attention_tiles(count);
-    value_tiles_from_cache<D>(op, scratch.spread, count, k0, k1, c0 == 0, partial + c0 * D);
+    value_tiles_from_cache<D>(op, scratch.spread, count, k0, k1, next, partial + c0 * D);
   }
   _tile_release();
 }
@@ -859,7 +954,7 @@ void block_task(const Operands& op, const PassOperands<D>& pass, const at::BFloa
   }
 #endif
   vector_scores<D>(op, reinterpret_cast<const int32_t*>(queries), rows, k0, k1, scratch.scores);
-  block_weights(op, last_visible, rows, k0, k1, scratch.scores, scratch.weights, maxima, totals);
+  block_weights(op, last_visible, rows, k0, k1, scratch.scores, maxima, totals, weights_into(scratch.weights));
   block_values<D>(op, scratch.weights, rows, k0, k1, scratch.value_pairs, partial);
 }
 
