@@ -561,7 +561,7 @@ class NextBlockAsks {
         values_(op.values + (k0 + kBlockKeys) * op.value_stride),
         key_stride_(op.key_stride),
         value_stride_(op.value_stride),
-        rows_per_work_(((2 * kBlockKeys) << kFraction) / total_work + 1) {}  // a step's work costs no division
+        rows_per_work_(((2 * kBlockKeys) << kFraction) / total_work + 1) {}  // asks multiply, never divide
 
   void ask(int64_t work) {
     done_ += work;
