@@ -610,13 +610,13 @@ inline void key_group_products(const at::BFloat16* source, int64_t stride, const
   for (int64_t d = 0; d < D; d += 2 * kPairInputs) {
     if constexpr (Odd) _tile_loadd(6, source + d, stride * 2);
     if constexpr (!Odd) _tile_loadd(2, source + d, stride * 2);
-    if (!Resident) _tile_loadd(4, query_pairs + d * rows, rows * 4);
+    if constexpr (!Resident) _tile_loadd(4, query_pairs + d * rows, rows * 4);
     if constexpr (Odd) _tile_dpbf16ps(1, 6, 4);
     if constexpr (!Odd) _tile_dpbf16ps(0, 2, 4);
     if (d + kPairInputs < D) {
       if constexpr (Odd) _tile_loadd(7, source + d + kPairInputs, stride * 2);
       if constexpr (!Odd) _tile_loadd(3, source + d + kPairInputs, stride * 2);
-      if (!Resident) _tile_loadd(5, query_pairs + (d + kPairInputs) * rows, rows * 4);
+      if constexpr (!Resident) _tile_loadd(5, query_pairs + (d + kPairInputs) * rows, rows * 4);
       if constexpr (Odd) _tile_dpbf16ps(1, 7, 5);
       if constexpr (!Odd) _tile_dpbf16ps(0, 3, 5);
     }
