@@ -17,7 +17,8 @@
 // - scores: 16 keys at a time transposed into pairs of head dimensions (pair p of key j in lane j),
 //   shared by every row; a row's 16 scores are one chain of products over the even pairs and one
 //   over the odd pairs against its own query pair, broadcast;
-// - softmax in float32, the weights rounded to bf16 (as flash attention's P) and summed as rounded;
+// - softmax in float32 in base 2 (exp2_16), the weights rounded to bf16 (as flash attention's P) and
+//   summed as rounded;
 // - each row's output: its weight pairs times the value pairs, 16 dimensions per accumulator.
 // With AMX (head sizes 32, 64, 128) every pass takes its products from tiles, per chunk of up to
 // 16 rows, in one of two ways fixed by the model (takes_tiles):
@@ -109,7 +110,7 @@ inline void in_row_groups(int64_t rows, Run run) {
 
 #if defined(CASCADE_AVX512)
 
-using cascade_vector::exp16;
+using cascade_vector::exp2_16;
 
 constexpr int64_t kChunkRows = 16;  // rows of an AMX tile: the rows of a pass a tile takes at once
 constexpr int64_t kPairInputs = 32;  // bf16 inputs of one AMX tile row or one 512-bit register
@@ -210,26 +211,28 @@ void vector_scores(const Operands& op, const int32_t* query_pairs, int64_t rows,
 // Softmax weights of a block, row by row (keys in the vector lanes), rounded to bf16: a row's keys past
 // its last visible one get weight 0; each 32 keys' weights, float32 as rounded, go to store(r, k, low,
 // high) (keys k to k + 15, k + 16 to k + 31) -> the rows' block maxima (scaled scores; -inf for a row
-// that sees no key here) and the sums of the rounded weights. Keys a row cannot see add exact zeros,
-// so a row's figures are those of a pass that ends at its last visible key.
+// that sees no key here) and the sums of the rounded weights. A weight is 2^(s c - m c) for score s,
+// the row's largest score m and c = scale x log2 e (exp2_16; the scale is positive, so the largest
+// scaled score is the largest score scaled). Keys a row cannot see add exact zeros, so a row's figures
+// are those of a pass that ends at its last visible key.
 template <typename Store>
 void block_weights(const Operands& op, const int32_t* last_visible, int64_t rows, int64_t k0, int64_t k1,
                    const float* scores, float* maximum, float* total, Store store) {
-  const __m512 scale = _mm512_set1_ps(op.scale);
+  const float base_two = op.scale * 1.44269504088896341f;  // scores -> exponents of 2
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = scores + r * kBlockKeys;
     const int64_t keys = k1 - k0, visible = std::clamp<int64_t>(last_visible[r] + 1 - k0, 0, keys);
     __m512 best = _mm512_set1_ps(kNegativeInfinity);
     for (int64_t k = 0; k < visible; k += 16) {
       const __mmask16 lanes = first_lanes(visible - k);
-      best = _mm512_mask_max_ps(best, lanes, best, _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, row + k), scale));
+      best = _mm512_mask_max_ps(best, lanes, best, _mm512_maskz_loadu_ps(lanes, row + k));
     }
     const float largest = _mm512_reduce_max_ps(best);
+    const __m512 slope = _mm512_set1_ps(base_two), offset = _mm512_set1_ps(-largest * base_two);
     const auto rounded_weights = [&](int64_t k) {  // keys [k, k + 16) -> float32 weights, rounded to bf16
       const __mmask16 seen = first_lanes(visible - k);
-      const __m512 scaled = _mm512_mul_ps(_mm512_maskz_loadu_ps(seen, row + k), scale);
-      const __m512 weight = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(scaled, _mm512_set1_ps(largest))));
-      return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(weight));
+      const __m512 exponent = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(seen, row + k), slope, offset);
+      return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(exp2_16(seen, exponent)));
     };
     __m512 sum = _mm512_setzero_ps();
     for (int64_t k = 0; k < keys; k += 32) {
@@ -237,7 +240,7 @@ void block_weights(const Operands& op, const int32_t* last_visible, int64_t rows
       store(r, k, low, high);
       sum = _mm512_add_ps(_mm512_add_ps(sum, low), high);
     }
-    maximum[r] = largest;
+    maximum[r] = largest * op.scale;
     total[r] = _mm512_reduce_add_ps(sum);
   }
 }

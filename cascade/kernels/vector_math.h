@@ -40,6 +40,22 @@ inline Vector exp_polynomial(Vector f, MulAdd multiply_add, Broadcast broadcast)
 
 namespace cascade_vector {
 
+// 2^t for 16 floats, 0 in lanes outside `lanes`: 2^n (scalef) times 2^f, f = t - n in [-0.5, 0.5], by
+// the degree-5 Taylor polynomial of e^(f ln 2) (relative error ~3e-6, a thousandth of a bf16 rounding
+// step). A softmax takes its weights this way, its scores scaled to base 2 and their maximum taken
+// off in one multiply-add: 11 operations a vector where exp16 of scaled, shifted scores takes 16.
+inline __m512 exp2_16(__mmask16 lanes, __m512 t) {
+  constexpr double kLn2 = 0.69314718055994531;
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(float(kLn2 * kLn2 * kLn2 * kLn2 * kLn2 / 120));
+  for (const float coefficient : {float(kLn2 * kLn2 * kLn2 * kLn2 / 24), float(kLn2 * kLn2 * kLn2 / 6),
+                                  float(kLn2 * kLn2 / 2), float(kLn2), 1.f}) {
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(coefficient));
+  }
+  return _mm512_maskz_scalef_ps(lanes, p, n);
+}
+
 // e^x for 16 floats: 2^(x log2 e) split into 2^n (scalef) and 2^f, f in [-0.5, 0.5], by a degree-6
 // polynomial (relative error ~2e-7); -inf gives 0.
 inline __m512 exp16(__m512 x) {
