@@ -26,11 +26,12 @@
   more than its round (a full-cache draft catches up on what it skipped), and SmolLM2's `self-spec`
   at 8K ran at 0.90x autoregressive with a probe every 16 tokens. While a stage speculates for a small
   gain, the verifier takes a plain step now and then (``REFRESH_EVERY``) to re-time the cost that
-  gain is measured against. After the warm-up, a wider pass timed fewer than ``TRUSTED_SAMPLES``
-  times is tried every other round (``explore_past``). A request that starts from the pass costs of
-  the runtime's previous one (``cascade.pass_costs``) takes no plain steps first and runs
-  ``hopeful_gamma`` over the configured gamma from its first round: only the acceptance is left to
-  measure.
+  gain is measured against, and once (whatever the gain) when verification passes of more tokens ran
+  faster than the plain steps timed first (``StageStats.step_outpaced``). After the warm-up, a wider
+  pass timed fewer than ``TRUSTED_SAMPLES`` times is tried every other round (``explore_past``). A
+  request that starts from the pass costs of the runtime's previous one (``cascade.pass_costs``)
+  takes no plain steps first and runs ``hopeful_gamma`` over the configured gamma from its first
+  round: only the acceptance is left to measure.
 """
 
 from __future__ import annotations
@@ -130,6 +131,8 @@ class CostModelSchedule(Schedule):
         """The first round's gamma is set (from carried costs, where there are)."""
         self.explored = False
         """The last round proposed one more than the best gamma, to time that wider pass."""
+        self.outpaced_retimed = False
+        """A plain step was taken because verification passes ran faster than the steps timed first."""
 
     def next_gamma(self, stats: StageStats, room: int) -> int:
         if stats.plain_steps < PLAIN_STEPS_FIRST and not starts_warm(stats):
@@ -144,6 +147,10 @@ class CostModelSchedule(Schedule):
                 self.current, self.bypassed, self.probing = 1, 0, True
         elif self.unrefreshed >= self.refresh_after and stats.expected_speedup(self.current) < REFRESH_BELOW:
             self.unrefreshed, self.refresh_after = 0, 2 * self.refresh_after
+            stats.retime_plain_step()
+            return 0
+        elif not self.outpaced_retimed and stats.step_outpaced():
+            self.outpaced_retimed = True
             stats.retime_plain_step()
             return 0
         return super().next_gamma(stats, room)

@@ -12,6 +12,10 @@ PLAIN_SAMPLES_KEPT = 32
 (``StageStats.step_s``, ``StageStats.proposal_s``)."""
 VERIFICATION_SAMPLES_KEPT = 8
 """Clean verification passes' times a stage keeps per gamma for their median (``StageStats.verification_s``)."""
+OUTPACED = 1.1
+"""How much dearer than a verification pass of some width plain steps must look before their times are
+taken for a slower phase of the generation (``StageStats.step_outpaced``): a few percent either way is
+noise."""
 
 
 @dataclass
@@ -110,6 +114,17 @@ class StageStats:
         """The plain steps timed so far are from another phase of the generation (a process's slow
         first steps, a shorter context): the next one's time replaces theirs."""
         self.plain_samples_stale = True
+
+    def step_outpaced(self) -> bool:
+        """Whether the plain steps' median is more than ``OUTPACED`` times the median of verification
+        passes of some width timed at least twice. A pass of more tokens over the same cache costs at
+        least a step, so such steps were timed in a slower phase (a process's first passes: SmolLM2's
+        `triforce` at 8K timed its first full-cache steps at 19-26 ms, its 2-token verifications at
+        17-20 ms and its steps later at ~15 ms, and predicted 1.66x where it ran at 1.07x)."""
+        if not self.plain_samples or self.plain_samples_stale:
+            return False
+        passes = [statistics.median(times) for times in self.verification_samples.values() if len(times) >= 2]
+        return bool(passes) and self.step_s > OUTPACED * min(passes)
 
     def forget_pass_costs(self) -> None:
         """The passes timed so far ran in a batch of another size (``cascade.lockstep``): their

@@ -407,3 +407,22 @@ def test_a_batch_that_shrinks_drops_the_verifications_timed_in_it_and_probes_a_b
     speculating.current = 4
     speculating.costs_forgotten()
     assert speculating.next_gamma(stats, room=100) == 4
+
+
+def test_plain_steps_slower_than_wider_verification_passes_are_timed_again_once():
+    """SmolLM2's `triforce` at 8K: its first full-cache steps took 19-26 ms, its 2-token verifications
+    17-20 ms, and its prediction (1.66x) rested on the slow steps; it ran at 1.07x."""
+    schedule = CostModelSchedule(6)
+    stats = measured([(1, 1), (1, 1)], propose_s=0.011, verify_s=0.018, step_s=0.025)
+    assert stats.step_outpaced()
+    assert schedule.next_gamma(stats, room=100) == 0 and stats.plain_samples_stale
+    stats.record_plain_step(0.016)
+    assert stats.step_s == 0.016 and not stats.step_outpaced()
+    stats.record_plain_step(0.030)  # noise after the re-timing: the steps are not taken again
+    assert stats.step_outpaced() and schedule.next_gamma(stats, room=100) > 0
+
+
+def test_plain_steps_within_noise_of_the_verification_passes_stand():
+    stats = measured([(2, 2), (2, 2)], propose_s=0.011, verify_s=0.0175, step_s=0.019)
+    assert not stats.step_outpaced()  # 19 ms against 17.5: within OUTPACED
+    assert not measured([(2, 2)], propose_s=0.011, verify_s=0.010, step_s=0.019).step_outpaced()  # one pass
