@@ -10,7 +10,6 @@
 
 #include <cstdint>
 #include <initializer_list>
-#include <initializer_list>
 
 #if defined(__AVX512BF16__)
 #define CASCADE_AVX512 1
@@ -23,15 +22,20 @@
 
 namespace cascade_vector {
 
-// e^f for f in [-ln 2 / 2, ln 2 / 2] (relative error ~2e-7): the degree-6 Taylor polynomial by Horner's
-// rule, on any vector type given its multiply-add and broadcast.
+// The polynomial with `coefficients` (highest degree first) at f by Horner's rule, on any vector type
+// given its multiply-add and broadcast.
+template <typename Vector, typename MulAdd, typename Broadcast>
+inline Vector horner(Vector f, std::initializer_list<float> coefficients, MulAdd multiply_add, Broadcast broadcast) {
+  const float* c = coefficients.begin();
+  Vector p = broadcast(*c);
+  for (++c; c != coefficients.end(); ++c) p = multiply_add(p, f, broadcast(*c));
+  return p;
+}
+
+// e^f for f in [-ln 2 / 2, ln 2 / 2] (relative error ~2e-7): the degree-6 Taylor polynomial.
 template <typename Vector, typename MulAdd, typename Broadcast>
 inline Vector exp_polynomial(Vector f, MulAdd multiply_add, Broadcast broadcast) {
-  Vector p = broadcast(1.f / 720);
-  for (const float coefficient : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) {
-    p = multiply_add(p, f, broadcast(coefficient));
-  }
-  return p;
+  return horner(f, {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}, multiply_add, broadcast);
 }
 
 }  // namespace cascade_vector
@@ -39,6 +43,10 @@ inline Vector exp_polynomial(Vector f, MulAdd multiply_add, Broadcast broadcast)
 #if defined(__AVX512F__)
 
 namespace cascade_vector {
+
+// exp_polynomial's and horner's operations on 16 floats.
+inline __m512 multiply_add16(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
+inline __m512 broadcast16(float c) { return _mm512_set1_ps(c); }
 
 // 2^t for 16 floats, 0 in lanes outside `lanes`: 2^n (scalef) times 2^f, f = t - n in [-0.5, 0.5], by
 // the degree-5 Taylor polynomial of e^(f ln 2) (relative error ~3e-6, a thousandth of a bf16 rounding
@@ -48,11 +56,11 @@ inline __m512 exp2_16(__mmask16 lanes, __m512 t) {
   constexpr double kLn2 = 0.69314718055994531;
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(float(kLn2 * kLn2 * kLn2 * kLn2 * kLn2 / 120));
-  for (const float coefficient : {float(kLn2 * kLn2 * kLn2 * kLn2 / 24), float(kLn2 * kLn2 * kLn2 / 6),
-                                  float(kLn2 * kLn2 / 2), float(kLn2), 1.f}) {
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(coefficient));
-  }
+  const __m512 p = horner(
+      f,
+      {float(kLn2 * kLn2 * kLn2 * kLn2 * kLn2 / 120), float(kLn2 * kLn2 * kLn2 * kLn2 / 24),
+       float(kLn2 * kLn2 * kLn2 / 6), float(kLn2 * kLn2 / 2), float(kLn2), 1.f},
+      multiply_add16, broadcast16);
   return _mm512_maskz_scalef_ps(lanes, p, n);
 }
 
@@ -62,8 +70,7 @@ inline __m512 exp16(__m512 x) {
   const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718055994531f));  // f ln 2
-  const __m512 p = exp_polynomial(f, [](__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); },
-                                  [](float c) { return _mm512_set1_ps(c); });
+  const __m512 p = exp_polynomial(f, multiply_add16, broadcast16);
   const __m512 out = _mm512_scalef_ps(p, n);
   return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-1e30f), _CMP_LT_OQ), out, _mm512_setzero_ps());
 }
