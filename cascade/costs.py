@@ -30,11 +30,13 @@ def rising_curve(points: list[tuple[float, float, float]]) -> list[tuple[float, 
     return [(x, total / weight) for xs, total, weight in pools for x in xs]
 
 
-def along_curve(knots: list[tuple[float, float]], x: float) -> float:
+def along_curve(knots: list[tuple[float, float]], x: float, extend: bool = True) -> float:
     """The piecewise-linear curve through ``knots`` (from ``rising_curve``) at x: flat before the
-    first knot, continued along the last segment past the last one."""
+    first knot, continued along the last segment past the last one (flat there too unless ``extend``)."""
     if len(knots) == 1 or x <= knots[0][0]:
         return knots[0][1]
+    if not extend and x >= knots[-1][0]:
+        return knots[-1][1]
     index = next((i for i in range(1, len(knots)) if x <= knots[i][0]), len(knots) - 1)
     (x0, y0), (x1, y1) = knots[index - 1], knots[index]
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)

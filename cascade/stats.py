@@ -190,31 +190,35 @@ class StageStats:
             return 0.0
         return (self.verify_s / self.timed_rounds) / self.step_s
 
-    def verification_s(self, gamma: float) -> float:
+    def verification_s(self, gamma: float, hopeful: bool = False) -> float:
         """Expected time of a verification pass of ``gamma`` proposals: the piecewise-linear curve
         through the median pass time at each gamma verified so far (``verification_samples``, carried
         ones included) and a plain step's at gamma 0, kept from falling (``costs.rising_curve``;
-        weighted by their sample counts). On a CPU it is flat while a pass is bound by reading the
-        weights and rises once its products become compute-bound; on a GPU it stays nearly flat.
-        Without clean passes or plain steps yet: the mean verification pass."""
+        weighted by their sample counts), continued past the widest pass timed along its last segment
+        (``hopeful``: flat there, as long as the widest pass timed). On a CPU it is flat while a pass
+        is bound by reading the weights and rises once its products become compute-bound; on a GPU it
+        stays nearly flat. Without clean passes or plain steps yet: the mean verification pass."""
         points = [(g, statistics.median(times), len(times)) for g, times in self.verification_samples.items()]
         if self.plain_samples:
             points.append((0, self.step_s, len(self.plain_samples)))
         if not points:
             return self.verify_s / self.timed_rounds if self.timed_rounds else 0.0
-        return along_curve(rising_curve(points), gamma)
+        return along_curve(rising_curve(points), gamma, extend=not hopeful)
 
-    def expected_speedup(self, gamma: float, acceptance: float | None = None, proposal_s: float | None = None) -> float:
+    def expected_speedup(
+        self, gamma: float, acceptance: float | None = None, proposal_s: float | None = None, hopeful: bool = False
+    ) -> float:
         """The cost model's speed-up at ``gamma`` from these measurements (``acceptance``,
-        ``proposal_s``: assumed instead of the measured ones); until a plain step has been timed, the
-        mean verification pass stands in for one."""
+        ``proposal_s``: assumed instead of the measured ones; ``hopeful``: a pass wider than any timed
+        no dearer than the widest, ``verification_s``); until a plain step has been timed, the mean
+        verification pass stands in for one."""
         unpriced = proposal_s is None and not self.proposal_samples
         if unpriced or not (self.plain_samples or self.timed_rounds):
             return 1.0
         step_s = self.step_s if self.plain_samples else self.verify_s / self.timed_rounds
         acceptance = self.acceptance_mle if acceptance is None else acceptance
         proposal_s = self.proposal_s if proposal_s is None else proposal_s
-        return expected_speedup(acceptance, proposal_s, self.verification_s(gamma), step_s, gamma)
+        return expected_speedup(acceptance, proposal_s, self.verification_s(gamma, hopeful), step_s, gamma)
 
     def overall_speedup(self, gamma: float) -> float:
         """``expected_speedup`` over the rounds this stage proposed in, blended by time with its

@@ -245,6 +245,18 @@ def test_the_warm_up_times_passes_at_growing_widths_up_to_the_configured_gamma()
     assert rounds == warmup_gammas(8)
 
 
+def test_the_warm_up_does_not_read_a_slope_from_two_narrow_passes():
+    """The Qwen2.5 pair at 32K on the AMX Xeon: steps 145-200 ms, a proposal 24 ms, 2-token passes
+    timed slow (the VM's speed swinging) beside 1-token ones; continued along that rise, wider passes
+    looked ruinous and the warm-up, every proposal accepted, went on at gamma 1 instead of timing 4."""
+    passes = {1: 0.155, 2: 0.23}
+    stats = measured([(1, 1), (2, 2)], propose_s=0.024, verify_s=passes, step_s=0.165)
+    assert stats.verification_s(4) > 0.36 and stats.verification_s(4, hopeful=True) == 0.23
+    schedule = CostModelSchedule(8)
+    schedule.observe(stats, 2, 2)
+    assert schedule.current == warmup_gammas(8)[2] == 4
+
+
 def test_a_draft_that_agrees_on_little_is_warmed_up_on_at_short_gammas():
     """Qwen2.5 0.5B drafting for 1.5B on prose at 8K (EPYC VM): a proposal 23 ms, a plain step 85 ms,
     passes of 2, 3, 5 and 9 tokens 88, 100, 110 and 153 ms; the draft agreed on 2 of 17 tokens.
