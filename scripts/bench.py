@@ -98,8 +98,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--warmups",
         type=int,
         default=2,
-        help="generations before the measured one, per process (on a shorter prompt, "
-        "except where CUDA graphs are captured)",
+        help="generations before the measured one, per process (on a shorter prompt, except with "
+        "--pass-costs carried and where CUDA graphs are captured)",
+    )
+    parser.add_argument(
+        "--pass-costs",
+        choices=["cold", "carried"],
+        default="cold",
+        help="cold: the measured request is its process's first on a prompt of its length, so its cost "
+        "model times plain steps first and warms up (a one-off run); carried: a warm-up request on the "
+        "measured prompt comes first and the measured one starts from its pass costs, as a runtime's "
+        "later requests (a job's, a server's) and a generate run after an earlier one on this machine do",
     )
     parser.add_argument(
         "--sampling",
@@ -245,8 +254,11 @@ def run_cascade(
     config = cascade_config(args, impl, target, draft, prompt, mode)
     llm = LLM.from_config(config, impl)
     runtime = llm.runtime
-    if runtime.capture is None:
-        warmup, warmup_tokens = prompt[:WARMUP_TOKENS], min(args.new_tokens, WARMUP_NEW_TOKENS)
+    if runtime.capture is None and args.pass_costs == "cold":  # too short for its pass costs to carry
+        warmup, warmup_tokens = (
+            prompt[: min(WARMUP_TOKENS, prompt.numel() // 2)],
+            min(args.new_tokens, WARMUP_NEW_TOKENS),
+        )
     else:  # graphs belong to the caches they were captured over: warm up those of the measured request
         warmup, warmup_tokens = prompt, args.new_tokens
     for _ in range(args.warmups):
@@ -498,6 +510,8 @@ def spawn_case(args: argparse.Namespace, impl: str, context: int, mode: str) -> 
         args.document,
         "--warmups",
         str(args.warmups),
+        "--pass-costs",
+        args.pass_costs,
         "--contexts",
         str(context),
         "--llama-flash-attn",
@@ -843,6 +857,7 @@ def write_report(
             "new_tokens",
             "repeats",
             "warmups",
+            "pass_costs",
             "sampling",
             "dtype",
             "set",

@@ -16,6 +16,7 @@ from safetensors import safe_open
 
 from cascade.peers.llamacpp import installed_build
 from cascade.runs import run_files
+from cascade.schedule import PLAIN_STEPS_FIRST
 from tests.scripts import linked_home, run_script
 
 QUICK_RUN = ["--contexts", "96", "--new-tokens", "8", "--repeats", "1", "--warmups", "0"]
@@ -69,6 +70,28 @@ def test_bench_compares_overridden_presets_and_continues_transformers_from_store
     # transformers' decode continued from our stored prompt K/V: the same tokens in float32
     assert runs["transformers"]["token_ids"] == expected
     assert runs["transformers"]["prefill_tokens_per_s"] is None  # not prefilled: loaded
+
+
+@pytest.mark.parametrize("pass_costs", ["cold", "carried"])
+def test_bench_measures_a_first_request_cold_or_one_that_starts_from_a_warm_up_requests_pass_costs(
+    tmp_path, tiny_dir, tiny_draft_dir, pass_costs
+):
+    """At any context: a cold case's warm-ups run on prompts too short for their pass costs to carry
+    (so its cost model times plain steps first), a carried case's on the measured prompt."""
+    out = tmp_path / "bench.json"
+    quick = ["--contexts", "96", "--new-tokens", "8", "--repeats", "1", "--warmups", "1"]
+    run_script(
+        [
+            *(sys.executable, "scripts/bench.py", "--impls", "speculative", *quick, "--pass-costs", pass_costs),
+            *("--dtype", "float32", "--target", str(tiny_dir), "--draft", str(tiny_draft_dir), "--out", str(out)),
+        ]
+    )
+    report = json.loads(out.read_text())
+    assert report["settings"]["pass_costs"] == pass_costs
+    draft = report["runs"][0]["runs"][0]["stats"]["stages"][0]
+    assert draft["costs_carried"] == (pass_costs == "carried")
+    if pass_costs == "cold":
+        assert draft["plain_steps"] >= PLAIN_STEPS_FIRST  # priced from nothing: steps timed first
 
 
 @pytest.mark.parametrize("impl", ["transformers", "llama.cpp"])
