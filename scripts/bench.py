@@ -254,11 +254,10 @@ def run_cascade(
     config = cascade_config(args, impl, target, draft, prompt, mode)
     llm = LLM.from_config(config, impl)
     runtime = llm.runtime
-    if runtime.capture is None and args.pass_costs == "cold":  # too short for its pass costs to carry
-        warmup, warmup_tokens = (
-            prompt[: min(WARMUP_TOKENS, prompt.numel() // 2)],
-            min(args.new_tokens, WARMUP_NEW_TOKENS),
-        )
+    if runtime.capture is None and args.pass_costs == "cold":
+        # half the prompt: well short of what cascade.pass_costs.CARRY_WITHIN carries its costs to
+        warmup = prompt[: min(WARMUP_TOKENS, prompt.numel() // 2)]
+        warmup_tokens = min(args.new_tokens, WARMUP_NEW_TOKENS)
     else:  # graphs belong to the caches they were captured over: warm up those of the measured request
         warmup, warmup_tokens = prompt, args.new_tokens
     for _ in range(args.warmups):
