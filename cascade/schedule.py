@@ -5,8 +5,8 @@
   accepted, -1 otherwise (at least 1, at most the configured gamma).
 - ``cost_model``: from the stage's measured per-token acceptance ``a``, the time ``p`` of one
   proposed token, the time ``v(g)`` of a verification pass of g proposals and the time ``s`` of one
-  plain step of the verifier (the median of the latest plain steps; the verifier decodes
-  ``PLAIN_STEPS_FIRST`` of them without speculation first), pick the
+  plain step of the verifier (the median of the latest plain steps, timed where a choice hangs on
+  them, ``PLAIN_STEPS_FIRST``; until then bounded by the cheapest verification pass), pick the
   gamma with the most tokens per second, (1 - a^(g+1)) / ((1 - a)(p g + v(g))), against 1 / s for
   gamma 0 (after ``WARMUP_ROUNDS`` verified rounds). With ``v(g) = s`` this is the
   textbook speed-up (1 - a^(g+1)) / ((1 - a)(c g + 1)),
@@ -30,8 +30,8 @@
   faster than the plain steps timed first (``StageStats.step_outpaced``). After the warm-up, a wider
   pass timed fewer than ``TRUSTED_SAMPLES`` times is tried every other round (``explore_past``). A
   request that starts from the pass costs of the runtime's previous one (``cascade.pass_costs``)
-  takes no plain steps first and runs ``hopeful_gamma`` over the configured gamma from its first
-  round: only the acceptance is left to measure.
+  runs ``hopeful_gamma`` over the configured gamma from its first round: only the acceptance is left
+  to measure.
 """
 
 from __future__ import annotations
@@ -49,8 +49,13 @@ PROBE_SHARE = 0.05
 2 plain steps more than its round's proposal (the Qwen2.5 0.5B draft at 16K catching up on 16-32
 skipped tokens: 156-305 ms against 113 ms steps) comes again after at least 40 bypassed rounds."""
 PLAIN_STEPS_FIRST = 3
-"""Plain steps of the verifier timed before the stage first proposes: their median is the cost every
-speed-up is measured against, so one slow first pass cannot make speculation look like a 50x win."""
+"""Plain steps of the verifier timed, when a choice hangs on their cost, before the cost model goes on:
+their median is the cost every speed-up is measured against, so one slow first pass cannot make
+speculation look like a 50x win. A cold stage warms up without them, its passes bounding what a step
+costs (``StageStats.step_range_s``), and times them only where the gamma it then picks would fall short
+of ``MIN_GAIN`` at the least a step may cost (``CostModelSchedule.steps_wanted``): the Qwen2.5 pair at
+32K on the AMX Xeon spent 0.42 s of a 5.0 s decode on 3 steps first, for tokens speculation makes at
+~80 ms each against ~140."""
 REFRESH_EVERY = 16
 """Verified rounds after which a stage that speculates for a gain below ``REFRESH_BELOW`` lets the
 verifier take one plain step whose time replaces the earlier plain steps' (``StageStats.retime_plain_step``),
@@ -133,10 +138,16 @@ class CostModelSchedule(Schedule):
         """The last round proposed one more than the best gamma, to time that wider pass."""
         self.outpaced_retimed = False
         """A plain step was taken because verification passes ran faster than the steps timed first."""
+        self.stepping = False
+        """Plain steps are being timed because the gamma chosen hung on their cost (``steps_wanted``)."""
 
     def next_gamma(self, stats: StageStats, room: int) -> int:
-        if stats.plain_steps < PLAIN_STEPS_FIRST and not starts_warm(stats):
-            return 0  # time plain steps of the verifier first
+        if self.steps_wanted(stats):
+            self.stepping = True
+            return 0  # time plain steps of the verifier: the choice hangs on their cost
+        if self.stepping:  # the plain steps it waited for are timed: choose again with their cost
+            self.stepping = False
+            self.current = self.explore_past(stats, best_gamma(stats, self.gamma))
         if not self.opened:
             self.opened = True
             if starts_warm(stats):
@@ -154,6 +165,22 @@ class CostModelSchedule(Schedule):
             stats.retime_plain_step()
             return 0
         return super().next_gamma(stats, room)
+
+    def steps_wanted(self, stats: StageStats) -> bool:
+        """Whether the verifier times a plain step before the next round: fewer than
+        ``PLAIN_STEPS_FIRST`` timed, the warm-up over, and the gamma chosen short of ``MIN_GAIN`` at the
+        least a step may cost (where it reaches it there, no step's cost can change the choice; a
+        bypass chosen at the most a step may cost stands whatever it costs, and times steps itself)."""
+        if stats.plain_steps >= PLAIN_STEPS_FIRST or (stats.plain_samples and starts_warm(stats)):
+            return False
+        if self.stepping:
+            return True
+        return (
+            stats.timed_rounds >= WARMUP_ROUNDS
+            and self.current > 0
+            and not self.probing
+            and (stats.expected_speedup(self.current, least=True) < MIN_GAIN)
+        )
 
     def observe(self, stats: StageStats, proposed: int, accepted: int) -> None:
         self.unrefreshed += 1
@@ -199,9 +226,9 @@ class CostModelSchedule(Schedule):
 
 
 def starts_warm(stats: StageStats) -> bool:
-    """The generation began with carried pass costs enough to choose a gamma from: a plain step's,
-    a proposal's and a verification's."""
-    return stats.costs_carried and bool(stats.plain_samples and stats.proposal_samples and stats.verification_samples)
+    """The generation began with carried pass costs enough to choose a gamma from: a proposal's and a
+    verification's (which bound a plain step's, where the request they come from timed none)."""
+    return stats.costs_carried and bool(stats.proposal_samples and stats.verification_samples)
 
 
 def repaying_rounds(stats: StageStats) -> int:

@@ -12,6 +12,11 @@ PLAIN_SAMPLES_KEPT = 32
 (``StageStats.step_s``, ``StageStats.proposal_s``)."""
 VERIFICATION_SAMPLES_KEPT = 8
 """Clean verification passes' times a stage keeps per gamma for their median (``StageStats.verification_s``)."""
+PASS_OVER_STEP = 1.5
+"""The most the cheapest verification pass timed is taken to cost over a plain step before any plain
+step is timed: a pass does a step's work and more, so a step costs at most that pass's time and, read
+this far, at least two thirds of it (2-token passes of the Qwen2.5 1.5B at 32K on the AMX Xeon cost
+1.0-1.1 steps, single passes swinging between 145 and 230 ms with the VM's speed)."""
 OUTPACED = 1.1
 """How much dearer than a verification pass of some width plain steps must look before their times are
 taken for a slower phase of the generation (``StageStats.step_outpaced``): a few percent either way is
@@ -190,6 +195,16 @@ class StageStats:
             return 0.0
         return (self.verify_s / self.timed_rounds) / self.step_s
 
+    @property
+    def step_range_s(self) -> tuple[float, float]:
+        """The least and the most a plain step may cost: the median of the timed ones twice, else from
+        the cheapest verification pass timed (``PASS_OVER_STEP``), else the mean pass (0 before any)."""
+        if self.plain_samples:
+            return self.step_s, self.step_s
+        passes = [statistics.median(times) for times in self.verification_samples.values()]
+        most = min(passes) if passes else (self.verify_s / self.timed_rounds if self.timed_rounds else 0.0)
+        return most / PASS_OVER_STEP, most
+
     def verification_s(self, gamma: float, hopeful: bool = False) -> float:
         """Expected time of a verification pass of ``gamma`` proposals: the piecewise-linear curve
         through the median pass time at each gamma verified so far (``verification_samples``, carried
@@ -206,16 +221,21 @@ class StageStats:
         return along_curve(rising_curve(points), gamma, extend=not hopeful)
 
     def expected_speedup(
-        self, gamma: float, acceptance: float | None = None, proposal_s: float | None = None, hopeful: bool = False
+        self,
+        gamma: float,
+        acceptance: float | None = None,
+        proposal_s: float | None = None,
+        hopeful: bool = False,
+        least: bool = False,
     ) -> float:
         """The cost model's speed-up at ``gamma`` from these measurements (``acceptance``,
         ``proposal_s``: assumed instead of the measured ones; ``hopeful``: a pass wider than any timed
-        no dearer than the widest, ``verification_s``); until a plain step has been timed, the mean
-        verification pass stands in for one."""
+        no dearer than the widest, ``verification_s``), against the most a plain step may cost
+        (``step_range_s``; ``least``: the least, the lowest speed-up it allows)."""
         unpriced = proposal_s is None and not self.proposal_samples
         if unpriced or not (self.plain_samples or self.timed_rounds):
             return 1.0
-        step_s = self.step_s if self.plain_samples else self.verify_s / self.timed_rounds
+        step_s = self.step_range_s[0 if least else 1]
         acceptance = self.acceptance_mle if acceptance is None else acceptance
         proposal_s = self.proposal_s if proposal_s is None else proposal_s
         return expected_speedup(acceptance, proposal_s, self.verification_s(gamma, hopeful), step_s, gamma)

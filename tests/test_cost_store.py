@@ -94,7 +94,7 @@ def test_a_later_runtime_starts_from_the_costs_an_earlier_one_kept(tiny_dir, tin
     kept = [f"pass_costs_dir={tmp_path}"]
     first = runtime_for("speculative", tiny_dir, tiny_draft_dir, kept)
     cold = first.generate(PROMPT, 30, stop_at_eos=False)
-    assert not cold.stats.stages[0].costs_carried and cold.stats.stages[0].plain_steps >= PLAIN_STEPS_FIRST
+    assert not cold.stats.stages[0].costs_carried
     later = runtime_for("speculative", tiny_dir, tiny_draft_dir, kept)
     warm = later.generate(PROMPT, 30, stop_at_eos=False)
     assert warm.stats.stages[0].costs_carried and warm.token_ids == cold.token_ids

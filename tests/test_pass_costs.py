@@ -5,7 +5,7 @@ the runtime's wiring)."""
 from __future__ import annotations
 
 from cascade.pass_costs import CARRY_WITHIN, carries, fresh_stats
-from cascade.schedule import PLAIN_STEPS_FIRST, PROBE_EVERY, CostModelSchedule, warmup_gammas
+from cascade.schedule import PROBE_EVERY, CostModelSchedule, warmup_gammas
 from tests.test_pipeline import PROMPT, generate, runtime_for
 from tests.test_schedule import measured, record_round
 
@@ -37,12 +37,12 @@ def test_fresh_stats_start_from_the_last_requests_costs_and_nothing_else():
 
 
 def test_with_carried_costs_the_cost_model_proposes_its_best_hopeful_gamma_at_once():
-    """The Qwen pair at 1K: a cold start times 3 plain steps, then proposes 1 and 2; a warm one
-    proposes 5 in its first round (at the hopeful acceptance 0.9 with no round seen: a pass of 6
-    tokens is the widest that stays near a step; 9 tokens cost 2.2 steps)."""
+    """The Qwen pair at 1K: a cold start proposes 1, then 2; a warm one proposes 5 in its first round
+    (at the hopeful acceptance 0.9 with no round seen: a pass of 6 tokens is the widest that stays
+    near a step; 9 tokens cost 2.2 steps)."""
     last = measured([(gamma, gamma) for gamma in QWEN_1K_PASSES], 0.021, QWEN_1K_PASSES, 0.107)
     cold, cold_stats = CostModelSchedule(8), fresh_stats("proposer", None)
-    assert [cold.next_gamma(cold_stats, room=100) for _ in range(PLAIN_STEPS_FIRST)] == [0] * PLAIN_STEPS_FIRST
+    assert cold.next_gamma(cold_stats, room=100) == warmup_gammas(8)[0] == 1
     warm, warm_stats = CostModelSchedule(8), fresh_stats("proposer", None, last)
     assert warm.next_gamma(warm_stats, room=100) == 5
     assert warm.next_gamma(warm_stats, room=3) == 3  # never past what is still wanted
@@ -80,7 +80,7 @@ def test_a_runtime_carries_costs_to_its_next_request_of_about_the_same_length(ti
     shorter = generate(runtime, PROMPT[:100], 30)
     first_stats, again_stats = first.stats.stages[0], again.stats.stages[0]
     assert again.token_ids == first.token_ids
-    assert not first_stats.costs_carried and first_stats.plain_steps >= PLAIN_STEPS_FIRST
+    assert not first_stats.costs_carried
     assert again_stats.costs_carried
     assert first_stats.verification_samples  # its warm-up rounds were timed
     assert again_stats.verification_samples.keys() >= first_stats.verification_samples.keys()

@@ -158,7 +158,6 @@ def test_a_stage_bypassed_for_long_catches_up_within_its_room(tiny_dir, tiny_dra
     result = generate(runtime_for("speculative", tiny_dir, tiny_draft_dir, overrides), PROMPT, 120)
     draft = result.stats.stages[0]
     assert draft.gamma_choices.get(0, 0) > 16  # bypassed for longer than a probe interval
-    assert draft.catch_up_s > 0 and len(draft.proposal_samples) < draft.timed_rounds  # the first, after plain steps
     expected = generate(runtime_for("autoregressive", tiny_dir, tiny_draft_dir), PROMPT, 120).token_ids
     assert result.token_ids == expected
 

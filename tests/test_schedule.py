@@ -94,20 +94,59 @@ def test_fixed_and_heuristic_schedules():
     assert heuristic.current == 1  # at least 1
 
 
-def test_cost_model_times_plain_steps_first_then_picks_the_best_gamma():
+def unstepped(
+    acceptance_runs: list[tuple[int, int]], propose_s: float, verify_s: float | dict[int, float]
+) -> StageStats:
+    """``measured`` rounds of a cold stage whose verifier has timed no plain step."""
+    stats = measured(acceptance_runs, propose_s, verify_s, step_s=0.0)
+    stats.plain_steps, stats.plain_s, stats.plain_samples = 0, 0.0, []
+    return stats
+
+
+def test_a_cold_stage_warms_up_and_speculates_without_plain_steps_where_their_cost_cannot_change_the_choice():
+    """The Qwen2.5 pair at 32K on the AMX Xeon: 2-9-token passes 150-185 ms, proposals 25 ms, nearly
+    every proposal accepted. A plain step costs at most the cheapest pass: even at two thirds of it
+    (``PASS_OVER_STEP``) gamma 8 pays, so no step is timed; its 3 first steps had cost 0.42 s of 5 s."""
+    passes = {1: 0.150, 2: 0.155, 4: 0.165, 8: 0.185}
+    schedule, rounds = CostModelSchedule(8), []
+    for _ in range(WARMUP_ROUNDS):
+        rounds.append(schedule.next_gamma(unstepped([(g, g) for g in rounds], 0.025, passes), room=100))
+        stats = unstepped([(g, g) for g in rounds], 0.025, passes)
+        schedule.observe(stats, rounds[-1], rounds[-1])
+    assert rounds[:2] == warmup_gammas(8)[:2] and 0 not in rounds
+    assert stats.step_range_s == pytest.approx((0.1, 0.15))
+    assert stats.expected_speedup(8, least=True) >= MIN_GAIN
+    assert schedule.next_gamma(stats, room=100) == 8 and stats.plain_steps == 0
+
+
+def test_a_cold_stage_times_plain_steps_once_its_choice_hangs_on_them_then_picks_the_best_gamma():
+    """A draft agreeing on a third of its tokens: gamma 2 pays if a step costs what the cheapest pass
+    does, not if it costs two thirds of it, so ``PLAIN_STEPS_FIRST`` steps are timed before the next
+    round, and the gamma is chosen again from their cost."""
     schedule = CostModelSchedule(8)
-    stepping = StageStats("proposer")
+    mediocre = unstepped([(4, 0), (4, 1)] * (WARMUP_ROUNDS // 2), propose_s=0.005, verify_s=0.12)  # a = 1/3
+    schedule.observe(mediocre, 4, 1)
+    assert mediocre.expected_speedup(schedule.current, least=True) < MIN_GAIN <= mediocre.expected_speedup(2)
     for _ in range(PLAIN_STEPS_FIRST):
-        assert schedule.next_gamma(stepping, room=100) == 0
-        stepping.record_plain_step(0.1)
+        assert schedule.next_gamma(mediocre, room=100) == 0
+        mediocre.record_plain_step(0.1)
+    # passes rising from the 0.1 s step to 0.12 s at 4 tokens: speed-ups 1.21, 1.20, 1.14 for gamma 1-3
+    # (before the steps, 1.28-1.33 at the most a step may cost and 0.85-0.89 at the least)
+    assert best_gamma(mediocre, 8) == 1
+    assert schedule.next_gamma(mediocre, room=100) == 1
+    assert schedule.next_gamma(mediocre, room=100) == 1 and mediocre.plain_steps == PLAIN_STEPS_FIRST
     good = measured([(8, 8)] * WARMUP_ROUNDS, propose_s=0.01, verify_s=0.12, step_s=0.1)
     schedule.observe(good, 8, 8)
     assert schedule.next_gamma(good, room=100) == 8
-    mediocre = measured([(4, 1)] * WARMUP_ROUNDS, propose_s=0.005, verify_s=0.12, step_s=0.1)  # a = 0.5
-    schedule.observe(mediocre, 4, 1)
-    # long runs rarely survive and a pass costs 0.1 + 0.005 g: speed-ups 1.36, 1.46, 1.44, 1.38 for gamma 1-4
-    assert best_gamma(mediocre, 8) == 2
-    assert schedule.current == 3  # one more while a 4-token pass is untimed (TRUSTED_SAMPLES)
+
+
+def test_a_bypass_chosen_at_the_most_a_step_may_cost_takes_no_plain_steps_first():
+    """A draft that agrees on nothing does not pay even against the dearest step: it is bypassed at
+    once, and its bypassed rounds are the plain steps."""
+    schedule = CostModelSchedule(6)
+    useless = unstepped([(1, 0), (1, 0), (3, 0), (6, 0)], propose_s=0.05, verify_s=0.15)
+    schedule.observe(useless, 6, 0)
+    assert schedule.current == 0 and not schedule.steps_wanted(useless)
 
 
 def test_cost_model_bypasses_a_stage_that_does_not_pay_and_probes_it_again():
