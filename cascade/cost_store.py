@@ -2,7 +2,7 @@
 
 ``cascade.pass_costs`` carries a stage's pass costs from a runtime's request to its next; a one-off
 run (``python -m cascade.generate``, one case of a benchmark) has no previous request, and its cost
-model times plain steps first and warms up at a ladder of gammas. Here each request's costs are
+model prices its passes from nothing, warming up at a ladder of gammas. Here each request's costs are
 written to a file named by what they depend on (``costs_identity``: the machine, torch, cascade's
 kernels, the models and how they run, and the stages), one entry per prompt length, and a runtime's
 first request on a prompt within ``cascade.pass_costs.CARRY_WITHIN`` of a kept length starts from that

@@ -142,16 +142,16 @@ class CostModelSchedule(Schedule):
         """Plain steps are being timed because the gamma chosen hung on their cost (``steps_wanted``)."""
 
     def next_gamma(self, stats: StageStats, room: int) -> int:
+        if not self.opened:
+            self.opened = True
+            if starts_warm(stats):
+                self.current = hopeful_gamma(stats, self.gamma)
         if self.steps_wanted(stats):
             self.stepping = True
             return 0  # time plain steps of the verifier: the choice hangs on their cost
         if self.stepping:  # the plain steps it waited for are timed: choose again with their cost
             self.stepping = False
-            self.current = self.explore_past(stats, best_gamma(stats, self.gamma))
-        if not self.opened:
-            self.opened = True
-            if starts_warm(stats):
-                self.current = hopeful_gamma(stats, self.gamma)
+            self.current = self.chosen(stats)
         if self.current == 0:
             self.bypassed, self.unrefreshed = self.bypassed + 1, 0
             if self.bypassed > self.probe_after:
@@ -168,34 +168,40 @@ class CostModelSchedule(Schedule):
 
     def steps_wanted(self, stats: StageStats) -> bool:
         """Whether the verifier times a plain step before the next round: fewer than
-        ``PLAIN_STEPS_FIRST`` timed, the warm-up over, and the gamma chosen short of ``MIN_GAIN`` at the
-        least a step may cost (where it reaches it there, no step's cost can change the choice; a
-        bypass chosen at the most a step may cost stands whatever it costs, and times steps itself)."""
+        ``PLAIN_STEPS_FIRST`` timed, and the gamma chosen (read hopefully during the warm-up, as it was
+        chosen) short of ``MIN_GAIN`` at the least a step may cost. Where it reaches it there, no step's
+        cost can change the choice; a bypass chosen at the most a step may cost stands whatever it
+        costs, and its rounds are plain steps; a cold warm-up's first two gammas are fixed."""
         if stats.plain_steps >= PLAIN_STEPS_FIRST or (stats.plain_samples and starts_warm(stats)):
             return False
         if self.stepping:
             return True
-        return (
-            stats.timed_rounds >= WARMUP_ROUNDS
-            and self.current > 0
-            and not self.probing
-            and (stats.expected_speedup(self.current, least=True) < MIN_GAIN)
-        )
+        if self.current == 0 or self.probing:
+            return False
+        rounds = stats.timed_rounds
+        if rounds >= WARMUP_ROUNDS:
+            return stats.expected_speedup(self.current, least=True) < MIN_GAIN
+        if starts_warm(stats) or rounds > 1:
+            return hopeful_speedup(stats, self.current, least=True) < MIN_GAIN
+        return False
 
     def observe(self, stats: StageStats, proposed: int, accepted: int) -> None:
         self.unrefreshed += 1
+        self.current = self.chosen(stats)
+        if self.probing and stats.timed_rounds >= WARMUP_ROUNDS:  # back off while probes find it does not pay
+            self.probe_after = PROBE_EVERY if self.current else max(2 * self.probe_after, repaying_rounds(stats))
+            self.probing = False
+
+    def chosen(self, stats: StageStats) -> int:
+        """The next round's gamma from the rounds so far: the warm-up's, then the best one."""
         rounds = stats.timed_rounds
         if rounds >= WARMUP_ROUNDS:
-            self.current = self.explore_past(stats, best_gamma(stats, self.gamma))
-            if self.probing:  # back off while probes keep finding that the stage does not pay
-                self.probe_after = PROBE_EVERY if self.current else max(2 * self.probe_after, repaying_rounds(stats))
-                self.probing = False
-        elif starts_warm(stats):
-            self.current = hopeful_gamma(stats, self.gamma)
-        elif rounds <= 1:  # one round's proposals may include a retrieval stage's selection: go on
-            self.current = warmup_gammas(self.gamma)[rounds]
-        else:
-            self.current = hopeful_gamma(stats, warmup_gammas(self.gamma)[rounds])
+            return self.explore_past(stats, best_gamma(stats, self.gamma))
+        if starts_warm(stats):
+            return hopeful_gamma(stats, self.gamma)
+        if rounds <= 1:  # one round's proposals may include a retrieval stage's selection: go on
+            return warmup_gammas(self.gamma)[rounds]
+        return hopeful_gamma(stats, warmup_gammas(self.gamma)[rounds])
 
     def costs_forgotten(self) -> None:
         """A bypassed stage is probed at its next round: what ruled it out was timed in another batch."""
@@ -253,13 +259,17 @@ def hopeful_gamma(stats: StageStats, widest: int) -> int:
     Qwen2.5 1.5B at 32K on the AMX Xeon timed 2-token passes at 150-230 ms (the VM's speed swinging)
     beside 145-200 ms steps, the curve continued that rise to 0.6 s for 9 tokens, and the draft,
     agreeing on 0.88, stayed at gamma 1 for 27 rounds of 34 (1.55x where wider rounds ran 1.92x)."""
-    acceptance = acceptance_upper_bound(stats.accepted, stats.rejections, HOPE)
-    proposal_s = min(stats.proposal_samples or [stats.catch_up_s])  # none clean yet: the catch-up's
-    speedups = {
-        gamma: stats.expected_speedup(gamma, acceptance, proposal_s, hopeful=True) for gamma in range(1, widest + 1)
-    }
+    speedups = {gamma: hopeful_speedup(stats, gamma) for gamma in range(1, widest + 1)}
     gamma = max(speedups, key=lambda g: (speedups[g], -g))
     return gamma if speedups[gamma] >= MIN_GAIN else 0
+
+
+def hopeful_speedup(stats: StageStats, gamma: int, least: bool = False) -> float:
+    """The speed-up at ``gamma`` read as ``hopeful_gamma`` reads it (``least``: against the least a
+    plain step may cost, ``StageStats.step_range_s``)."""
+    acceptance = acceptance_upper_bound(stats.accepted, stats.rejections, HOPE)
+    proposal_s = min(stats.proposal_samples or [stats.catch_up_s])  # none clean yet: the catch-up's
+    return stats.expected_speedup(gamma, acceptance, proposal_s, hopeful=True, least=least)
 
 
 def best_gamma(stats: StageStats, largest: int) -> int:
