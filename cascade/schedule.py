@@ -6,7 +6,7 @@
 - ``cost_model``: from the stage's measured per-token acceptance ``a``, the time ``p`` of one
   proposed token, the time ``v(g)`` of a verification pass of g proposals and the time ``s`` of one
   plain step of the verifier (the median of the latest plain steps, timed where a choice hangs on
-  them, ``PLAIN_STEPS_FIRST``; until then bounded by the cheapest verification pass), pick the
+  them, ``PLAIN_STEPS_TIMED``; until then bounded by the cheapest verification pass), pick the
   gamma with the most tokens per second, (1 - a^(g+1)) / ((1 - a)(p g + v(g))), against 1 / s for
   gamma 0 (after ``WARMUP_ROUNDS`` verified rounds). With ``v(g) = s`` this is the
   textbook speed-up (1 - a^(g+1)) / ((1 - a)(c g + 1)),
@@ -37,6 +37,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 from cascade.costs import acceptance_upper_bound, expected_tokens
 from cascade.stats import StageStats
@@ -48,7 +49,7 @@ PROBE_SHARE = 0.05
 """The most of the time decoding alone that probing a bypassed stage may cost: a probe that took
 2 plain steps more than its round's proposal (the Qwen2.5 0.5B draft at 16K catching up on 16-32
 skipped tokens: 156-305 ms against 113 ms steps) comes again after at least 40 bypassed rounds."""
-PLAIN_STEPS_FIRST = 3
+PLAIN_STEPS_TIMED = 3
 """Plain steps of the verifier timed, when a choice hangs on their cost, before the cost model goes on:
 their median is the cost every speed-up is measured against, so one slow first pass cannot make
 speculation look like a 50x win. A cold stage warms up without them, its passes bounding what a step
@@ -168,11 +169,11 @@ class CostModelSchedule(Schedule):
 
     def steps_wanted(self, stats: StageStats) -> bool:
         """Whether the verifier times a plain step before the next round: fewer than
-        ``PLAIN_STEPS_FIRST`` timed, and the gamma chosen (read hopefully during the warm-up, as it was
+        ``PLAIN_STEPS_TIMED`` timed, and the gamma chosen (read hopefully during the warm-up, as it was
         chosen) short of ``MIN_GAIN`` at the least a step may cost. Where it reaches it there, no step's
         cost can change the choice; a bypass chosen at the most a step may cost stands whatever it
         costs, and its rounds are plain steps; a cold warm-up's first two gammas are fixed."""
-        if stats.plain_steps >= PLAIN_STEPS_FIRST or (stats.plain_samples and starts_warm(stats)):
+        if stats.plain_steps >= PLAIN_STEPS_TIMED or (stats.plain_samples and starts_warm(stats)):
             return False
         if self.stepping:
             return True
@@ -182,7 +183,7 @@ class CostModelSchedule(Schedule):
         if rounds >= WARMUP_ROUNDS:
             return stats.expected_speedup(self.current, least=True) < MIN_GAIN
         if starts_warm(stats) or rounds > 1:
-            return hopeful_speedup(stats, self.current, least=True) < MIN_GAIN
+            return hopeful_speedups(stats, [self.current], least=True)[self.current] < MIN_GAIN
         return False
 
     def observe(self, stats: StageStats, proposed: int, accepted: int) -> None:
@@ -259,17 +260,17 @@ def hopeful_gamma(stats: StageStats, widest: int) -> int:
     Qwen2.5 1.5B at 32K on the AMX Xeon timed 2-token passes at 150-230 ms (the VM's speed swinging)
     beside 145-200 ms steps, the curve continued that rise to 0.6 s for 9 tokens, and the draft,
     agreeing on 0.88, stayed at gamma 1 for 27 rounds of 34 (1.55x where wider rounds ran 1.92x)."""
-    speedups = {gamma: hopeful_speedup(stats, gamma) for gamma in range(1, widest + 1)}
+    speedups = hopeful_speedups(stats, range(1, widest + 1))
     gamma = max(speedups, key=lambda g: (speedups[g], -g))
     return gamma if speedups[gamma] >= MIN_GAIN else 0
 
 
-def hopeful_speedup(stats: StageStats, gamma: int, least: bool = False) -> float:
-    """The speed-up at ``gamma`` read as ``hopeful_gamma`` reads it (``least``: against the least a
-    plain step may cost, ``StageStats.step_range_s``)."""
-    acceptance = acceptance_upper_bound(stats.accepted, stats.rejections, HOPE)
+def hopeful_speedups(stats: StageStats, gammas: Iterable[int], least: bool = False) -> dict[int, float]:
+    """The speed-up at each of ``gammas`` read as ``hopeful_gamma`` reads it (``least``: against the
+    least a plain step may cost, ``StageStats.step_range_s``)."""
+    acceptance = acceptance_upper_bound(stats.accepted, stats.rejections, HOPE)  # a bisection: once
     proposal_s = min(stats.proposal_samples or [stats.catch_up_s])  # none clean yet: the catch-up's
-    return stats.expected_speedup(gamma, acceptance, proposal_s, hopeful=True, least=least)
+    return {gamma: stats.expected_speedup(gamma, acceptance, proposal_s, hopeful=True, least=least) for gamma in gammas}
 
 
 def best_gamma(stats: StageStats, largest: int) -> int:

@@ -11,7 +11,7 @@ import pytest
 
 from cascade.cost_store import KEPT_LENGTHS, costs_identity, costs_path, keep_stats, kept_stats
 from cascade.pass_costs import CARRY_WITHIN
-from cascade.schedule import PLAIN_STEPS_FIRST
+from cascade.schedule import PLAIN_STEPS_TIMED
 from cascade.stats import StageStats
 from configs import load_config
 from tests.test_cli import generate as generate_cli
@@ -39,7 +39,7 @@ def test_kept_costs_come_back_for_a_prompt_of_about_the_same_length(tmp_path, id
     back = kept_stats(tmp_path, identity, NAMES, 1100)
     assert back is not None and [one.name for one in back] == NAMES
     proposer = back[0]
-    assert proposer.plain_samples == [0.1] * PLAIN_STEPS_FIRST and proposer.proposal_samples == [0.01, 0.01]
+    assert proposer.plain_samples == [0.1] * PLAIN_STEPS_TIMED and proposer.proposal_samples == [0.01, 0.01]
     assert proposer.verification_samples == {4: [0.12], 2: [0.11]}
     assert (proposer.accepted, proposer.rejections, proposer.rounds) == (0, 0, 0)  # acceptance is never kept
     assert kept_stats(tmp_path, identity, NAMES, int(1000 * CARRY_WITHIN) + 1) is None
@@ -52,8 +52,8 @@ def test_the_nearest_kept_length_answers_and_a_new_entry_replaces_those_it_carri
     keep_stats(tmp_path, identity, 8000, two_stages(0.8))
     lengths = [entry["prompt_tokens"] for entry in json.loads(costs_path(tmp_path, identity).read_text())["entries"]]
     assert lengths == [1240, 8000]
-    assert kept_stats(tmp_path, identity, NAMES, 1000)[0].plain_samples == [0.2] * PLAIN_STEPS_FIRST
-    assert kept_stats(tmp_path, identity, NAMES, 7000)[0].plain_samples == [0.8] * PLAIN_STEPS_FIRST
+    assert kept_stats(tmp_path, identity, NAMES, 1000)[0].plain_samples == [0.2] * PLAIN_STEPS_TIMED
+    assert kept_stats(tmp_path, identity, NAMES, 7000)[0].plain_samples == [0.8] * PLAIN_STEPS_TIMED
     for length in range(KEPT_LENGTHS + 2):  # far apart, so none replaces another
         keep_stats(tmp_path, identity, 2 ** (length + 14), two_stages(float(length)))
     entries = json.loads(costs_path(tmp_path, identity).read_text())["entries"]
@@ -77,7 +77,7 @@ def test_a_damaged_file_costs_a_warning_and_is_replaced(tmp_path, identity, capl
         assert kept_stats(tmp_path, identity, NAMES, 1000) is None
     assert any("unreadable" in record.getMessage() for record in caplog.records)
     keep_stats(tmp_path, identity, 1000, two_stages(0.1))
-    assert kept_stats(tmp_path, identity, NAMES, 1000)[0].plain_samples == [0.1] * PLAIN_STEPS_FIRST
+    assert kept_stats(tmp_path, identity, NAMES, 1000)[0].plain_samples == [0.1] * PLAIN_STEPS_TIMED
 
 
 def test_a_directory_that_cannot_be_written_costs_a_warning(tmp_path, identity, caplog):

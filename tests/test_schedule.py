@@ -14,7 +14,7 @@ from cascade.costs import (
 )
 from cascade.schedule import (
     MIN_GAIN,
-    PLAIN_STEPS_FIRST,
+    PLAIN_STEPS_TIMED,
     PROBE_EVERY,
     REFRESH_BELOW,
     REFRESH_EVERY,
@@ -25,7 +25,7 @@ from cascade.schedule import (
     Schedule,
     best_gamma,
     hopeful_gamma,
-    hopeful_speedup,
+    hopeful_speedups,
     repaying_rounds,
     warmup_gammas,
 )
@@ -33,12 +33,13 @@ from cascade.stats import PLAIN_SAMPLES_KEPT, StageStats
 
 
 def measured(
-    acceptance_runs: list[tuple[int, int]], propose_s: float, verify_s: float | dict[int, float], step_s: float
+    acceptance_runs: list[tuple[int, int]], propose_s: float, verify_s: float | dict[int, float], step_s: float | None
 ) -> StageStats:
     """Stats of rounds (proposed, accepted), each proposal costing propose_s, each verification verify_s
-    (or ``verify_s[proposed]``)."""
+    (or ``verify_s[proposed]``), after ``PLAIN_STEPS_TIMED`` plain steps of step_s (None: no plain step,
+    a cold stage's warm-up)."""
     stats = StageStats("proposer")
-    for _ in range(PLAIN_STEPS_FIRST):
+    for _ in range(PLAIN_STEPS_TIMED if step_s is not None else 0):
         stats.record_plain_step(step_s)
     for proposed, accepted in acceptance_runs:
         record_round(
@@ -96,15 +97,6 @@ def test_fixed_and_heuristic_schedules():
     assert heuristic.current == 1  # at least 1
 
 
-def unstepped(
-    acceptance_runs: list[tuple[int, int]], propose_s: float, verify_s: float | dict[int, float]
-) -> StageStats:
-    """``measured`` rounds of a cold stage whose verifier has timed no plain step."""
-    stats = measured(acceptance_runs, propose_s, verify_s, step_s=0.0)
-    stats.plain_steps, stats.plain_s, stats.plain_samples = 0, 0.0, []
-    return stats
-
-
 def test_a_cold_stage_warms_up_and_speculates_without_plain_steps_where_their_cost_cannot_change_the_choice():
     """The Qwen2.5 pair at 32K on the AMX Xeon: 2-9-token passes 150-185 ms, proposals 25 ms, nearly
     every proposal accepted. A plain step costs at most the cheapest pass: even at two thirds of it
@@ -112,8 +104,8 @@ def test_a_cold_stage_warms_up_and_speculates_without_plain_steps_where_their_co
     passes = {1: 0.150, 2: 0.155, 4: 0.165, 8: 0.185}
     schedule, rounds = CostModelSchedule(8), []
     for _ in range(WARMUP_ROUNDS):
-        rounds.append(schedule.next_gamma(unstepped([(g, g) for g in rounds], 0.025, passes), room=100))
-        stats = unstepped([(g, g) for g in rounds], 0.025, passes)
+        rounds.append(schedule.next_gamma(measured([(g, g) for g in rounds], 0.025, passes, step_s=None), room=100))
+        stats = measured([(g, g) for g in rounds], 0.025, passes, step_s=None)
         schedule.observe(stats, rounds[-1], rounds[-1])
     assert rounds[:2] == warmup_gammas(8)[:2] and 0 not in rounds
     assert stats.step_range_s == pytest.approx((0.1, 0.15))
@@ -123,20 +115,20 @@ def test_a_cold_stage_warms_up_and_speculates_without_plain_steps_where_their_co
 
 def test_a_cold_stage_times_plain_steps_once_its_choice_hangs_on_them_then_picks_the_best_gamma():
     """A draft agreeing on a third of its tokens: gamma 2 pays if a step costs what the cheapest pass
-    does, not if it costs two thirds of it, so ``PLAIN_STEPS_FIRST`` steps are timed before the next
+    does, not if it costs two thirds of it, so ``PLAIN_STEPS_TIMED`` steps are timed before the next
     round, and the gamma is chosen again from their cost."""
     schedule = CostModelSchedule(8)
-    mediocre = unstepped([(4, 0), (4, 1)] * (WARMUP_ROUNDS // 2), propose_s=0.005, verify_s=0.12)  # a = 1/3
+    mediocre = measured([(4, 0), (4, 1)] * (WARMUP_ROUNDS // 2), propose_s=0.005, verify_s=0.12, step_s=None)  # a = 1/3
     schedule.observe(mediocre, 4, 1)
     assert mediocre.expected_speedup(schedule.current, least=True) < MIN_GAIN <= mediocre.expected_speedup(2)
-    for _ in range(PLAIN_STEPS_FIRST):
+    for _ in range(PLAIN_STEPS_TIMED):
         assert schedule.next_gamma(mediocre, room=100) == 0
         mediocre.record_plain_step(0.1)
     # passes rising from the 0.1 s step to 0.12 s at 4 tokens: speed-ups 1.21, 1.20, 1.14 for gamma 1-3
     # (before the steps, 1.28-1.33 at the most a step may cost and 0.85-0.89 at the least)
     assert best_gamma(mediocre, 8) == 1
     assert schedule.next_gamma(mediocre, room=100) == 1
-    assert schedule.next_gamma(mediocre, room=100) == 1 and mediocre.plain_steps == PLAIN_STEPS_FIRST
+    assert schedule.next_gamma(mediocre, room=100) == 1 and mediocre.plain_steps == PLAIN_STEPS_TIMED
     good = measured([(8, 8)] * WARMUP_ROUNDS, propose_s=0.01, verify_s=0.12, step_s=0.1)
     schedule.observe(good, 8, 8)
     assert schedule.next_gamma(good, room=100) == 8
@@ -148,10 +140,13 @@ def test_a_cold_warm_up_times_plain_steps_as_soon_as_its_hopeful_gamma_hangs_on_
     dear as the cheapest pass and not against two thirds of it: the steps are timed before the third
     round (85 ms), and the gamma is chosen again from them."""
     schedule = CostModelSchedule(8)
-    stats = unstepped([(1, 0), (2, 0)], propose_s=0.023, verify_s={1: 0.088, 2: 0.100})
+    stats = measured([(1, 0), (2, 0)], propose_s=0.023, verify_s={1: 0.088, 2: 0.100}, step_s=None)
     schedule.observe(stats, 2, 0)
-    assert schedule.current == 1 and hopeful_speedup(stats, 1, least=True) < MIN_GAIN <= hopeful_speedup(stats, 1)
-    for _ in range(PLAIN_STEPS_FIRST):
+    assert (
+        schedule.current == 1
+        and hopeful_speedups(stats, [1], least=True)[1] < MIN_GAIN <= hopeful_speedups(stats, [1])[1]
+    )
+    for _ in range(PLAIN_STEPS_TIMED):
         assert schedule.next_gamma(stats, room=100) == 0
         stats.record_plain_step(0.085)
     assert schedule.next_gamma(stats, room=100) == hopeful_gamma(stats, warmup_gammas(8)[2]) == 1
@@ -161,7 +156,7 @@ def test_a_bypass_chosen_at_the_most_a_step_may_cost_takes_no_plain_steps_first(
     """A draft that agrees on nothing does not pay even against the dearest step: it is bypassed at
     once, and its bypassed rounds are the plain steps."""
     schedule = CostModelSchedule(6)
-    useless = unstepped([(1, 0), (1, 0), (3, 0), (6, 0)], propose_s=0.05, verify_s=0.15)
+    useless = measured([(1, 0), (1, 0), (3, 0), (6, 0)], propose_s=0.05, verify_s=0.15, step_s=None)
     schedule.observe(useless, 6, 0)
     assert schedule.current == 0 and not schedule.steps_wanted(useless)
 
@@ -236,7 +231,7 @@ def test_a_slow_first_plain_step_does_not_set_the_cost_speculation_is_measured_a
     for _ in range(PLAIN_SAMPLES_KEPT):
         stats.record_plain_step(0.05)  # the context grew: the latest samples tell
     assert stats.step_s == 0.05 and len(stats.plain_samples) == PLAIN_SAMPLES_KEPT
-    assert stats.plain_steps == PLAIN_STEPS_FIRST + 1 + PLAIN_SAMPLES_KEPT
+    assert stats.plain_steps == PLAIN_STEPS_TIMED + 1 + PLAIN_SAMPLES_KEPT
 
 
 def test_a_stage_speculating_for_a_small_gain_re_times_a_plain_step_now_and_then():
@@ -358,8 +353,7 @@ def test_verification_cost_is_interpolated_between_a_plain_step_and_the_measured
     assert stats.verification_s(0) == pytest.approx(0.13)
     assert stats.verification_s(6) == pytest.approx(0.215)
     assert stats.verification_s(1) == pytest.approx(0.13 + 0.085 / 6)
-    unstepped = measured([(6, 1)], propose_s=0.047, verify_s=0.215, step_s=0.13)
-    unstepped.plain_steps, unstepped.plain_s, unstepped.plain_samples = 0, 0.0, []
+    unstepped = measured([(6, 1)], propose_s=0.047, verify_s=0.215, step_s=None)
     assert unstepped.verification_s(1) == pytest.approx(0.215)  # nothing to interpolate from yet
     unstepped.verification_samples = {}
     assert unstepped.verification_s(1) == pytest.approx(0.215)  # only passes that caught up: their mean
