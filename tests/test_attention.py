@@ -107,6 +107,43 @@ def test_cuda_family_sums_blockwise_products_to_the_reference(monkeypatch):
     torch.testing.assert_close(out.double(), reference(query, view, HEAD_DIM**-0.5), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.skipif(attention.CPU_FLASH_WITH_LSE is None, reason="this PyTorch has no CPU flash kernel with its LSE")
+def test_a_later_prefill_chunk_folds_query_groups_over_the_earlier_keys_with_the_same_bits(monkeypatch):
+    """A later bf16 prefill chunk over a slice of a longer buffer (two sequences) reads the earlier
+    keys once per KV head, its query groups folded into rows, and gives the bits of the same kernel
+    over the keys repeated per query head; a tensor the size of a repeated prefix is never made."""
+    num_queries, num_keys = 96, 300
+    generator = torch.Generator().manual_seed(7)
+    query = torch.randn(2, num_queries, HEADS, HEAD_DIM, generator=generator).transpose(1, 2).bfloat16()
+    buffer = torch.randn(2, 2, KV_HEADS, num_keys + 40, HEAD_DIM, generator=generator).bfloat16()
+    view = AttentionView(buffer[0, :, :, :num_keys], buffer[1, :, :, :num_keys], None, causal=True)
+    group, scale = HEADS // KV_HEADS, HEAD_DIM**-0.5
+    halves = [
+        attention.CPU_FLASH_WITH_LSE(
+            query, keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1), is_causal=causal, scale=scale
+        )
+        for keys, values, causal in (
+            (view.keys[:, :, :-num_queries], view.values[:, :, :-num_queries], False),
+            (view.keys[:, :, -num_queries:], view.values[:, :, -num_queries:], True),
+        )
+    ]
+    (prefix_out, prefix_lse), (block_out, block_lse) = halves
+    total_lse = torch.logaddexp(prefix_lse, block_lse)
+    repeated = prefix_out.float() * (prefix_lse - total_lse).exp()[..., None]
+    repeated = (repeated + block_out.float() * (block_lse - total_lse).exp()[..., None]).bfloat16()
+    largest = []
+
+    def recording(tensor, *args, **kwargs):
+        largest.append(tensor.shape[2])
+        return torch.repeat_interleave(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "repeat_interleave", recording)
+    out = attention.attend_cpu(query, view, scale)
+    assert torch.equal(out, repeated)
+    assert largest and max(largest) == num_queries  # only the chunk's own keys are repeated
+    torch.testing.assert_close(out.double(), reference(query, view, scale), rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize(
     "family,products,dtype,tolerance",
     [
