@@ -159,6 +159,31 @@ def _on_cpu_layers(x: torch.Tensor, *weights: Weight) -> bool:
     return cpu_layers and short_bf16 and (quantised_kernels or all(scales is None for _, scales in weights))
 
 
+def _on_cpu_rows(x: torch.Tensor) -> bool:
+    """Whether x [..., C] of a pass of any length takes cascade's elementwise layer ops (bf16 on a CPU
+    where they run): a prefill chunk's rows are split across threads."""
+    return cpu_layers and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., C] over its root mean square, times weight: on cascade's layer op where it runs (its
+    float32 sums and one rounding, as the short passes' norms), else PyTorch's fused kernel."""
+    if _on_cpu_rows(x):
+        rows = x.reshape(-1, x.shape[-1]).contiguous()  # [N, C]
+        return torch.ops.cascade_kernels.norm_rows(rows, weight, eps).view(x.shape)
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def silu_product(gate_up: torch.Tensor) -> torch.Tensor:
+    """The gate and up projections [..., 2F] -> SiLU(gate) * up [..., F]: on cascade's layer op where
+    it runs (one float32 product rounded once, as the short passes'), else two PyTorch ops."""
+    if _on_cpu_rows(gate_up):
+        rows = gate_up.reshape(-1, gate_up.shape[-1]).contiguous()  # [N, 2F]
+        return torch.ops.cascade_kernels.gated_rows(rows).view(*gate_up.shape[:-1], -1)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def pre_attention(
     x: torch.Tensor,
     norm_weight: torch.Tensor,

@@ -259,3 +259,38 @@ def test_a_pass_of_every_layer_in_one_call_equals_layer_by_layer_bit_for_bit(tmp
     assert layer_op_calls(profile)["decoder_layers"] == plain.get(kind, 0)
     monkeypatch.setattr(fused, "decoder_layers_apply", lambda *args: False)
     assert torch.equal(decode(model, kind, MAX_GRAPH_TOKENS, SHORT_PASSES), whole)
+
+
+@pytest.mark.skipif(not kernels.weight_kernel_available(), reason="cascade's CPU layer ops do not run here")
+def test_a_prefill_chunks_norms_and_silu_products_run_on_the_layer_ops_row_by_row(tmp_path, monkeypatch):
+    """A bf16 pass too long for the fused ops (a prefill chunk) takes the layer ops' norms and SiLU
+    products, its rows split across threads: each row as the op computes it alone, near float32."""
+    generator = torch.Generator().manual_seed(3)
+    x = (torch.randn(100, 96, generator=generator) * 3).bfloat16()
+    weight = torch.randn(96, generator=generator).bfloat16()
+    normed = torch.ops.cascade_kernels.norm_rows(x, weight, 1e-5)
+    assert torch.equal(normed, torch.cat([torch.ops.cascade_kernels.norm_rows(row[None], weight, 1e-5) for row in x]))
+    reference = torch.nn.functional.rms_norm(x.double(), (96,), weight.double(), 1e-5)
+    torch.testing.assert_close(normed.double(), reference, rtol=1e-2, atol=1e-2)
+    gate_up = (torch.randn(100, 2 * 80, generator=generator) * 3).bfloat16()
+    product = torch.ops.cascade_kernels.gated_rows(gate_up)
+    assert torch.equal(product, torch.cat([torch.ops.cascade_kernels.gated_rows(row[None]) for row in gate_up]))
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    torch.testing.assert_close(product.double(), torch.nn.functional.silu(gate) * up, rtol=1e-2, atol=1e-2)
+    with pytest.raises(RuntimeError, match=r"gated_rows: a contiguous bf16 \[T, 2F\] gate and up projection"):
+        torch.ops.cascade_kernels.gated_rows(gate_up.float())
+
+    monkeypatch.setattr(fused, "cpu_layers", True)
+    checkpoint = make_checkpoint(tmp_path / "m", "llama-gqa-tied")
+    model = load_model(checkpoint, torch.bfloat16, CPU)
+    ids = tokens(model, PROMPT, 0)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        ours = model(ids, FullCache(model.cache_layout(PROMPT)))
+    counts = {event.key: event.count for event in profile.key_averages()}
+    layers = model.spec.num_layers
+    assert (counts["cascade_kernels::norm_rows"], counts["cascade_kernels::gated_rows"]) == (2 * layers + 1, layers)
+    reference = load_model(checkpoint, torch.float32, CPU)
+    float32 = reference(ids, FullCache(reference.cache_layout(PROMPT)))
+    monkeypatch.setattr(fused, "cpu_layers", False)
+    torchs = model(ids, FullCache(model.cache_layout(PROMPT)))
+    assert (ours.float() - float32).abs().mean() <= 1.25 * (torchs.float() - float32).abs().mean()

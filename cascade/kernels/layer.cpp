@@ -10,6 +10,10 @@
 //                   -> SiLU(gate) * up -> down product -> + residual
 //   logits:         x [N, C] -> RMSNorm -> head product -> [N, V]
 //
+// and for a pass too long for them (a prefill chunk, whose products are PyTorch's), norm_rows and
+// gated_rows run the same norms and SiLU products over its rows, split across threads: a SmolLM2
+// prefill of 2,048 tokens took 0.58 s against 0.63 with PyTorch's elementwise ops on the AMX Xeon.
+//
 // and decoder_layers runs every layer of a pass over plain KV caches (its K/V written at consecutive
 // slots, attention over every slot up to them) in one call: no Python per layer. A pass may hold
 // several sequences, each with its own cache, which share each read of the weights (a batch).
@@ -20,6 +24,7 @@
 // rotation, the SiLU product and each residual sum (AVX-512, or AVX2 where the CPU lacks AVX512-BF16;
 // see vector_math.h).
 
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <torch/torch.h>
 
@@ -69,51 +74,58 @@ using cascade_vector::widen8;
 
 #endif
 
-// x [T, C] bf16 -> x / rms(x) * weight, bf16: each row's squares summed in 16 float32 lanes, then across them.
+constexpr int64_t kRowsPerTask = 32;  // rows of an elementwise op per thread's task: a short pass's run inline
+
+// row [C] bf16 -> row / rms(row) * gain, bf16: the squares summed in float32 lanes, then across them.
+#if defined(__AVX512BF16__)
+void norm_row(const BFloat16* row, const BFloat16* gain, BFloat16* target, int64_t width, float eps) {
+  __m512 squares = _mm512_setzero_ps();
+  for (int64_t c = 0; c < width; c += 16) {
+    const __m512 values = load_floats(row + c, lanes_left(width - c));
+    squares = _mm512_fmadd_ps(values, values, squares);
+  }
+  const float inverse = 1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / width + eps);
+  for (int64_t c = 0; c < width; c += 16) {
+    const __mmask16 lanes = lanes_left(width - c);
+    const __m512 scaled = _mm512_mul_ps(load_floats(row + c, lanes), _mm512_set1_ps(inverse));
+    store_rounded(target + c, _mm512_mul_ps(scaled, load_floats(gain + c, lanes)), lanes);
+  }
+}
+#elif defined(CASCADE_AVX2)
+void norm_row(const BFloat16* row, const BFloat16* gain, BFloat16* target, int64_t width, float eps) {
+  const int64_t whole = width / 8 * 8;
+  __m256 squares = _mm256_setzero_ps();
+  for (int64_t c = 0; c < whole; c += 8) {
+    const __m256 values = widen8(row + c);
+    squares = _mm256_fmadd_ps(values, values, squares);
+  }
+  float sum = sum8(squares);
+  for (int64_t c = whole; c < width; ++c) sum += static_cast<float>(row[c]) * static_cast<float>(row[c]);
+  const float inverse = 1.0f / std::sqrt(sum / width + eps);
+  for (int64_t c = 0; c < whole; c += 8) {
+    const __m256 scaled = _mm256_mul_ps(widen8(row + c), _mm256_set1_ps(inverse));
+    store_rounded8(target + c, _mm256_mul_ps(scaled, widen8(gain + c)));
+  }
+  for (int64_t c = whole; c < width; ++c) {
+    target[c] = BFloat16(static_cast<float>(row[c]) * inverse * static_cast<float>(gain[c]));
+  }
+}
+#endif
+
+// x [T, C] bf16 -> x / rms(x) * weight, bf16, row by row (norm_row), rows split across threads where a
+// pass has many (a prefill chunk).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const int64_t rows = x.size(0), width = x.size(1);
   at::Tensor out = at::empty_like(x);
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || defined(CASCADE_AVX2)
   const auto* source = x.data_ptr<BFloat16>();
   const auto* gain = weight.data_ptr<BFloat16>();
   auto* target = out.data_ptr<BFloat16>();
-  for (int64_t t = 0; t < rows; ++t) {
-    const BFloat16* row = source + t * width;
-    __m512 squares = _mm512_setzero_ps();
-    for (int64_t c = 0; c < width; c += 16) {
-      const __m512 values = load_floats(row + c, lanes_left(width - c));
-      squares = _mm512_fmadd_ps(values, values, squares);
+  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      norm_row(source + t * width, gain, target + t * width, width, static_cast<float>(eps));
     }
-    const float inverse = 1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / width + static_cast<float>(eps));
-    for (int64_t c = 0; c < width; c += 16) {
-      const __mmask16 lanes = lanes_left(width - c);
-      const __m512 scaled = _mm512_mul_ps(load_floats(row + c, lanes), _mm512_set1_ps(inverse));
-      store_rounded(target + t * width + c, _mm512_mul_ps(scaled, load_floats(gain + c, lanes)), lanes);
-    }
-  }
-#elif defined(CASCADE_AVX2)
-  const auto* source = x.data_ptr<BFloat16>();
-  const auto* gain = weight.data_ptr<BFloat16>();
-  auto* target = out.data_ptr<BFloat16>();
-  const int64_t whole = width / 8 * 8;
-  for (int64_t t = 0; t < rows; ++t) {
-    const BFloat16* row = source + t * width;
-    __m256 squares = _mm256_setzero_ps();
-    for (int64_t c = 0; c < whole; c += 8) {
-      const __m256 values = widen8(row + c);
-      squares = _mm256_fmadd_ps(values, values, squares);
-    }
-    float sum = sum8(squares);
-    for (int64_t c = whole; c < width; ++c) sum += static_cast<float>(row[c]) * static_cast<float>(row[c]);
-    const float inverse = 1.0f / std::sqrt(sum / width + static_cast<float>(eps));
-    for (int64_t c = 0; c < whole; c += 8) {
-      const __m256 scaled = _mm256_mul_ps(widen8(row + c), _mm256_set1_ps(inverse));
-      store_rounded8(target + t * width + c, _mm256_mul_ps(scaled, widen8(gain + c)));
-    }
-    for (int64_t c = whole; c < width; ++c) {
-      target[t * width + c] = BFloat16(static_cast<float>(row[c]) * inverse * static_cast<float>(gain[c]));
-    }
-  }
+  });
 #else
   TORCH_CHECK(false, "cascade layer kernels: this build has neither AVX512-BF16 nor AVX2 with FMA");
 #endif
@@ -210,45 +222,80 @@ at::Tensor add_rounded(const at::Tensor& residual, const at::Tensor& update) {
   return out;
 }
 
-// gate and up [T, 2F] float32 -> SiLU(gate) * up [T, F] bf16, each rounded first as a projection is.
+// gates, ups [F] (float32 projections, or bf16) -> SiLU(gate) * up [F] bf16, each rounded to bf16 first
+// as a projection is.
+#if defined(__AVX512BF16__)
+inline __m512 rounded_floats(const float* source, __mmask16 lanes) { return rounded(_mm512_maskz_loadu_ps(lanes, source)); }
+inline __m512 rounded_floats(const BFloat16* source, __mmask16 lanes) { return load_floats(source, lanes); }
+
+template <typename Source>
+void gated_row(const Source* gates, const Source* ups, BFloat16* target, int64_t width) {
+  using cascade_vector::exp16;
+  for (int64_t f = 0; f < width; f += 16) {
+    const __mmask16 lanes = lanes_left(width - f);
+    const __m512 gate = rounded_floats(gates + f, lanes), up = rounded_floats(ups + f, lanes);
+    const __m512 silu = _mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate))));
+    store_rounded(target + f, _mm512_mul_ps(silu, up), lanes);
+  }
+}
+#elif defined(CASCADE_AVX2)
+inline __m256 rounded_floats8(const float* source) { return rounded8(_mm256_loadu_ps(source)); }
+inline __m256 rounded_floats8(const BFloat16* source) { return widen8(source); }
+
+template <typename Source>
+void gated_row(const Source* gates, const Source* ups, BFloat16* target, int64_t width) {
+  using cascade_vector::exp8;
+  const int64_t whole = width / 8 * 8;
+  for (int64_t f = 0; f < whole; f += 8) {
+    const __m256 gate = rounded_floats8(gates + f), up = rounded_floats8(ups + f);
+    const __m256 silu = _mm256_div_ps(gate, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), gate))));
+    store_rounded8(target + f, _mm256_mul_ps(silu, up));
+  }
+  for (int64_t f = whole; f < width; ++f) {
+    const float gate = static_cast<float>(BFloat16(gates[f])), up = static_cast<float>(BFloat16(ups[f]));
+    target[f] = BFloat16(gate / (1.0f + std::exp(-gate)) * up);
+  }
+}
+#endif
+
+// gate and up [T, 2F] (float32 projections, or bf16) -> SiLU(gate) * up [T, F] bf16, row by row
+// (gated_row), rows split across threads where a pass has many (a prefill chunk).
 at::Tensor gated(const at::Tensor& gate_up) {
   const int64_t tokens = gate_up.size(0), width = gate_up.size(1) / 2;
   at::Tensor out = at::empty({tokens, width}, gate_up.options().dtype(at::kBFloat16));
-#if defined(__AVX512BF16__)
-  using cascade_vector::exp16;
-  const float* source = gate_up.data_ptr<float>();
+#if defined(__AVX512BF16__) || defined(CASCADE_AVX2)
   auto* target = out.data_ptr<BFloat16>();
-  for (int64_t t = 0; t < tokens; ++t) {
-    for (int64_t f = 0; f < width; f += 16) {
-      const __mmask16 lanes = lanes_left(width - f);
-      const __m512 gate = rounded(_mm512_maskz_loadu_ps(lanes, source + t * 2 * width + f));
-      const __m512 up = rounded(_mm512_maskz_loadu_ps(lanes, source + t * 2 * width + width + f));
-      const __m512 silu = _mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate))));
-      store_rounded(target + t * width + f, _mm512_mul_ps(silu, up), lanes);
-    }
-  }
-#elif defined(CASCADE_AVX2)
-  using cascade_vector::exp8;
-  const float* source = gate_up.data_ptr<float>();
-  auto* target = out.data_ptr<BFloat16>();
-  const int64_t whole = width / 8 * 8;
-  for (int64_t t = 0; t < tokens; ++t) {
-    const float* gates = source + t * 2 * width;
-    const float* ups = gates + width;
-    for (int64_t f = 0; f < whole; f += 8) {
-      const __m256 gate = rounded8(_mm256_loadu_ps(gates + f)), up = rounded8(_mm256_loadu_ps(ups + f));
-      const __m256 silu = _mm256_div_ps(gate, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), gate))));
-      store_rounded8(target + t * width + f, _mm256_mul_ps(silu, up));
-    }
-    for (int64_t f = whole; f < width; ++f) {
-      const float gate = static_cast<float>(BFloat16(gates[f])), up = static_cast<float>(BFloat16(ups[f]));
-      target[t * width + f] = BFloat16(gate / (1.0f + std::exp(-gate)) * up);
-    }
+  const auto rows = [&](const auto* source) {
+    at::parallel_for(0, tokens, kRowsPerTask, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        gated_row(source + t * 2 * width, source + t * 2 * width + width, target + t * width, width);
+      }
+    });
+  };
+  if (gate_up.scalar_type() == at::kBFloat16) {
+    rows(gate_up.data_ptr<BFloat16>());
+  } else {
+    rows(gate_up.data_ptr<float>());
   }
 #else
-  TORCH_CHECK(false, "post_attention: this build has neither AVX512-BF16 nor AVX2 with FMA");
+  TORCH_CHECK(false, "cascade layer kernels: this build has neither AVX512-BF16 nor AVX2 with FMA");
 #endif
   return out;
+}
+
+// Prefill chunks' norms and SiLU products (a pass too long for pre_attention and post_attention, whose
+// products are cascade's few-row kernels): the same elementwise work over many rows, split across threads.
+at::Tensor norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_pass(x, weight);
+  return rms_norm(x, weight, eps);
+}
+
+at::Tensor gated_rows(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 && gate_up.is_contiguous() &&
+                  gate_up.scalar_type() == at::kBFloat16,
+              "gated_rows: a contiguous bf16 [T, 2F] gate and up projection; got ", gate_up.sizes(), " ",
+              gate_up.scalar_type());
+  return gated(gate_up);
 }
 
 at::Tensor post_attention(const at::Tensor& x, const at::Tensor& attended, const at::Tensor& o_weight,
@@ -353,6 +400,8 @@ TORCH_LIBRARY_FRAGMENT(cascade_kernels, m) {
   m.def("post_attention(Tensor x, Tensor attended, Tensor o_weight, Tensor? o_scales, Tensor norm_weight, "
         "Tensor gate_up_weight, Tensor? gate_up_scales, Tensor down_weight, Tensor? down_scales, float eps) -> Tensor");
   m.def("logits(Tensor x, Tensor norm_weight, Tensor head_weight, Tensor? head_scales, float eps) -> Tensor");
+  m.def("norm_rows(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("gated_rows(Tensor gate_up) -> Tensor");
   m.def("decoder_layers(Tensor x, Tensor[] norms, Tensor[] weights, Tensor?[] scales, Tensor?[] biases, "
         "Tensor(a!)[] keys, Tensor(b!)[] values, int[] starts, int[] tokens, Tensor cos, Tensor sin, float eps, "
         "int heads, int kv_heads, float scale) -> Tensor");
@@ -362,5 +411,7 @@ TORCH_LIBRARY_IMPL(cascade_kernels, CPU, m) {
   m.impl("pre_attention", &pre_attention);
   m.impl("post_attention", &post_attention);
   m.impl("logits", &logits);
+  m.impl("norm_rows", &norm_rows);
+  m.impl("gated_rows", &gated_rows);
   m.impl("decoder_layers", &decoder_layers);
 }
