@@ -249,6 +249,8 @@ class Pipeline:
         """One round of stage ``level``: >= 1 tokens of its distribution (at most ``room`` + 1)."""
         stage = self.stages[level]
         proposer = self.stages[level - 1] if level > 0 else None
+        if level > 1:
+            self._price_alone_proposals(proposer, self.stages[level - 2])
         gamma = proposer.schedule.next_gamma(proposer.stats, room) if proposer else 0
         if gamma and isinstance(proposer, LookupStage):  # it proposes what it finds, maybe nothing
             gamma = len(proposer.proposal(context, gamma))
@@ -284,6 +286,13 @@ class Pipeline:
             caught_up,
         )
         return drawn
+
+    @staticmethod
+    def _price_alone_proposals(proposer: Stage, lower: Stage) -> None:
+        """``proposer``'s proposals are its own plain steps while ``lower``, the stage below it, is
+        bypassed: priced at what those steps cost (``StageStats.alone_proposal_s``), else by its rounds."""
+        bypassed = lower.schedule.current == 0 and lower.stats.plain_samples
+        proposer.stats.alone_proposal_s = lower.stats.step_s if bypassed else 0.0
 
     def _speculate(self, level: int, context: list[int], gamma: int, room: int) -> tuple[Verdict, Draw, int, int]:
         """Up to ``gamma`` tokens of stage ``level - 1``'s distribution (``room`` where more cost

@@ -61,6 +61,13 @@ class StageStats:
     their median is a proposal's cost, which a one-off dear pass (a retrieval cache's first
     selection) does not set. Rounds whose proposal began by catching up on tokens the stage skipped
     (after plain steps or bypassed rounds) are not among them (``catch_up_s``)."""
+    alone_proposal_s: float = 0.0
+    """While the stage below this one is bypassed, this stage proposes by its own plain steps, and a
+    proposal costs what they do (that stage's ``step_s``, set by the pipeline; 0 while it proposes):
+    its proposal samples, timed while that stage proposed, price another proposer. In ``triforce``
+    on SmolLM2 at 8K the retrieval stage's warm-up rounds, each a draft proposal and its verification,
+    priced a proposal at 15 ms against 11.5 for its plain steps beside 15-17 ms full steps; its later
+    rounds (probes) began by catching up, so it never saw the cheaper price and stayed bypassed."""
     catch_up_s: float = 0.0
     """The latest timed round whose proposal began by catching up on skipped tokens (a probe after
     bypassed rounds): its time over its proposals. Counted among the proposal samples, two probes'
@@ -152,7 +159,10 @@ class StageStats:
 
     @property
     def proposal_s(self) -> float:
-        """A proposed token's time: the median over the latest timed rounds (0 before the first)."""
+        """A proposed token's time: its plain steps' while the stage below is bypassed
+        (``alone_proposal_s``), else the median over the latest timed rounds (0 before the first)."""
+        if self.alone_proposal_s:
+            return self.alone_proposal_s
         return statistics.median(self.proposal_samples) if self.proposal_samples else 0.0
 
     @property
@@ -232,7 +242,7 @@ class StageStats:
         ``proposal_s``: assumed instead of the measured ones; ``hopeful``: a pass wider than any timed
         no dearer than the widest, ``verification_s``), against the most a plain step may cost
         (``step_range_s``; ``least``: the least, the lowest speed-up it allows)."""
-        unpriced = proposal_s is None and not self.proposal_samples
+        unpriced = proposal_s is None and not (self.proposal_samples or self.alone_proposal_s)
         if unpriced or not (self.plain_samples or self.timed_rounds):
             return 1.0
         step_s = self.step_range_s[0 if least else 1]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from cascade.costs import (
@@ -12,6 +14,7 @@ from cascade.costs import (
     expected_tokens,
     rising_curve,
 )
+from cascade.pipeline import Pipeline
 from cascade.schedule import (
     MIN_GAIN,
     PLAIN_STEPS_TIMED,
@@ -488,3 +491,26 @@ def test_plain_steps_within_noise_of_the_verification_passes_stand():
     stats = measured([(2, 2), (2, 2)], propose_s=0.011, verify_s=0.0175, step_s=0.019)
     assert not stats.step_outpaced()  # 19 ms against 17.5: within OUTPACED
     assert not measured([(2, 2)], propose_s=0.011, verify_s=0.010, step_s=0.019).step_outpaced()  # one pass
+
+
+def test_a_middle_stage_whose_draft_is_bypassed_is_priced_at_its_own_plain_steps():
+    """`triforce` on SmolLM2 at 8K: the retrieval stage's warm-up rounds, a draft proposal and its
+    verification each, priced a proposal at 15 ms; once the draft is bypassed it proposes by its own
+    11.5 ms steps (its probes begin by catching up and price nothing), beside 16 ms full steps."""
+    middle = measured([(4, 4)] * WARMUP_ROUNDS, propose_s=0.015, verify_s=0.0175, step_s=0.016)
+    assert best_gamma(middle, 6) == 0  # priced by the draft's rounds: never pays
+    draft = StageStats("draft")
+    for seconds in (0.0115, 0.0112, 0.0119):  # the middle stage's plain steps, taken for the bypassed draft
+        draft.record_plain_step(seconds)
+    stage = SimpleNamespace
+    bypassed = stage(schedule=SimpleNamespace(current=0), stats=draft)
+    Pipeline._price_alone_proposals(stage(stats=middle), bypassed)
+    assert middle.alone_proposal_s == middle.proposal_s == draft.step_s == 0.0115
+    assert best_gamma(middle, 6) > 0 and middle.expected_speedup(best_gamma(middle, 6)) > MIN_GAIN
+    assert hopeful_gamma(middle, 6) > 0
+    Pipeline._price_alone_proposals(stage(stats=middle), stage(schedule=SimpleNamespace(current=2), stats=draft))
+    assert middle.alone_proposal_s == 0.0 and middle.proposal_s == 0.015  # the draft proposes again
+    Pipeline._price_alone_proposals(
+        stage(stats=middle), stage(schedule=SimpleNamespace(current=0), stats=StageStats("d"))
+    )
+    assert middle.alone_proposal_s == 0.0  # bypassed before any of the middle stage's steps was timed
