@@ -153,16 +153,16 @@ _compiled_logits = torch.compile(_logits, dynamic=True)
 compiled_attention = torch.compile(_attention, dynamic=True)
 
 
-def _on_cpu_layers(x: torch.Tensor, *weights: Weight) -> bool:
-    """Whether a pass with residual stream x [T, C] and these weights runs on cascade's layer ops."""
-    short_bf16 = x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.shape[0] <= kernels.MAX_KERNEL_ROWS
-    return cpu_layers and short_bf16 and (quantised_kernels or all(scales is None for _, scales in weights))
-
-
 def _on_cpu_rows(x: torch.Tensor) -> bool:
     """Whether x [..., C] of a pass of any length takes cascade's elementwise layer ops (bf16 on a CPU
     where they run): a prefill chunk's rows are split across threads."""
     return cpu_layers and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+
+
+def _on_cpu_layers(x: torch.Tensor, *weights: Weight) -> bool:
+    """Whether a pass with residual stream x [T, C] and these weights runs on cascade's layer ops."""
+    short = _on_cpu_rows(x) and x.shape[0] <= kernels.MAX_KERNEL_ROWS
+    return short and (quantised_kernels or all(scales is None for _, scales in weights))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
