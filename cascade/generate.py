@@ -233,6 +233,8 @@ def print_stats(stats: dict[str, Any]) -> None:
                     f"; token trees of {stage['tree_nodes'] / stage['rounds']:.1f} nodes, the verifier's "
                     f"token was its 1st, 2nd, ... most likely in shares {ranks}"
                 )
+        if stage["held_rounds"]:
+            line += f"; sat out {stage['held_rounds']} rounds while the stage above warmed up alone"
         say(line)
 
 

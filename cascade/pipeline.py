@@ -250,12 +250,15 @@ class Pipeline:
         stage = self.stages[level]
         proposer = self.stages[level - 1] if level > 0 else None
         if level > 1:
-            self._price_alone_proposals(proposer, self.stages[level - 2])
-        gamma = proposer.schedule.next_gamma(proposer.stats, room) if proposer else 0
+            self._price_alone_proposals(proposer, self.stages[level - 2], self._holds_below(level - 1))
+        held = self._holds_below(level)
+        gamma = proposer.schedule.next_gamma(proposer.stats, room) if proposer and not held else 0
         if gamma and isinstance(proposer, LookupStage):  # it proposes what it finds, maybe nothing
             gamma = len(proposer.proposal(context, gamma))
             proposer.stats.unmatched += gamma == 0
-        if proposer:
+        if held:
+            proposer.stats.held_rounds += 1
+        elif proposer:
             proposer.stats.gamma_choices[gamma] = proposer.stats.gamma_choices.get(gamma, 0) + 1
         clean = len(context) - stage.length == 1  # the pass feeds no skipped tokens: time it
         captured = self._captured_graphs(level)
@@ -287,12 +290,20 @@ class Pipeline:
         )
         return drawn
 
+    def _holds_below(self, level: int) -> bool:
+        """Whether stage ``level``, itself a proposer to the stage above it, holds the stage below it
+        back: until its own speculation has shown it pays (``Schedule.proven``) it proposes by its
+        own plain steps, as it would alone."""
+        stage = self.stages[level]
+        return 0 < level < len(self.stages) - 1 and not stage.schedule.proven(stage.stats)
+
     @staticmethod
-    def _price_alone_proposals(proposer: Stage, lower: Stage) -> None:
+    def _price_alone_proposals(proposer: Stage, lower: Stage, held: bool = False) -> None:
         """``proposer``'s proposals are its own plain steps while ``lower``, the stage below it, is
-        bypassed: priced at what those steps cost (``StageStats.alone_proposal_s``), else by its rounds."""
-        bypassed = lower.schedule.current == 0 and lower.stats.plain_samples
-        proposer.stats.alone_proposal_s = lower.stats.step_s if bypassed else 0.0
+        bypassed or ``held`` back: priced at what those steps cost (``StageStats.alone_proposal_s``),
+        else by its rounds."""
+        alone = (held or lower.schedule.current == 0) and lower.stats.plain_samples
+        proposer.stats.alone_proposal_s = lower.stats.step_s if alone else 0.0
 
     def _speculate(self, level: int, context: list[int], gamma: int, room: int) -> tuple[Verdict, Draw, int, int]:
         """Up to ``gamma`` tokens of stage ``level - 1``'s distribution (``room`` where more cost

@@ -62,12 +62,13 @@ class StageStats:
     selection) does not set. Rounds whose proposal began by catching up on tokens the stage skipped
     (after plain steps or bypassed rounds) are not among them (``catch_up_s``)."""
     alone_proposal_s: float = 0.0
-    """While the stage below this one is bypassed, this stage proposes by its own plain steps, and a
-    proposal costs what they do (that stage's ``step_s``, set by the pipeline; 0 while it proposes):
-    its proposal samples, timed while that stage proposed, price another proposer. In ``triforce``
-    on SmolLM2 at 8K the retrieval stage's warm-up rounds, each a draft proposal and its verification,
-    priced a proposal at 15 ms against 11.5 for its plain steps beside 15-17 ms full steps; its later
-    rounds (probes) began by catching up, so it never saw the cheaper price and stayed bypassed."""
+    """While the stage below this one is bypassed or held back (``held_rounds``), this stage proposes
+    by its own plain steps, and a proposal costs what they do (that stage's ``step_s``, set by the
+    pipeline; 0 while it proposes): its proposal samples, timed while that stage proposed, price
+    another proposer. In ``triforce`` on SmolLM2 at 8K the retrieval stage's warm-up rounds, each a
+    draft proposal and its verification, priced a proposal at 15 ms against 11.5 for its plain steps
+    beside 15-17 ms full steps; its later rounds (probes) began by catching up, so it never saw the
+    cheaper price and stayed bypassed."""
     catch_up_s: float = 0.0
     """The latest timed round whose proposal began by catching up on skipped tokens (a probe after
     bypassed rounds): its time over its proposals. Counted among the proposal samples, two probes'
@@ -98,6 +99,9 @@ class StageStats:
     """The gamma schedule of this stage's proposals ('' for the last stage, which proposes nothing)."""
     gamma_choices: dict[int, int] = field(default_factory=dict)
     """Rounds run at each gamma the schedule chose (0: bypassed, the verifier decoded alone)."""
+    held_rounds: int = 0
+    """Rounds of the stage above sat out while that stage's own speculation was unproven (it
+    proposed by its plain steps; ``Pipeline._holds_below``): not among ``gamma_choices``."""
     tree_nodes: int = 0
     """Token-tree nodes proposed (see ``cascade.tree``); a tree round counts its depth as proposed."""
     choice_ranks: list[int] = field(default_factory=list)

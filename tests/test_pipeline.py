@@ -9,6 +9,7 @@ import yaml
 
 from cascade.pipeline import StopRule
 from cascade.runtime import PREFILL_CHUNKS, build_runtime
+from cascade.schedule import WARMUP_ROUNDS
 from configs import load_config
 
 PROMPT = torch.randint(0, 49152, (300,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -132,6 +133,31 @@ def test_adaptive_schedules_stay_exact(schedule, tiny_dir, tiny_draft_dir, autor
     proposers = result.stats.stages[:-1]
     fitted = proposers[-1:] if schedule == "cost_model" else proposers  # it may drop a tier at once
     assert all(sum(stage.clean_verifications.values()) > 0 for stage in fitted)
+
+
+def test_a_draft_sits_out_its_middle_stage_s_warm_up(tiny_dir, autoregressive_tokens):
+    """`triforce` with the cost model on both proposers (the target drafting for itself): the middle
+    stage warms up by its own plain steps, each a round the draft sits out and a step of its verifier
+    it times; the draft proposes nothing while the middle stage is unproven."""
+    overrides = [*SMALL_CACHES["triforce"], "stages.0.schedule=cost_model", "stages.1.schedule=cost_model"]
+    runtime = runtime_for("triforce", tiny_dir, tiny_dir, overrides)
+    pipeline = runtime.pipeline_for(len(PROMPT), 40)
+    draft_stats, middle_schedule = pipeline.stages[0].stats, pipeline.stages[1].schedule
+    draft_rounds_while_unproven = []  # at each of the middle stage's rounds verified while unproven
+
+    def observe(stats, proposed, accepted, observed=middle_schedule.observe):
+        if not middle_schedule.proven(stats):
+            draft_rounds_while_unproven.append(draft_stats.rounds)
+        observed(stats, proposed, accepted)
+
+    middle_schedule.observe = observe
+    result = generate(runtime, PROMPT, pipeline=pipeline)
+    assert result.token_ids == autoregressive_tokens
+    draft, middle = result.stats.stages[:2]
+    assert middle.timed_rounds >= WARMUP_ROUNDS and len(draft_rounds_while_unproven) >= WARMUP_ROUNDS
+    assert set(draft_rounds_while_unproven) == {0}
+    assert draft.held_rounds >= 2  # the middle stage's warm-up's first two gammas are 1
+    assert 0 < draft.plain_steps <= draft.held_rounds  # those that caught up on no token timed
 
 
 def test_rounds_whose_proposals_all_pass_price_the_next_proposals(tiny_dir):

@@ -514,3 +514,30 @@ def test_a_middle_stage_whose_draft_is_bypassed_is_priced_at_its_own_plain_steps
         stage(stats=middle), stage(schedule=SimpleNamespace(current=0), stats=StageStats("d"))
     )
     assert middle.alone_proposal_s == 0.0  # bypassed before any of the middle stage's steps was timed
+
+
+def test_a_stage_is_proven_once_its_warm_up_chose_to_speculate_and_not_while_bypassed_or_probing():
+    """The stage below a middle stage is held back until the middle stage's own speculation is proven."""
+    schedule = CostModelSchedule(6)
+    good = measured([(1, 1), (1, 1), (3, 3)], propose_s=0.005, verify_s=0.1, step_s=0.1)
+    schedule.observe(good, 3, 3)
+    assert schedule.current > 0 and not schedule.proven(good)  # three rounds of the warm-up
+    record_round(good, 6, 6, propose_s=0.005, verify_s=0.1)
+    schedule.observe(good, 6, 6)
+    assert schedule.proven(good)
+    useless = measured([(6, 0)] * WARMUP_ROUNDS, propose_s=0.05, verify_s=0.15, step_s=0.1)
+    schedule.observe(useless, 6, 0)
+    assert schedule.current == 0 and not schedule.proven(useless)  # bypassed
+    while schedule.next_gamma(useless, room=100) == 0:
+        pass
+    assert schedule.probing and not schedule.proven(useless)  # its probe
+    assert Schedule(2).proven(StageStats("fixed")) and HeuristicSchedule(2).proven(StageStats("heuristic"))
+
+
+def test_a_held_back_draft_prices_its_middle_stage_at_that_stage_s_own_plain_steps():
+    middle = measured([(1, 1)], propose_s=0.015, verify_s=0.0175, step_s=0.016)
+    draft = StageStats("draft")
+    draft.record_plain_step(0.0115)  # the middle stage's plain step, taken while the draft was held
+    warming_up = SimpleNamespace(schedule=SimpleNamespace(current=1), stats=draft)
+    Pipeline._price_alone_proposals(SimpleNamespace(stats=middle), warming_up, held=True)
+    assert middle.alone_proposal_s == middle.proposal_s == 0.0115
