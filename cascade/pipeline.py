@@ -293,9 +293,12 @@ class Pipeline:
     def _holds_below(self, level: int) -> bool:
         """Whether stage ``level``, itself a proposer to the stage above it, holds the stage below it
         back: until its own speculation has shown it pays (``Schedule.proven``) it proposes by its
-        own plain steps, as it would alone."""
+        own plain steps, as it would alone. Not a lookup below it: its proposals cost no pass, so
+        its rounds waste nothing while the stage above it is unproven."""
+        if not 0 < level < len(self.stages) - 1 or isinstance(self.stages[level - 1], LookupStage):
+            return False
         stage = self.stages[level]
-        return 0 < level < len(self.stages) - 1 and not stage.schedule.proven(stage.stats)
+        return not stage.schedule.proven(stage.stats)
 
     @staticmethod
     def _price_alone_proposals(proposer: Stage, lower: Stage, held: bool = False) -> None:

@@ -96,5 +96,6 @@ def test_lookup_presets_greedy_equal_autoregressive(preset, schedule, tiny_dir, 
     assert result.token_ids == long_autoregressive
     lookup = result.stats.stages[0]
     assert lookup.name == "0:lookup" and lookup.forward_calls == 0 and lookup.accepted <= lookup.proposed
+    assert lookup.held_rounds == 0  # its proposals cost no pass: never held back under an unproven draft
     if schedule == "fixed":
         assert lookup.rounds > 0
