@@ -234,7 +234,7 @@ def print_stats(stats: dict[str, Any]) -> None:
                     f"token was its 1st, 2nd, ... most likely in shares {ranks}"
                 )
         if stage["held_rounds"]:
-            line += f"; sat out {stage['held_rounds']} rounds while the stage above warmed up alone"
+            line += f"; sat out {stage['held_rounds']} rounds while the stage above was unproven"
         say(line)
 
 
