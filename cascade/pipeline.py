@@ -262,7 +262,7 @@ class Pipeline:
             proposer.stats.gamma_choices[gamma] = proposer.stats.gamma_choices.get(gamma, 0) + 1
         clean = len(context) - stage.length == 1  # the pass feeds no skipped tokens: time it
         captured = self._captured_graphs(level)
-        if gamma == 0 and not (level == 1 and self._proposes_free(proposer, 0, room)):
+        if gamma == 0 and (held or not (level == 1 and self._proposes_free(proposer, 0, room))):
             stepping = self.clock.mark()
             drawn = self._draw_from_logits(stage.extend(context, 1))
             if proposer and clean and self._captured_graphs(level) == captured:  # timing it waits for it (CUDA)

@@ -115,7 +115,8 @@ def text_prompt(tokenizer, tokens: int = 300) -> list[int]:
 def test_a_draft_with_another_tokenizer_leaves_greedy_output_unchanged(preset, tiny_dir, other_draft_dir, tokenizers):
     prompt = text_prompt(tokenizers[1])
     small = ["stages.0.cache.window=40", "stages.1.cache.budget=64"] if preset == "triforce" else []
-    overrides = [*small, "draft.cross_tokenizer=true", "stages.0.schedule=fixed"]
+    fixed = [f"stages.{index}.schedule=fixed" for index in range(2 if preset == "triforce" else 1)]
+    overrides = [*small, "draft.cross_tokenizer=true", *fixed]  # the draft proposes every round
     runtime = runtime_for(preset, tiny_dir, other_draft_dir, overrides)
     pipeline = runtime.pipeline_for(len(prompt), 40)
     result = generate(runtime, prompt, pipeline=pipeline)
