@@ -284,7 +284,7 @@ def hopeful_speedups(stats: StageStats, gammas: Iterable[int], least: bool = Fal
     """The speed-up at each of ``gammas`` read as ``hopeful_gamma`` reads it (``least``: against the
     least a plain step may cost, ``StageStats.step_range_s``)."""
     acceptance = acceptance_upper_bound(stats.accepted, stats.rejections, HOPE)  # a bisection: once
-    # its plain steps' while the stage below is bypassed; none clean yet: the catch-up's
+    # its plain steps' while the stage below is bypassed or held; none clean yet: the catch-up's
     proposal_s = stats.alone_proposal_s or min(stats.proposal_samples or [stats.catch_up_s])
     return {gamma: stats.expected_speedup(gamma, acceptance, proposal_s, hopeful=True, least=least) for gamma in gammas}
 

@@ -163,8 +163,8 @@ class StageStats:
 
     @property
     def proposal_s(self) -> float:
-        """A proposed token's time: its plain steps' while the stage below is bypassed
-        (``alone_proposal_s``), else the median over the latest timed rounds (0 before the first)."""
+        """A proposed token's time: its plain steps' while the stage below is bypassed or
+        held back (``alone_proposal_s``), else the median over the latest timed rounds (0 before the first)."""
         if self.alone_proposal_s:
             return self.alone_proposal_s
         return statistics.median(self.proposal_samples) if self.proposal_samples else 0.0
