@@ -10,12 +10,14 @@
 // accumulation) take blocks of 4 weight rows for every activation row: a block goes across its 4
 // rows, and while it is multiplied the next one (the rows that follow it in memory) is asked for
 // line by line, as fast as the block reads its own: without that, rows of a few hundred inputs
-// streamed at half the memory's speed. A one-row product (a decode step) can instead read blocks
-// of 16 rows row after row, in memory order, so each thread's part of the weight is one stream the
-// hardware prefetcher follows (`set_step_in_memory_order`, from `Tuning.step_in_memory_order`):
-// on an earlier 2-core EPYC (Zen 4) that read 25.6 GB/s a thread against 19.5 going across 16 rows
-// a line at a time; on a Zen 5 EPYC going across 4 rows with the next block asked for streamed
-// 1.04-1.30x faster than memory order.
+// streamed at half the memory's speed. A one-row product (a decode step) goes across blocks of 2
+// rows, the next block asked for into L1: on a 2-core Zen 5 EPYC the Qwen2.5 1.5B's down projection
+// (8,960 inputs a row) streamed at 40 GB/s so against 32 across 4 rows into L2, its other matrices
+// 1-4% faster, SmolLM2's as fast. It can instead read blocks of 16 rows row after row, in memory
+// order, so each thread's part of the weight is one stream the hardware prefetcher follows
+// (`set_step_in_memory_order`, from `Tuning.step_in_memory_order`): on an earlier 2-core EPYC
+// (Zen 4) that read 25.6 GB/s a thread against 19.5 going across 16 rows a line at a time; on a
+// Zen 5 EPYC going across blocks streamed 1.04-1.30x faster than memory order.
 //
 // Built with -march=native: on a CPU without AVX512-BF16 but with AVX2 and FMA the product is
 // rows_times_weight_avx2.cpp's (`features()` says "avx2"); with neither, the Python side keeps
@@ -51,6 +53,7 @@ void set_step_in_memory_order(bool on) { step_in_memory_order = on; }
 constexpr int64_t kWeightRows = 4;  // weight rows per block: read once, reused by every activation row
 constexpr int64_t kActivationRows = 4;  // activation rows per tile: 16 accumulators in registers
 constexpr int64_t kStepRows = 16;  // weight rows per block of a one-row product read in memory order: 16 accumulators
+constexpr int64_t kStepAcrossRows = 2;  // weight rows per block of a one-row product read across
 constexpr int64_t kLanes = 32;  // bf16 values per 512-bit register
 constexpr int64_t kTileSums = 16;  // accumulators per tile, one float32 lane each of their horizontal sum
 
@@ -77,7 +80,8 @@ inline __mmask32 lanes_from(int64_t i, int64_t inner) {
 // does not depend on the block shape that computed it, so passes of any width agree bit for bit.
 // Always inlined: compiled on its own (as GCC 12 chose for the threads' copy of the caller), it
 // stored all 16 accumulators to the stack every step, and two threads multiplied at the speed of one.
-template <int64_t Tiles, int64_t Rows>
+// The next block's lines go to the cache level `Hint` names (_MM_HINT_T1: L2; _MM_HINT_T0: L1).
+template <int64_t Tiles, int64_t Rows, _mm_hint Hint = _MM_HINT_T1>
 __attribute__((always_inline)) inline void block_tile(const at::BFloat16* rows, const at::BFloat16* weight,
                                                       float* out, int64_t row, int64_t o, int64_t inner,
                                                       int64_t outputs) {
@@ -91,7 +95,7 @@ __attribute__((always_inline)) inline void block_tile(const at::BFloat16* rows, 
     const __mmask32 lanes = lanes_from(i, inner);
     __m512bh w[Rows];
     for (int64_t r = 0; r < Rows; ++r) {
-      _mm_prefetch(next_block + (i / kLanes * Rows + r) * 64, _MM_HINT_T1);
+      _mm_prefetch(next_block + (i / kLanes * Rows + r) * 64, Hint);
       w[r] = load_bf16(weight + (o + r) * inner + i, lanes);
     }
     for (int64_t t = 0; t < Tiles; ++t) {
@@ -239,10 +243,10 @@ at::Tensor rows_times_weight(const at::Tensor& rows, const at::Tensor& weight) {
     done = outputs - outputs % (kTileBlocks * kTileRows);
   }
 #endif
-  // blocks of 16 weight rows for one activation row read in memory order, else of 4 (for every
-  // activation row); what is left, in blocks of 4 and single rows
+  // one activation row: blocks of 16 weight rows read in memory order, or of 2 read across; more: blocks
+  // of 4 (for every activation row); what is left, in blocks of 4 and single rows
   const bool memory_order = num_rows == 1 && step_in_memory_order;
-  const int64_t block_rows = memory_order ? kStepRows : kWeightRows;
+  const int64_t block_rows = num_rows > 1 ? kWeightRows : memory_order ? kStepRows : kStepAcrossRows;
   const int64_t blocks = (outputs - done) / block_rows;
   const int64_t threads = at::get_num_threads();
   const int64_t grain = std::max<int64_t>(64 / block_rows, (blocks + threads - 1) / threads);  // a range per thread
@@ -251,6 +255,8 @@ at::Tensor rows_times_weight(const at::Tensor& rows, const at::Tensor& weight) {
       const int64_t o = done + block * block_rows;
       if (memory_order) {
         row_after_row<kStepRows>(rows_data, weight_data, out_data, o, inner);
+      } else if (num_rows == 1) {
+        block_tile<1, kStepAcrossRows, _MM_HINT_T0>(rows_data, weight_data, out_data, 0, o, inner, outputs);
       } else {
         weight_block(rows_data, weight_data, out_data, num_rows, o, inner, outputs);
       }
