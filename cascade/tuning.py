@@ -30,9 +30,10 @@ class Tuning:
     18 against 23 ms at 4K keys, 40 against 35 ms at 8K)."""
     step_in_memory_order: bool = False
     """CPU: whether cascade's bf16 weight kernel reads a one-row product's (a decode step's) weight row
-    after row in blocks of 16, in memory order, instead of across blocks of 4 rows with the next
-    block asked for, as wider passes do (the same bits either way). Default: across, which streamed
-    1.04-1.30x faster on a 2-core AMD EPYC Zen 5 (SmolLM2's matrices in huge pages, alternated)."""
+    after row in blocks of 16, in memory order, instead of across blocks of 2 rows with the next
+    block asked for, as wider passes go across blocks of 4 (the same bits either way). Default: across,
+    which streamed 1.04-1.30x faster on a 2-core AMD EPYC Zen 5 (SmolLM2's matrices in huge pages,
+    alternated; across blocks of 4 then)."""
     split_keys: int = 1024
     """CUDA: a multi-token static pass's weights-values product (few rows, thousands of keys) runs
     as partial products over blocks of at most this many keys. Default: an H100, where one product
