@@ -44,9 +44,10 @@ namespace {
 void set_amx(bool on) { cascade_tiles::use_amx = on; }
 
 // How a one-row product (a decode step) reads its part of the weight: row after row in blocks of 16
-// (memory order, true), or across blocks of 2 rows with the next block asked for, as wider passes
-// go across blocks of 4 (false). Which streams faster depends on the CPU's prefetchers: `python -m cascade.tune` times
-// both, and `cascade.kernels` sets what it chose at load. The values are the same bits either way.
+// (memory order, true), or across blocks of 2 rows with the next block asked for, as wider passes go
+// across blocks of 4 (false). Which streams faster depends on the CPU's prefetchers: `python -m
+// cascade.tune` times both, and `cascade.kernels` sets what it chose at load. The values are the
+// same bits either way.
 bool step_in_memory_order = false;
 void set_step_in_memory_order(bool on) { step_in_memory_order = on; }
 
