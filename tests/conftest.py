@@ -89,6 +89,16 @@ def kept_pass_costs(tmp_path_factory, monkeypatch) -> Path:
     return directory
 
 
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def torch_threads(request) -> int:
+    """Runs a test on one and on two of torch's threads (work split among threads must compute what
+    one thread does), whatever share of the cores the worker has."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def home(tmp_path, monkeypatch) -> Path:
     """An empty $CASCADE_HOME: nothing provisioned."""

@@ -48,7 +48,7 @@ def prefilled(model, lengths: list[int]) -> list[FullCache]:
 
 @needs_layer_kernels
 @pytest.mark.parametrize("widths", [(1, 1, 1), (1, 3, 2)], ids=["steps", "mixed-widths"])
-def test_a_batched_pass_gives_each_sequence_the_bits_of_its_own_pass(tmp_path, widths):
+def test_a_batched_pass_gives_each_sequence_the_bits_of_its_own_pass(tmp_path, widths, torch_threads):
     """One ``decoder_layers`` call for the whole batch; each sequence's logits equal its own pass's."""
     model = load_model(make_checkpoint(tmp_path / "m", "qwen2-bias"), torch.bfloat16, CPU)
     fused.use_cpu_kernels()

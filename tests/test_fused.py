@@ -248,9 +248,12 @@ def test_bfloat16_passes_of_any_width_equal_one_token_steps_bit_for_bit(tmp_path
     not kernels.attention_kernel_available(), reason="cascade's CPU layer and attention ops do not run here"
 )
 @pytest.mark.parametrize("kind", sorted(POLICIES))
-def test_a_pass_of_every_layer_in_one_call_equals_layer_by_layer_bit_for_bit(tmp_path, kind, monkeypatch):
+def test_a_pass_of_every_layer_in_one_call_equals_layer_by_layer_bit_for_bit(
+    tmp_path, kind, monkeypatch, torch_threads
+):
     """Over a plain cache (full, streaming, retrieval once it has selected) ``decoder_layers`` runs
-    the layers in C++: it must compute what the layer-by-layer ops and the policy's own update do."""
+    the layers in C++ (bf16 weights: in one parallel region, the threads splitting each product): it
+    must compute what the layer-by-layer ops and the policy's own update do."""
     model = load_model(make_checkpoint(tmp_path / "m", "qwen2-bias"), torch.bfloat16, CPU)
     fused.use_cpu_kernels()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:

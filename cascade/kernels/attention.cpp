@@ -61,6 +61,7 @@
 #include <utility>
 #include <vector>
 
+#include "products.h"
 #include "tiles.h"
 #include "vector_math.h"
 
@@ -1050,34 +1051,17 @@ struct KeyBlocks {
   }
 };
 
-// Every task of `jobs` (one pass each, of as many sequences) on the threads in one parallel region:
-// a batch's passes share its fork and join, and its threads' work evens out across the sequences.
-template <int D>
-void run_key_blocks(const std::vector<KeyBlocks<D>>& jobs) {
-  std::vector<int64_t> first_task{0};
-  int64_t rows = 0;
-  for (const auto& job : jobs) {
-    first_task.push_back(first_task.back() + job.tasks);
-    rows = std::max(rows, job.results.rows);
-  }
-  at::parallel_for(0, first_task.back(), 1, [&](int64_t begin, int64_t end) {
-    const Scratch scratch = thread_scratch<D>(rows);
-    for (int64_t task = begin; task < end; ++task) {
-      const auto job = std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1;
-      jobs[job].run(task - first_task[job], scratch);
-    }
-  });
-}
-
 // Every (KV head, key block) task of rows `grouped` [H_kv, R, D] over keys / values [H_kv, S, D] on the
 // threads; row r sees keys up to last_visible[r].
 template <int D>
 BlockResults key_blocks(const at::Tensor& grouped, const at::Tensor& keys, const at::Tensor& values, float scale,
                         const std::vector<int32_t>& last_visible, int64_t group) {
-  std::vector<KeyBlocks<D>> jobs;
-  jobs.emplace_back(grouped, keys, values, scale, last_visible, group);
-  run_key_blocks<D>(jobs);
-  return jobs[0].results;
+  const KeyBlocks<D> job(grouped, keys, values, scale, last_visible, group);
+  at::parallel_for(0, job.tasks, 1, [&](int64_t begin, int64_t end) {
+    const Scratch scratch = thread_scratch<D>(job.results.rows);
+    for (int64_t task = begin; task < end; ++task) job.run(task, scratch);
+  });
+  return job.results;
 }
 
 // Each row's output [D] of `results`, merged from its blocks, into out [H_kv, R, D]: rows split over the
@@ -1148,22 +1132,65 @@ void attend_pass(const at::Tensor& grouped, const at::Tensor& keys, const at::Te
             grouped.size(1) / tokens, out);
 }
 
-// Each sequence's pass (grouped[b] [H_kv, R_b, D] of tokens[b] tokens over keys[b] / values[b]
-// [H_kv, S_b, D], causal among its tokens) into outs[b], every key block of every sequence on the
-// threads in one parallel region.
-template <int D>
-void attend_sequences(const std::vector<at::Tensor>& grouped, at::TensorList keys, at::TensorList values, float scale,
-                      const std::vector<int64_t>& tokens, const std::vector<at::Tensor>& outs) {
-  std::vector<KeyBlocks<D>> jobs;
-  jobs.reserve(grouped.size());
-  for (size_t b = 0; b < grouped.size(); ++b) {
-    jobs.emplace_back(grouped[b], keys[b], values[b], scale,
-                      last_visible_keys(grouped[b].size(1), tokens[b], keys[b].size(1), true),
-                      grouped[b].size(1) / tokens[b]);
-  }
-  run_key_blocks<D>(jobs);
-  for (size_t b = 0; b < grouped.size(); ++b) merge_rows(jobs[b].results, grouped[b].size(0), outs[b].data_ptr<at::BFloat16>());
+// query [H, T, D] -> its rows [H_kv, G T, D] by KV head: head k * G + g, token t is row g * T + t (the
+// order of out [H, T, D] too).
+at::Tensor grouped_rows(const at::Tensor& query, int64_t kv_heads) {
+  return query.contiguous().view({kv_heads, query.size(0) / kv_heads * query.size(1), query.size(2)});
 }
+
+// Each sequence's pass (queries[b] [H, T_b, D] over keys[b] / values[b] [H_kv, S_b, D], causal among its
+// tokens) into outs[b]: the key blocks of every sequence split among the threads (a batch's passes
+// share the region, and its threads' work evens out across the sequences), then the rows' merges.
+template <int D>
+class SequencesAttentionOf final : public cascade_kernels::SequencesAttention {
+ public:
+  SequencesAttentionOf(const std::vector<at::Tensor>& queries, at::TensorList keys, at::TensorList values, float scale,
+                       const std::vector<at::Tensor>& outs)
+      : outs_(outs) {
+    grouped_.reserve(queries.size());  // the jobs keep references to them
+    jobs_.reserve(queries.size());
+    for (size_t b = 0; b < queries.size(); ++b) {
+      const int64_t tokens = queries[b].size(1);
+      const at::Tensor& grouped = grouped_.emplace_back(grouped_rows(queries[b], keys[b].size(0)));  // [H_kv, R_b, D]
+      jobs_.emplace_back(grouped, keys[b], values[b], scale,
+                         last_visible_keys(grouped.size(1), tokens, keys[b].size(1), true), grouped.size(1) / tokens);
+      first_task_.push_back(first_task_.back() + jobs_.back().tasks);
+      first_row_.push_back(first_row_.back() + grouped.size(0) * grouped.size(1));
+      rows_ = std::max(rows_, grouped.size(1));
+    }
+  }
+
+  void key_blocks(int64_t thread, int64_t threads) const override {
+    const auto [begin, end] = cascade_kernels::thread_range(first_task_.back(), thread, threads);
+    if (begin >= end) return;
+    const Scratch scratch = thread_scratch<D>(rows_);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = sequence_of(first_task_, task);
+      jobs_[b].run(task - first_task_[b], scratch);
+    }
+  }
+
+  void merge(int64_t thread, int64_t threads) const override {
+    const auto [begin, end] = cascade_kernels::thread_range(first_row_.back(), thread, threads);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = sequence_of(first_row_, i), row = i - first_row_[b];
+      const BlockResults& results = jobs_[b].results;
+      merge_row(results.blocks, D, [&](int64_t k) { return results.at(row / results.rows, k, row % results.rows); },
+                outs_[b].data_ptr<at::BFloat16>() + row * D);
+    }
+  }
+
+ private:
+  // The sequence whose range of `firsts` (its first item, then the next sequence's) holds item i.
+  static int64_t sequence_of(const std::vector<int64_t>& firsts, int64_t i) {
+    return std::upper_bound(firsts.begin(), firsts.end(), i) - firsts.begin() - 1;
+  }
+
+  std::vector<at::Tensor> outs_, grouped_;
+  std::vector<KeyBlocks<D>> jobs_;
+  std::vector<int64_t> first_task_{0}, first_row_{0};  // each sequence's first task and first merged row
+  int64_t rows_ = 0;  // the most rows a KV head has in any sequence
+};
 
 #endif  // CASCADE_KERNELS
 
@@ -1188,12 +1215,6 @@ void check_attention(const at::Tensor& query, const at::Tensor& keys, const at::
                    tail_mask->size(1) >= tokens && tail_mask->size(1) <= num_keys),
               "decode_attention_tree: a bool tail mask [T, M] with T = ", tokens, " <= M <= ", num_keys, "; got ",
               tail_mask.has_value() ? tail_mask->sizes() : at::IntArrayRef{});
-}
-
-// query [H, T, D] -> its rows [H_kv, G T, D] by KV head: head k * G + g, token t is row g * T + t (the
-// order of out [H, T, D] too).
-at::Tensor grouped_rows(const at::Tensor& query, int64_t kv_heads) {
-  return query.contiguous().view({kv_heads, query.size(0) / kv_heads * query.size(1), query.size(2)});
 }
 
 // Calls run(std::integral_constant<int, D>) for head size `dim` (16, 32, 64 or 128).
@@ -1233,27 +1254,44 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, con
   return attention_pass(query, keys, values, scale, causal, std::nullopt);
 }
 
-std::vector<at::Tensor> decode_attention_sequences(const std::vector<at::Tensor>& queries, at::TensorList keys,
-                                                   at::TensorList values, double scale) {
-  TORCH_CHECK(!queries.empty() && keys.size() == queries.size() && values.size() == queries.size(),
-              "decode_attention: keys and values for each of ", queries.size(), " sequences; got ", keys.size(),
-              " and ", values.size());
-  std::vector<at::Tensor> grouped, outs;
-  std::vector<int64_t> tokens;
+std::unique_ptr<SequencesAttention> sequences_attention(const std::vector<at::Tensor>& queries, at::TensorList keys,
+                                                        at::TensorList values, double scale,
+                                                        const std::vector<at::Tensor>& outs) {
+  TORCH_CHECK(!queries.empty() && keys.size() == queries.size() && values.size() == queries.size() &&
+                  outs.size() == queries.size(),
+              "decode_attention: keys, values and outputs for each of ", queries.size(), " sequences; got ",
+              keys.size(), ", ", values.size(), " and ", outs.size());
   for (size_t b = 0; b < queries.size(); ++b) {
     check_attention(queries[b], keys[b], values[b], std::nullopt);
     TORCH_CHECK(queries[b].size(2) == queries[0].size(2), "decode_attention: one head size for every sequence");
-    grouped.push_back(grouped_rows(queries[b], keys[b].size(0)));
-    outs.push_back(at::empty_like(queries[b], queries[b].options().memory_format(at::MemoryFormat::Contiguous)));
-    tokens.push_back(queries[b].size(1));
+    TORCH_CHECK(outs[b].is_contiguous() && outs[b].sizes() == queries[b].sizes(),
+                "decode_attention: a contiguous output of the query's shape ", queries[b].sizes());
   }
+  std::unique_ptr<SequencesAttention> attention;
 #if defined(CASCADE_KERNELS)
   with_head_size(queries[0].size(2), [&](auto dim) {
-    attend_sequences<decltype(dim)::value>(grouped, keys, values, (float)scale, tokens, outs);
+    attention = std::make_unique<SequencesAttentionOf<decltype(dim)::value>>(queries, keys, values, (float)scale, outs);
   });
 #else
   TORCH_CHECK(false, "decode_attention: this build has neither AVX512-BF16 nor AVX2 with FMA (see features())");
 #endif
+  return attention;
+}
+
+std::vector<at::Tensor> decode_attention_sequences(const std::vector<at::Tensor>& queries, at::TensorList keys,
+                                                   at::TensorList values, double scale) {
+  std::vector<at::Tensor> outs;
+  for (const at::Tensor& query : queries) {
+    outs.push_back(at::empty_like(query, query.options().memory_format(at::MemoryFormat::Contiguous)));
+  }
+  const std::unique_ptr<SequencesAttention> attention = sequences_attention(queries, keys, values, scale, outs);
+  const int64_t threads = at::get_num_threads();
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t thread = begin; thread < end; ++thread) attention->key_blocks(thread, threads);
+  });
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t thread = begin; thread < end; ++thread) attention->merge(thread, threads);
+  });
   return outs;
 }
 

@@ -3,12 +3,28 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <memory>
+#include <utility>
 #include <vector>
 
 namespace cascade_kernels {
 
+// Thread `thread` of `threads`' part [begin, end) of `count` items: contiguous, as at::parallel_for splits
+// them (empty for threads past the last item).
+inline std::pair<int64_t, int64_t> thread_range(int64_t count, int64_t thread, int64_t threads) {
+  const int64_t per_thread = (count + threads - 1) / threads;
+  const int64_t begin = std::min(count, thread * per_thread);
+  return {begin, std::min(count, begin + per_thread)};
+}
+
 // rows [T, I] bf16 (T <= 16) x weight [O, I] bf16 -> [T, O] float32 (rows_times_weight.cpp).
 at::Tensor rows_times_weight(const at::Tensor& rows, const at::Tensor& weight);
+
+// Thread `thread` of `threads`' share of that product (AVX512-BF16 builds), rows contiguous, into out [T, O]:
+// whole units of 32 weight rows, each thread's one range, the same bits as the whole product's.
+void rows_times_weight_share(const at::Tensor& rows, const at::Tensor& weight, const at::Tensor& out, int64_t thread,
+                             int64_t threads);
 
 // The same product on a CPU with AVX2 and FMA but no AVX512-BF16 (rows_times_weight_avx2.cpp).
 at::Tensor rows_times_weight_avx2(const at::Tensor& rows, const at::Tensor& weight);
@@ -35,5 +51,21 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, con
 // sequence's key blocks run on the threads in one parallel region (attention.cpp).
 std::vector<at::Tensor> decode_attention_sequences(const std::vector<at::Tensor>& queries, at::TensorList keys,
                                                    at::TensorList values, double scale);
+
+// decode_attention_sequences' work for threads that already run in one parallel region: built by one of
+// them, then each runs its share of every sequence's key blocks and, once all have, its share of the
+// rows' merges into outs[b] [H, T_b, D] (attention.cpp).
+class SequencesAttention {
+ public:
+  virtual ~SequencesAttention() = default;
+  virtual void key_blocks(int64_t thread, int64_t threads) const = 0;
+  virtual void merge(int64_t thread, int64_t threads) const = 0;
+};
+
+// queries[b] [H, T_b, D] (contiguous) over keys[b] / values[b] [H_kv, S_b, D], causal among each
+// sequence's tokens, into outs[b] [H, T_b, D] (contiguous); the lists and tensors outlive the result.
+std::unique_ptr<SequencesAttention> sequences_attention(const std::vector<at::Tensor>& queries, at::TensorList keys,
+                                                        at::TensorList values, double scale,
+                                                        const std::vector<at::Tensor>& outs);
 
 }  // namespace cascade_kernels

@@ -57,6 +57,7 @@ constexpr int64_t kStepRows = 16;  // weight rows per block of a one-row product
 constexpr int64_t kStepAcrossRows = 2;  // weight rows per block of a one-row product read across
 constexpr int64_t kLanes = 32;  // bf16 values per 512-bit register
 constexpr int64_t kTileSums = 16;  // accumulators per tile, one float32 lane each of their horizontal sum
+constexpr int64_t kShareRows = 32;  // a thread's share of a product is whole units of this many weight rows
 
 #if defined(__AVX512BF16__)
 
@@ -198,21 +199,40 @@ bool amx_applies(int64_t num_rows, int64_t inner) {
   return num_rows <= 16 && inner % kTileInputs == 0;
 }
 
-void amx_product(const at::Tensor& rows, const at::BFloat16* weight, float* out, int64_t outputs) {
+#endif
+
+#if defined(__AVX512BF16__)
+
+// Weight rows [first, last) times every activation row, on the calling thread: with AMX those below
+// the last whole 32 in tiles, then (a one-row product) blocks of 16 in memory order or of 2 across,
+// (wider) blocks of 4, and single rows for what is left. `first` is a multiple of 32 and `last` one
+// or the weight's end, so every output row takes the path it takes in a product of all the rows.
+void weight_rows(const at::Tensor& rows, const at::BFloat16* weight, float* out, int64_t outputs, int64_t first,
+                 int64_t last) {
   const int64_t num_rows = rows.size(0), inner = rows.size(1);
-  const at::Tensor pairs = pair_interleave(rows);
-  const auto* pairs_data = pairs.data_ptr<at::BFloat16>();
-  const int64_t rows_per_block = kTileBlocks * kTileRows;
-  const int64_t blocks = outputs / rows_per_block;
-  const int64_t threads = at::get_num_threads();
-  at::parallel_for(0, blocks, (blocks + threads - 1) / threads, [&](int64_t begin, int64_t end) {
+  const auto* rows_data = rows.data_ptr<at::BFloat16>();
+  int64_t o = first;
+#if defined(__AMX_BF16__)
+  const int64_t tiled_end = std::min(last, outputs - outputs % (kTileBlocks * kTileRows));
+  if (cascade_tiles::use_amx && amx_applies(num_rows, inner) && o < tiled_end) {
+    const at::Tensor pairs = pair_interleave(rows);
     configure_tiles(num_rows);
     float scratch[kTileBlocks * kTileRows * 16];
-    for (int64_t block = begin; block < end; ++block) {
-      amx_block(pairs_data, weight, out, scratch, num_rows, block * rows_per_block, inner, outputs);
+    for (; o < tiled_end; o += kTileBlocks * kTileRows) {
+      amx_block(pairs.data_ptr<at::BFloat16>(), weight, out, scratch, num_rows, o, inner, outputs);
     }
     _tile_release();
-  });
+  }
+#endif
+  if (num_rows == 1 && step_in_memory_order) {
+    for (; o + kStepRows <= last; o += kStepRows) row_after_row<kStepRows>(rows_data, weight, out, o, inner);
+  } else if (num_rows == 1) {
+    for (; o + kStepAcrossRows <= last; o += kStepAcrossRows) {
+      block_tile<1, kStepAcrossRows>(rows_data, weight, out, 0, o, inner, outputs);
+    }
+  }
+  for (; o + kWeightRows <= last; o += kWeightRows) weight_block(rows_data, weight, out, num_rows, o, inner, outputs);
+  for (; o < last; ++o) single_row(rows_data, weight, out, num_rows, o, inner, outputs);
 }
 
 #endif
@@ -220,6 +240,18 @@ void amx_product(const at::Tensor& rows, const at::BFloat16* weight, float* out,
 }  // namespace
 
 namespace cascade_kernels {
+
+#if defined(__AVX512BF16__)
+
+void rows_times_weight_share(const at::Tensor& rows, const at::Tensor& weight, const at::Tensor& out, int64_t thread,
+                             int64_t threads) {
+  const int64_t outputs = weight.size(0);
+  const auto [first_unit, end_unit] = thread_range((outputs + kShareRows - 1) / kShareRows, thread, threads);
+  const int64_t first = first_unit * kShareRows, last = std::min(outputs, end_unit * kShareRows);
+  if (first < last) weight_rows(rows, weight.data_ptr<at::BFloat16>(), out.data_ptr<float>(), outputs, first, last);
+}
+
+#endif
 
 at::Tensor rows_times_weight(const at::Tensor& rows, const at::Tensor& weight) {
   const bool panels = weight.dim() == 3;
@@ -234,44 +266,11 @@ at::Tensor rows_times_weight(const at::Tensor& rows, const at::Tensor& weight) {
 #if defined(__AVX512BF16__)
   TORCH_CHECK(!panels, "rows_times_weight: weights in panels are for AVX2 builds; this one has AVX512-BF16");
   const at::Tensor packed = rows.contiguous();
-  const int64_t num_rows = packed.size(0), inner = packed.size(1), outputs = weight.size(0);
-  at::Tensor out = at::empty({num_rows, outputs}, packed.options().dtype(at::kFloat));
-  const auto* rows_data = packed.data_ptr<at::BFloat16>();
-  const auto* weight_data = weight.data_ptr<at::BFloat16>();
-  float* out_data = out.data_ptr<float>();
-  int64_t done = 0;  // weight rows already multiplied
-#if defined(__AMX_BF16__)
-  if (cascade_tiles::use_amx && amx_applies(num_rows, inner)) {
-    amx_product(packed, weight_data, out_data, outputs);
-    done = outputs - outputs % (kTileBlocks * kTileRows);
-  }
-#endif
-  // one activation row: blocks of 16 weight rows read in memory order, or of 2 read across; more: blocks
-  // of 4 (for every activation row); what is left, in blocks of 4 and single rows
-  const bool memory_order = num_rows == 1 && step_in_memory_order;
-  const int64_t block_rows = num_rows > 1 ? kWeightRows : memory_order ? kStepRows : kStepAcrossRows;
-  const int64_t blocks = (outputs - done) / block_rows;
+  at::Tensor out = at::empty({packed.size(0), weight.size(0)}, packed.options().dtype(at::kFloat));
   const int64_t threads = at::get_num_threads();
-  const int64_t grain = std::max<int64_t>(64 / block_rows, (blocks + threads - 1) / threads);  // a range per thread
-  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t block = begin; block < end; ++block) {
-      const int64_t o = done + block * block_rows;
-      if (memory_order) {
-        row_after_row<kStepRows>(rows_data, weight_data, out_data, o, inner);
-      } else if (num_rows == 1) {
-        block_tile<1, kStepAcrossRows>(rows_data, weight_data, out_data, 0, o, inner, outputs);
-      } else {
-        weight_block(rows_data, weight_data, out_data, num_rows, o, inner, outputs);
-      }
-    }
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t thread = begin; thread < end; ++thread) rows_times_weight_share(packed, weight, out, thread, threads);
   });
-  done += blocks * block_rows;
-  for (; done + kWeightRows <= outputs; done += kWeightRows) {
-    weight_block(rows_data, weight_data, out_data, num_rows, done, inner, outputs);
-  }
-  for (int64_t o = done; o < outputs; ++o) {
-    single_row(rows_data, weight_data, out_data, num_rows, o, inner, outputs);
-  }
   return out;
 #elif defined(CASCADE_AVX2)
   return panels ? rows_times_panels_avx2(rows, weight) : rows_times_weight_avx2(rows, weight);
