@@ -264,6 +264,55 @@ def test_a_pass_of_every_layer_in_one_call_equals_layer_by_layer_bit_for_bit(
     assert torch.equal(decode(model, kind, MAX_GRAPH_TOKENS, SHORT_PASSES), whole)
 
 
+def one_layer_operands(**changed) -> dict:
+    """``decoder_layers``' operands for one layer of hidden size 64, 4 query heads and 2 KV heads of
+    16, a 96-wide MLP and one token after 7 cached, with any of them ``changed``."""
+    bf16 = dict(dtype=torch.bfloat16)
+    operands = dict(
+        x=torch.randn(1, 64, **bf16),
+        norms=[torch.ones(64, **bf16)] * 2,
+        weights=[torch.randn(*shape, **bf16) for shape in ((128, 64), (64, 64), (192, 64), (64, 96))],
+        scales=[None] * 4,
+        biases=[None],
+        keys=[torch.zeros(1, 1, 2, 8, 16, **bf16)],
+        values=[torch.zeros(1, 1, 2, 8, 16, **bf16)],
+        starts=[7],
+        tokens=[1],
+        cos=torch.ones(1, 16, **bf16),
+        sin=torch.zeros(1, 16, **bf16),
+        eps=1e-5,
+        heads=4,
+        kv_heads=2,
+        scale=0.25,
+    )
+    return {**operands, **changed}
+
+
+@pytest.mark.skipif(
+    not kernels.attention_kernel_available(), reason="cascade's CPU layer and attention ops do not run here"
+)
+@pytest.mark.parametrize(
+    "changed, message",
+    [
+        ({}, None),
+        (
+            dict(weights=[torch.randn(*shape).bfloat16() for shape in ((128, 64), (64, 60), (192, 64), (64, 96))]),
+            r"a bf16 o weight \[64, 64\]|rows have 64 columns, the weight 60",  # one region | per op (AVX2)
+        ),
+        (dict(cos=torch.ones(2, 16).bfloat16()), r"cos and sin \[T, D\] = \[1, 16\]"),
+        (dict(starts=[8]), r"room for slots \[8, 9\)"),
+    ],
+    ids=["valid", "o-weight", "cos", "slots"],
+)
+def test_a_pass_whose_operands_do_not_fit_its_layers_is_refused_by_name(changed, message):
+    call = torch.ops.cascade_kernels.decoder_layers
+    if message is None:
+        assert call(**one_layer_operands()).shape == (1, 64)
+        return
+    with pytest.raises(RuntimeError, match=message):
+        call(**one_layer_operands(**changed))
+
+
 @pytest.mark.skipif(not kernels.weight_kernel_available(), reason="cascade's CPU layer ops do not run here")
 def test_a_prefill_chunks_norms_and_silu_products_run_on_the_layer_ops_row_by_row(tmp_path, monkeypatch):
     """A bf16 pass too long for the fused ops (a prefill chunk) takes the layer ops' norms and SiLU

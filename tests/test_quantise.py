@@ -238,6 +238,22 @@ def test_fused_quantised_passes_run_the_layer_ops_and_stay_as_close_to_bf16_as_e
 
 
 @needs_quantised_kernels
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_quantised_pass_of_every_layer_in_one_call_equals_layer_by_layer_bit_for_bit(
+    tmp_path, bits, monkeypatch, torch_threads
+):
+    """``decoder_layers`` runs a quantised draft's layers in one parallel region too, each thread
+    quantising the rows for its share of every product: the same bits as the layer-by-layer ops."""
+    model = quantise(load_model(make_checkpoint(tmp_path / "m", "qwen2-bias"), torch.bfloat16, CPU), bits)
+    fused.use_cpu_kernels()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        whole = decode(model, "full", MAX_GRAPH_TOKENS, SHORT_PASSES)
+    assert layer_op_calls(profile)["decoder_layers"] == len(SHORT_PASSES)
+    monkeypatch.setattr(fused, "decoder_layers_apply", lambda *args: False)
+    assert torch.equal(decode(model, "full", MAX_GRAPH_TOKENS, SHORT_PASSES), whole)
+
+
+@needs_quantised_kernels
 def test_a_model_quantised_after_fused_passes_runs_its_quantised_weights(tmp_path):
     """The layer op's operands are gathered once per model: quantising afterwards must not leave the
     passes on the bf16 weights gathered before."""

@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "products.h"
+#include "quantised_rows.h"
 #include "vector_math.h"
 
 namespace {
@@ -359,6 +360,13 @@ void check_caches(const at::Tensor& x, at::TensorList keys, at::TensorList value
 
 #if defined(__AVX512BF16__)
 
+// The output rows of a weight [O, I] bf16, or packed by cascade.quantise with its scales (int8: [O];
+// 4-bit: [I' / 32, 2, O]).
+int64_t outputs_of(const at::Tensor& weight, const std::optional<at::Tensor>& scales) {
+  if (!scales.has_value()) return weight.size(0);
+  return weight.scalar_type() == at::kByte ? scales->size(2) : scales->numel();
+}
+
 // The buffers of a pass run by layers_in_one_region: the team's, and each thread's own (its residual
 // stream, the stream after attention, a norm's output and the attention's rows [T, H D]), which every
 // thread computes whole, to the same values, instead of waiting for one another.
@@ -367,14 +375,14 @@ struct RegionBuffers {
   std::vector<at::Tensor> queries, attended;  // per sequence [H, T_b, D]
   at::Tensor streams, mixed, normed, attended_rows;  // per thread [threads, T, C] (the last [threads, T, H D])
 
-  RegionBuffers(const at::Tensor& x, at::TensorList weights, at::IntArrayRef tokens, int64_t heads, int64_t dim,
-                int64_t threads) {
+  RegionBuffers(const at::Tensor& x, int64_t projected, int64_t hidden, at::IntArrayRef tokens, int64_t heads,
+                int64_t dim, int64_t threads) {
     const int64_t rows = x.size(0), width = x.size(1);
     const auto floats = x.options().dtype(at::kFloat);
-    projections = at::empty({rows, weights[0].size(0)}, floats);
+    projections = at::empty({rows, projected}, floats);
     mixed_update = at::empty({rows, width}, floats);
-    gate_up = at::empty({rows, weights[2].size(0)}, floats);
-    gated = at::empty({rows, weights[3].size(1)}, x.options());
+    gate_up = at::empty({rows, 2 * hidden}, floats);
+    gated = at::empty({rows, hidden}, x.options());
     down_update = at::empty({rows, width}, floats);
     for (const int64_t count : tokens) {
       queries.push_back(at::empty({heads, count, dim}, x.options()));
@@ -451,20 +459,32 @@ void gated_share(const at::Tensor& gate_up, const at::Tensor& gated, int64_t thr
   }
 }
 
-// decoder_layers for bf16 weights, every layer's work in one parallel region: each product split among
-// the threads (rows_times_weight_share), the heads' rounding, rotation and cache writes too, then the
+// Thread `thread` of `threads`' share of rows [T, I] times a weight, bf16 or packed by cascade.quantise
+// (int8, or 4-bit: uint8) with its scales, into out [T, O].
+void product_share(const at::Tensor& rows, const at::Tensor& weight, const std::optional<at::Tensor>& scales,
+                   const at::Tensor& out, int64_t thread, int64_t threads) {
+  if (!scales.has_value()) return cascade_kernels::rows_times_weight_share(rows, weight, out, thread, threads);
+#if defined(CASCADE_QUANTISED_KERNELS)
+  if (weight.scalar_type() == at::kByte) return cascade_kernels::rows_times_int4_share(rows, weight, *scales, out, thread, threads);
+  cascade_kernels::rows_times_int8_share(rows, weight, *scales, out, thread, threads);
+#endif
+}
+
+// decoder_layers' work in one parallel region: each product split among the threads (product_share), the heads' rounding, rotation and cache writes too, then the
 // attention's key blocks and merges (SequencesAttention), with a barrier wherever a step reads what
 // all threads wrote; norms and residual sums, on a few rows, each thread computes whole. A pass pays
 // one fork and join, not six a layer: on a 2-core Zen 5 EPYC a SmolLM2 step took 6.5-6.6 ms at 1K
 // against 7.0-8.0 with a region per op, 11.5-12.2 at 8K against 12.6-14.1 (alternated processes).
 // The values are the same bits as the per-op path's.
 at::Tensor layers_in_one_region(const at::Tensor& x, at::TensorList norms, at::TensorList weights,
+                                const c10::List<std::optional<at::Tensor>>& scales,
                                 const c10::List<std::optional<at::Tensor>>& biases, at::TensorList keys,
                                 at::TensorList values, at::IntArrayRef starts, at::IntArrayRef tokens,
                                 const at::Tensor& cos, const at::Tensor& sin, double eps, int64_t heads,
                                 int64_t kv_heads, double scale) {
   const int64_t layers = keys[0].size(0), dim = keys[0].size(4), threads = at::get_num_threads();
-  const RegionBuffers pass(x, weights, tokens, heads, dim, threads);
+  const RegionBuffers pass(x, (heads + 2 * kv_heads) * dim, outputs_of(weights[2], scales.get(2)) / 2, tokens, heads,
+                           dim, threads);
   std::vector<std::vector<at::Tensor>> layer_keys(layers), layer_values(layers);  // per layer, per sequence [H_kv, S_b, D]
   for (int64_t l = 0; l < layers; ++l) {
     for (size_t b = 0; b < keys.size(); ++b) {
@@ -482,7 +502,7 @@ at::Tensor layers_in_one_region(const at::Tensor& x, at::TensorList norms, at::T
     std::copy_n(x.data_ptr<BFloat16>(), x.numel(), stream.data_ptr<BFloat16>());
     for (int64_t l = 0; l < layers; ++l) {
       norm_all(stream, norms[2 * l], normed, eps);
-      cascade_kernels::rows_times_weight_share(normed, weights[4 * l], pass.projections, me, team);
+      product_share(normed, weights[4 * l], scales.get(4 * l), pass.projections, me, team);
 #pragma omp barrier
       place_heads(pass, biases.get(l), cos, sin, keys, values, starts, tokens, l, heads, kv_heads, me, team);
 #pragma omp barrier
@@ -501,16 +521,16 @@ at::Tensor layers_in_one_region(const at::Tensor& x, at::TensorList norms, at::T
       attention->merge(me, team);
 #pragma omp barrier
       attention_rows(pass.attended, attended_rows);
-      cascade_kernels::rows_times_weight_share(attended_rows, weights[4 * l + 1], pass.mixed_update, me, team);
+      product_share(attended_rows, weights[4 * l + 1], scales.get(4 * l + 1), pass.mixed_update, me, team);
 #pragma omp barrier
       add_rounded_into(stream.data_ptr<BFloat16>(), pass.mixed_update.data_ptr<float>(), mixed.data_ptr<BFloat16>(),
                        mixed.numel());
       norm_all(mixed, norms[2 * l + 1], normed, eps);
-      cascade_kernels::rows_times_weight_share(normed, weights[4 * l + 2], pass.gate_up, me, team);
+      product_share(normed, weights[4 * l + 2], scales.get(4 * l + 2), pass.gate_up, me, team);
 #pragma omp barrier
       gated_share(pass.gate_up, pass.gated, me, team);
 #pragma omp barrier
-      cascade_kernels::rows_times_weight_share(pass.gated, weights[4 * l + 3], pass.down_update, me, team);
+      product_share(pass.gated, weights[4 * l + 3], scales.get(4 * l + 3), pass.down_update, me, team);
 #pragma omp barrier
       add_rounded_into(mixed.data_ptr<BFloat16>(), pass.down_update.data_ptr<float>(), stream.data_ptr<BFloat16>(),
                        stream.numel());
@@ -520,9 +540,34 @@ at::Tensor layers_in_one_region(const at::Tensor& x, at::TensorList norms, at::T
   return pass.streams[0];
 }
 
+// Fails unless a weight of a layer is one product_share takes with `outputs` rows of `inputs` values:
+// a contiguous bf16 matrix, or one packed by cascade.quantise in 16-output, 64-input blocks whose
+// scales are as the quantised kernels read them.
+void check_weight(const at::Tensor& weight, const std::optional<at::Tensor>& scales, int64_t outputs, int64_t inputs,
+                  int64_t layer, const char* name) {
+  TORCH_CHECK(weight.is_contiguous() && outputs_of(weight, scales) == outputs,
+              "decoder_layers: layer ", layer, ": a contiguous ", name, " weight of ", outputs, " rows");
+  if (!scales.has_value()) {
+    TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.sizes() == at::IntArrayRef({outputs, inputs}),
+                "decoder_layers: layer ", layer, ": a bf16 ", name, " weight [", outputs, ", ", inputs, "]; got ",
+                weight.sizes(), " ", weight.scalar_type());
+    return;
+  }
+  const bool int4 = weight.scalar_type() == at::kByte;
+  const int64_t blocks = (inputs + 63) / 64;
+  TORCH_CHECK((int4 || weight.scalar_type() == at::kChar) && weight.dim() == 4 &&
+                  weight.size(0) == (outputs + 15) / 16 && weight.size(1) == blocks && scales->is_contiguous() &&
+                  scales->scalar_type() == (int4 ? at::kHalf : at::kFloat) &&
+                  (!int4 || scales->sizes() == at::IntArrayRef({2 * blocks, 2, outputs})),
+              "decoder_layers: layer ", layer, ": a ", name, " weight packed by cascade.quantise for ", outputs,
+              " rows of ", inputs, " inputs; got ", weight.sizes(), " ", weight.scalar_type(), " and scales ",
+              scales->sizes());
+}
+
 // Fails unless layers_in_one_region can run a pass of x [T, C] through these layers: the operands the
 // per-op path's pre_attention, attention and post_attention check, all before the region begins.
 void check_region_operands(const at::Tensor& x, at::TensorList norms, at::TensorList weights,
+                           const c10::List<std::optional<at::Tensor>>& scales,
                            const c10::List<std::optional<at::Tensor>>& biases, const at::Tensor& keys,
                            const at::Tensor& cos, const at::Tensor& sin, int64_t heads, int64_t kv_heads) {
   const int64_t width = x.size(1), dim = keys.size(4), total = (heads + 2 * kv_heads) * dim;
@@ -533,31 +578,31 @@ void check_region_operands(const at::Tensor& x, at::TensorList norms, at::Tensor
   TORCH_CHECK(cos.sizes() == at::IntArrayRef({x.size(0), dim}) && sin.sizes() == cos.sizes() &&
                   cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16,
               "decoder_layers: bf16 cos and sin [T, D] = [", x.size(0), ", ", dim, "]; got ", cos.sizes());
+  const int64_t hidden = outputs_of(weights[2], scales.get(2)) / 2;
   for (int64_t l = 0; l < keys.size(0); ++l) {
     check_pass(x, norms[2 * l]);
     check_pass(x, norms[2 * l + 1]);
-    const at::Tensor &qkv = weights[4 * l], &o = weights[4 * l + 1], &gate_up = weights[4 * l + 2];
-    const at::Tensor& down = weights[4 * l + 3];
-    TORCH_CHECK(qkv.sizes() == at::IntArrayRef({total, width}) && o.sizes() == at::IntArrayRef({width, heads * dim}) &&
-                    gate_up.size(1) == width && gate_up.size(0) == 2 * down.size(1) && down.size(0) == width,
-                "decoder_layers: layer ", l, ": qkv [", total, ", ", width, "], o [", width, ", ", heads * dim,
-                "], gate/up [2F, ", width, "] and down [", width, ", F]; got ", qkv.sizes(), ", ", o.sizes(), ", ",
-                gate_up.sizes(), " and ", down.sizes());
-    for (int64_t w = 4 * l; w < 4 * l + 4; ++w) {
-      TORCH_CHECK(weights[w].is_contiguous(), "decoder_layers: layer ", l, ": contiguous weights");
-    }
+    check_weight(weights[4 * l], scales.get(4 * l), total, width, l, "qkv");
+    check_weight(weights[4 * l + 1], scales.get(4 * l + 1), width, heads * dim, l, "o");
+    check_weight(weights[4 * l + 2], scales.get(4 * l + 2), 2 * hidden, width, l, "gate/up");
+    check_weight(weights[4 * l + 3], scales.get(4 * l + 3), width, hidden, l, "down");
     const std::optional<at::Tensor> bias = biases.get(l);
     TORCH_CHECK(!bias.has_value() || (bias->numel() == total && bias->scalar_type() == at::kBFloat16),
                 "decoder_layers: layer ", l, ": a bf16 qkv bias of ", total, " values");
   }
 }
 
-// Whether layers_in_one_region takes these weights: bf16 matrices, none quantised.
-bool one_region_applies(at::TensorList weights, const c10::List<std::optional<at::Tensor>>& scales) {
-  for (size_t i = 0; i < weights.size(); ++i) {
-    if (scales.get(i).has_value() || weights[i].dim() != 2 || weights[i].scalar_type() != at::kBFloat16) return false;
+// Whether layers_in_one_region takes these weights: bf16, or quantised where this build has the
+// quantised kernels.
+bool one_region_applies(const c10::List<std::optional<at::Tensor>>& scales) {
+#if defined(CASCADE_QUANTISED_KERNELS)
+  return true;
+#else
+  for (size_t i = 0; i < scales.size(); ++i) {
+    if (scales.get(i).has_value()) return false;
   }
   return true;
+#endif
 }
 
 #endif
@@ -583,9 +628,9 @@ at::Tensor decoder_layers(const at::Tensor& x, at::TensorList norms, at::TensorL
               "decoder_layers: per layer 2 norms, 4 weights, 4 scales and 1 bias for ", layers, " layers; got ",
               norms.size(), ", ", weights.size(), ", ", scales.size(), " and ", biases.size());
 #if defined(__AVX512BF16__)
-  if (one_region_applies(weights, scales)) {
-    check_region_operands(x, norms, weights, biases, keys[0], cos, sin, heads, kv_heads);
-    return layers_in_one_region(x, norms, weights, biases, keys, values, starts, tokens, cos.contiguous(),
+  if (one_region_applies(scales)) {
+    check_region_operands(x, norms, weights, scales, biases, keys[0], cos, sin, heads, kv_heads);
+    return layers_in_one_region(x, norms, weights, scales, biases, keys, values, starts, tokens, cos.contiguous(),
                                 sin.contiguous(), eps, heads, kv_heads, scale);
   }
 #endif

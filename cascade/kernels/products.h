@@ -37,9 +37,17 @@ at::Tensor rows_times_panels_avx2(const at::Tensor& rows, const at::Tensor& pane
 // float32 (rows_times_int8.cpp).
 at::Tensor rows_times_int8(const at::Tensor& rows, const at::Tensor& packed, const at::Tensor& scales);
 
+// Thread `thread` of `threads`' share of that product (its 16-output blocks), rows contiguous, into out [T, O].
+void rows_times_int8_share(const at::Tensor& rows, const at::Tensor& packed, const at::Tensor& scales,
+                           const at::Tensor& out, int64_t thread, int64_t threads);
+
 // rows [T, I] bf16 (T <= 16) x a 4-bit weight packed by cascade.quantise, scales and lows per 32
 // inputs [I' / 32, 2, O] float16 -> [T, O] float32 (rows_times_int4.cpp).
 at::Tensor rows_times_int4(const at::Tensor& rows, const at::Tensor& packed, const at::Tensor& scales);
+
+// Thread `thread` of `threads`' share of that product (its 16-output blocks), rows contiguous, into out [T, O].
+void rows_times_int4_share(const at::Tensor& rows, const at::Tensor& packed, const at::Tensor& scales,
+                           const at::Tensor& out, int64_t thread, int64_t threads);
 
 // query [H, T, D] over keys and values [H_kv, S, D] (rows contiguous) -> [H, T, D] bf16; causal: the
 // pass's T tokens are the last T keys and read one another causally (attention.cpp).

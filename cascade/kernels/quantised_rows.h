@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "vector_math.h"
 
@@ -116,6 +117,23 @@ inline void quantise_rows(const at::BFloat16* rows, int64_t num_rows, int64_t in
                                                     quantised + (t * blocks + b) * kBlockInputs);
     }
   }
+}
+
+// A thread's activation rows, quantised (quantise_rows) into buffers it keeps from call to call:
+// values [T, blocks * 64], scales [blocks, T]. Each thread of a product quantises the rows itself, so
+// a thread's share needs nothing from the others.
+struct QuantisedRows {
+  const int8_t* values;
+  const float* scales;
+};
+
+inline QuantisedRows quantised_in_thread(const at::BFloat16* rows, int64_t num_rows, int64_t inner, int64_t blocks) {
+  thread_local std::vector<int8_t> values;
+  thread_local std::vector<float> scales;
+  values.resize(num_rows * blocks * kBlockInputs);
+  scales.resize(blocks * num_rows);
+  quantise_rows(rows, num_rows, inner, blocks, values.data(), scales.data());
+  return {values.data(), scales.data()};
 }
 
 // 16 float32 sums, one per output of a packed block: one AVX-512 register, or two AVX2 ones that do

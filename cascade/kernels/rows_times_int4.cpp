@@ -259,6 +259,36 @@ void step_blocks(const Operands& in, int64_t block) {
 
 namespace cascade_kernels {
 
+#if defined(CASCADE_INT4_KERNEL)
+
+void rows_times_int4_share(const at::Tensor& rows, const at::Tensor& packed, const at::Tensor& scales,
+                           const at::Tensor& out, int64_t thread, int64_t threads) {
+  const auto [begin, end] = thread_range(packed.size(0), thread, threads);  // 16-output blocks
+  if (begin >= end) return;
+  const int64_t num_rows = rows.size(0), groups = 2 * packed.size(1);
+  const auto quantised = cascade_quantised::quantised_in_thread(rows.data_ptr<at::BFloat16>(), num_rows, rows.size(1),
+                                                                packed.size(1));
+  thread_local std::vector<int32_t> row_sums;
+  row_sums.resize(num_rows * groups);
+  group_sums(quantised.values, num_rows, groups, row_sums.data());
+  const Operands operands{quantised.values,
+                          quantised.scales,
+                          row_sums.data(),
+                          packed.data_ptr<uint8_t>(),
+                          reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
+                          out.data_ptr<float>(),
+                          num_rows,
+                          groups,
+                          scales.size(2)};
+  int64_t block = begin;
+#if defined(CASCADE_QUANTISED_AVX2)
+  for (; num_rows == 1 && block + kStepStreams <= end; block += kStepStreams) step_blocks(operands, block);
+#endif
+  for (; block < end; ++block) output_block(operands, block);
+}
+
+#endif
+
 at::Tensor rows_times_int4(const at::Tensor& rows, const at::Tensor& packed, const at::Tensor& scales) {
   TORCH_CHECK(rows.dim() == 2 && rows.size(0) >= 1 && rows.size(0) <= kMaxRows,
               "rows_times_int4: rows [T, I] with 1 <= T <= 16; got ", rows.sizes());
@@ -279,30 +309,10 @@ at::Tensor rows_times_int4(const at::Tensor& rows, const at::Tensor& packed, con
               outputs, " output rows of scales do not fit a packed weight of ", packed.size(0), " 16-row blocks");
 #if defined(CASCADE_INT4_KERNEL)
   const at::Tensor source = rows.contiguous();
-  const int64_t num_rows = source.size(0), groups = 2 * blocks;
-  at::Tensor quantised = at::empty({num_rows, blocks * kBlockInputs}, source.options().dtype(at::kChar));
-  at::Tensor row_scales = at::empty({blocks, num_rows}, source.options().dtype(at::kFloat));
-  cascade_quantised::quantise_rows(source.data_ptr<at::BFloat16>(), num_rows, inner, blocks,
-                                   quantised.data_ptr<int8_t>(), row_scales.data_ptr<float>());
-  at::Tensor row_sums = at::empty({num_rows, groups}, source.options().dtype(at::kInt));
-  group_sums(quantised.data_ptr<int8_t>(), num_rows, groups, row_sums.data_ptr<int32_t>());
-  at::Tensor out = at::empty({num_rows, outputs}, source.options().dtype(at::kFloat));
-  const Operands operands{quantised.data_ptr<int8_t>(),
-                          row_scales.data_ptr<float>(),
-                          row_sums.data_ptr<int32_t>(),
-                          packed.data_ptr<uint8_t>(),
-                          reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
-                          out.data_ptr<float>(),
-                          num_rows,
-                          groups,
-                          outputs};
-  const int64_t output_blocks = packed.size(0), threads = at::get_num_threads();
-  at::parallel_for(0, output_blocks, (output_blocks + threads - 1) / threads, [&](int64_t begin, int64_t end) {
-    int64_t block = begin;
-#if defined(CASCADE_QUANTISED_AVX2)
-    for (; num_rows == 1 && block + kStepStreams <= end; block += kStepStreams) step_blocks(operands, block);
-#endif
-    for (; block < end; ++block) output_block(operands, block);
+  at::Tensor out = at::empty({source.size(0), outputs}, source.options().dtype(at::kFloat));
+  const int64_t threads = at::get_num_threads();
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t thread = begin; thread < end; ++thread) rows_times_int4_share(source, packed, scales, out, thread, threads);
   });
   return out;
 #else

@@ -217,6 +217,44 @@ void step_blocks(const int8_t* quantised, const float* row_scales, const int8_t*
 
 namespace cascade_kernels {
 
+#if defined(CASCADE_INT8_KERNEL)
+
+void rows_times_int8_share(const at::Tensor& rows, const at::Tensor& packed, const at::Tensor& scales,
+                           const at::Tensor& out, int64_t thread, int64_t threads) {
+  const auto [begin, end] = thread_range(packed.size(0), thread, threads);  // 16-output blocks
+  if (begin >= end) return;
+  const int64_t num_rows = rows.size(0), blocks = packed.size(1), outputs = scales.numel();
+  const auto quantised = cascade_quantised::quantised_in_thread(rows.data_ptr<at::BFloat16>(), num_rows, rows.size(1),
+                                                                blocks);
+#if defined(CASCADE_QUANTISED_VNNI)
+  BlockSums block_sums = vnni_block_sums;
+#else
+  BlockSums block_sums = avx2_block_sums;
+#endif
+#if defined(__AMX_INT8__)
+  if (cascade_tiles::use_amx) {
+    configure_tiles(num_rows);
+    block_sums = amx_block_sums;
+  }
+#endif
+  int64_t block = begin;
+#if defined(CASCADE_QUANTISED_AVX2)
+  for (; num_rows == 1 && block + kStepStreams <= end; block += kStepStreams) {
+    step_blocks(quantised.values, quantised.scales, packed.data_ptr<int8_t>(), scales.data_ptr<float>(),
+                out.data_ptr<float>(), blocks, outputs, block);
+  }
+#endif
+  for (; block < end; ++block) {
+    output_block(block_sums, quantised.values, quantised.scales, packed.data_ptr<int8_t>(), scales.data_ptr<float>(),
+                 out.data_ptr<float>(), num_rows, blocks, outputs, block);
+  }
+#if defined(__AMX_INT8__)
+  if (cascade_tiles::use_amx) _tile_release();
+#endif
+}
+
+#endif
+
 at::Tensor rows_times_int8(const at::Tensor& rows, const at::Tensor& packed, const at::Tensor& scales) {
   TORCH_CHECK(rows.dim() == 2 && rows.size(0) >= 1 && rows.size(0) <= kMaxRows,
               "rows_times_int8: rows [T, I] with 1 <= T <= 16; got ", rows.sizes());
@@ -235,39 +273,10 @@ at::Tensor rows_times_int8(const at::Tensor& rows, const at::Tensor& packed, con
               outputs, " scales (output rows) do not fit a packed weight of ", packed.size(0), " 16-row blocks");
 #if defined(CASCADE_INT8_KERNEL)
   const at::Tensor source = rows.contiguous();
-  const int64_t num_rows = source.size(0);
-  at::Tensor quantised = at::empty({num_rows, blocks * kBlockInputs}, source.options().dtype(at::kChar));
-  at::Tensor row_scales = at::empty({blocks, num_rows}, source.options().dtype(at::kFloat));
-  cascade_quantised::quantise_rows(source.data_ptr<at::BFloat16>(), num_rows, inner, blocks, quantised.data_ptr<int8_t>(),
-                row_scales.data_ptr<float>());
-  at::Tensor out = at::empty({num_rows, outputs}, source.options().dtype(at::kFloat));
-  const int64_t output_blocks = packed.size(0), threads = at::get_num_threads();
-  at::parallel_for(0, output_blocks, (output_blocks + threads - 1) / threads, [&](int64_t begin, int64_t end) {
-#if defined(CASCADE_QUANTISED_VNNI)
-    BlockSums block_sums = vnni_block_sums;
-#else
-    BlockSums block_sums = avx2_block_sums;
-#endif
-#if defined(__AMX_INT8__)
-    if (cascade_tiles::use_amx) {
-      configure_tiles(num_rows);
-      block_sums = amx_block_sums;
-    }
-#endif
-    int64_t block = begin;
-#if defined(CASCADE_QUANTISED_AVX2)
-    for (; num_rows == 1 && block + kStepStreams <= end; block += kStepStreams) {
-      step_blocks(quantised.data_ptr<int8_t>(), row_scales.data_ptr<float>(), packed.data_ptr<int8_t>(),
-                  scales.data_ptr<float>(), out.data_ptr<float>(), blocks, outputs, block);
-    }
-#endif
-    for (; block < end; ++block) {
-      output_block(block_sums, quantised.data_ptr<int8_t>(), row_scales.data_ptr<float>(), packed.data_ptr<int8_t>(),
-                   scales.data_ptr<float>(), out.data_ptr<float>(), num_rows, blocks, outputs, block);
-    }
-#if defined(__AMX_INT8__)
-    if (cascade_tiles::use_amx) _tile_release();
-#endif
+  at::Tensor out = at::empty({source.size(0), outputs}, source.options().dtype(at::kFloat));
+  const int64_t threads = at::get_num_threads();
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t thread = begin; thread < end; ++thread) rows_times_int8_share(source, packed, scales, out, thread, threads);
   });
   return out;
 #else
