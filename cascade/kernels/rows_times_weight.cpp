@@ -57,6 +57,7 @@ constexpr int64_t kStepRows = 16;  // weight rows per block of a one-row product
 constexpr int64_t kStepAcrossRows = 2;  // weight rows per block of a one-row product read across
 constexpr int64_t kLanes = 32;  // bf16 values per 512-bit register
 constexpr int64_t kTileSums = 16;  // accumulators per tile, one float32 lane each of their horizontal sum
+constexpr int64_t kFewSums = 4;  // a tile of at most this many sums adds each one's lanes by itself
 constexpr int64_t kShareRows = 32;  // a thread's share of a product is whole units of this many weight rows
 
 #if defined(__AVX512BF16__)
@@ -80,6 +81,9 @@ inline __mmask32 lanes_from(int64_t i, int64_t inner) {
 // accumulators). Each sum runs over the inputs in order, then all of them go through one
 // horizontal sum (sum_each), which adds every lane's values in the same order: a product's value
 // does not depend on the block shape that computed it, so passes of any width agree bit for bit.
+// A block of a few sums (a decode step's 2) takes each one's _mm512_reduce_add_ps instead, which
+// adds its lanes in sum_each's order (halves, quarters, then lanes 0 + 2 and 1 + 3, then those
+// two) without folding 16 registers: SmolLM2's step went through 77,760 such blocks.
 // Always inlined: compiled on its own (as GCC 12 chose for the threads' copy of the caller), it
 // stored all 16 accumulators to the stack every step, and two threads multiplied at the speed of one.
 // The next block's lines are asked for into L1 (_MM_HINT_T0): on a 2-core Zen 5 EPYC passes of 2, 4
@@ -106,6 +110,12 @@ __attribute__((always_inline)) inline void block_tile(const at::BFloat16* rows, 
       const __m512bh x = load_bf16(rows + (row + t) * inner + i, lanes);
       for (int64_t r = 0; r < Rows; ++r) acc[t * Rows + r] = _mm512_dpbf16_ps(acc[t * Rows + r], x, w[r]);
     }
+  }
+  if constexpr (Tiles * Rows <= kFewSums) {
+    for (int64_t t = 0; t < Tiles; ++t) {
+      for (int64_t r = 0; r < Rows; ++r) out[(row + t) * outputs + o + r] = _mm512_reduce_add_ps(acc[t * Rows + r]);
+    }
+    return;
   }
   alignas(64) float sums[kTileSums];
   _mm512_store_ps(sums, cascade_vector::sum_each(acc));
