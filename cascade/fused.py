@@ -10,7 +10,8 @@ for bf16 weights or the int8 and 4-bit ones of ``cascade.quantise``, and no grap
 layer (a SmolLM2 step at 1K: 20 ms, against 25 ms as compiled graphs around the same kernels).
 Over a plain cache (``CachePolicy.plain_pass``: the full cache, a streaming one, a retrieval one
 between selections) every layer of such a pass, its attention and K/V writes included, is a single
-call (``decoder_layers``): no Python runs per layer.
+call (``decoder_layers``): no Python runs per layer, and with AVX512-BF16 the threads run the whole
+pass in one parallel region, splitting each product and the attention among them.
 
 Elsewhere (float32, or a CPU without those kernels) the same functions are compiled by
 torch.compile (Inductor): one-row projections as a fused multiply-and-sum, one vectorised C++ loop
