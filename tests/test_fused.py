@@ -301,8 +301,11 @@ def one_layer_operands(**changed) -> dict:
         ),
         (dict(cos=torch.ones(2, 16).bfloat16()), r"cos and sin \[T, D\] = \[1, 16\]"),
         (dict(starts=[8]), r"room for slots \[8, 9\)"),
+        (dict(starts=[-1]), r"room for slots \[-1, 0\)"),
+        (dict(values=[torch.zeros(1, 1, 2, 8, 16)]), r"sequence 0: contiguous bf16 K/V buffers"),
+        (dict(kv_heads=0), r"4 query heads, a multiple of the caches' KV heads \(2\); got kv_heads 0"),
     ],
-    ids=["valid", "o-weight", "cos", "slots"],
+    ids=["valid", "o-weight", "cos", "slots", "negative-start", "float-values", "kv-heads"],
 )
 def test_a_pass_whose_operands_do_not_fit_its_layers_is_refused_by_name(changed, message):
     call = torch.ops.cascade_kernels.decoder_layers

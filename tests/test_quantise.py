@@ -10,6 +10,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from cache.full import FullCache
 from cascade import fused, kernels
 from cascade.checkpoint import load_model
 from cascade.graphs import MAX_GRAPH_TOKENS
@@ -251,6 +252,30 @@ def test_a_quantised_pass_of_every_layer_in_one_call_equals_layer_by_layer_bit_f
     assert layer_op_calls(profile)["decoder_layers"] == len(SHORT_PASSES)
     monkeypatch.setattr(fused, "decoder_layers_apply", lambda *args: False)
     assert torch.equal(decode(model, "full", MAX_GRAPH_TOKENS, SHORT_PASSES), whole)
+
+
+@needs_quantised_kernels
+def test_a_quantised_pass_of_more_rows_than_its_kernels_take_is_refused_by_name(tmp_path):
+    model = quantise(load_model(make_checkpoint(tmp_path / "m", "qwen2-bias"), torch.bfloat16, CPU), 8)
+    fused.use_cpu_kernels()
+    cache = FullCache(model.cache_layout(40))
+    positions = cache.allocate(17)
+    cos, sin = model.rotary.cos_sin(positions, model.dtype)  # [17, D] each
+    x = model.embed_tokens(torch.randint(0, model.spec.vocab_size, (17,)))  # [17, C]
+    spec = model.spec
+    with pytest.raises(RuntimeError, match=r"at most 16 rows through quantised weights|1 <= T <= 16"):
+        fused.decoder_layers(
+            x,
+            cos,
+            sin,
+            model._kernel_operands(),
+            [cache.plain_pass()],
+            [17],
+            spec.rms_norm_eps,
+            spec.num_heads,
+            spec.num_kv_heads,
+            model.layers[0].self_attn.scale,
+        )
 
 
 @needs_quantised_kernels

@@ -1144,6 +1144,9 @@ at::Tensor grouped_rows(const at::Tensor& query, int64_t kv_heads) {
 template <int D>
 class SequencesAttentionOf final : public cascade_kernels::SequencesAttention {
  public:
+  SequencesAttentionOf(const SequencesAttentionOf&) = delete;  // its jobs refer to its own grouped rows
+  SequencesAttentionOf& operator=(const SequencesAttentionOf&) = delete;
+
   SequencesAttentionOf(const std::vector<at::Tensor>& queries, at::TensorList keys, at::TensorList values, float scale,
                        const std::vector<at::Tensor>& outs)
       : outs_(outs) {

@@ -15,9 +15,10 @@
 // prefill of 2,048 tokens took 0.58 s against 0.63 with PyTorch's elementwise ops on the AMX Xeon.
 //
 // and decoder_layers runs every layer of a pass over plain KV caches (its K/V written at consecutive
-// slots, attention over every slot up to them) in one call: no Python per layer, and with bf16
-// weights one parallel region for all of them (layers_in_one_region). A pass may hold several
-// sequences, each with its own cache, which share each read of the weights (a batch).
+// slots, attention over every slot up to them) in one call: no Python per layer, and with
+// AVX512-BF16 one parallel region for all of them (layers_in_one_region; bf16 weights, or int8 and
+// 4-bit ones where this build has their kernels). A pass may hold several sequences, each with its
+// own cache, which share each read of the weights (a batch).
 //
 // The products are cascade's kernels (products.h): bf16 weights, or int8 or 4-bit (uint8) ones packed
 // by cascade.quantise where a scales tensor comes with them. Elementwise work runs in float32 and
@@ -80,6 +81,7 @@ using cascade_vector::widen8;
 #endif
 
 constexpr int64_t kRowsPerTask = 32;  // rows of an elementwise op per thread's task: a short pass's run inline
+constexpr int64_t kQuantisedRows = 16;  // the most activation rows the int8 and 4-bit products take
 
 // row [C] bf16 -> row / rms(row) * gain, bf16: the squares summed in float32 lanes, then across them.
 #if defined(__AVX512BF16__)
@@ -149,7 +151,9 @@ void check_pass(const at::Tensor& x, const at::Tensor& norm_weight) {
 void head_row(const float* row, const BFloat16* bias, const BFloat16* cos, const BFloat16* sin, int64_t dim,
               bool rotate, BFloat16* out) {
   float head[512];
-  for (int64_t d = 0; d < dim; ++d) head[d] = static_cast<float>(BFloat16(row[d] + (bias ? static_cast<float>(bias[d]) : 0.0f)));
+  for (int64_t d = 0; d < dim; ++d) {
+    head[d] = static_cast<float>(BFloat16(row[d] + (bias ? static_cast<float>(bias[d]) : 0.0f)));
+  }
   if (!rotate) {
     for (int64_t d = 0; d < dim; ++d) out[d] = BFloat16(head[d]);
     return;
@@ -348,10 +352,13 @@ void check_caches(const at::Tensor& x, at::TensorList keys, at::TensorList value
   for (int64_t b = 0; b < sequences; ++b) {
     const int64_t end = starts[b] + tokens[b];
     TORCH_CHECK(keys[b].dim() == 5 && keys[b].size(1) == 1 && keys[b].sizes() == values[b].sizes() &&
-                    keys[b].size(0) == keys[0].size(0) && tokens[b] >= 1 && end <= keys[b].size(3) &&
-                    keys[b].is_contiguous() && values[b].is_contiguous(),
-                "decoder_layers: sequence ", b, ": contiguous K/V buffers [L, 1, H_kv, slots, D] with room for slots [",
-                starts[b], ", ", end, "); got ", keys[b].sizes(), " and ", values[b].sizes());
+                    keys[b].size(0) >= 1 && keys[b].size(0) == keys[0].size(0) && keys[b].size(2) == keys[0].size(2) &&
+                    keys[b].size(4) == keys[0].size(4) && starts[b] >= 0 && tokens[b] >= 1 && end <= keys[b].size(3) &&
+                    keys[b].is_contiguous() && values[b].is_contiguous() && keys[b].scalar_type() == at::kBFloat16 &&
+                    values[b].scalar_type() == at::kBFloat16,
+                "decoder_layers: sequence ", b, ": contiguous bf16 K/V buffers [L, 1, H_kv, slots, D] (L, H_kv and D ",
+                "those of the first sequence) with room for slots [", starts[b], ", ", end, "); got ", keys[b].sizes(),
+                " ", keys[b].scalar_type(), " and ", values[b].sizes(), " ", values[b].scalar_type());
     rows += tokens[b];
   }
   TORCH_CHECK(rows == x.size(0), "decoder_layers: the sequences' tokens (", rows, ") are the pass's rows (",
@@ -409,7 +416,8 @@ void norm_all(const at::Tensor& rows, const at::Tensor& gain, const at::Tensor& 
 // and values into their sequence's cache slots.
 void place_heads(const RegionBuffers& pass, const std::optional<at::Tensor>& bias, const at::Tensor& cos,
                  const at::Tensor& sin, at::TensorList keys, at::TensorList values, at::IntArrayRef starts,
-                 at::IntArrayRef tokens, int64_t layer, int64_t heads, int64_t kv_heads, int64_t thread, int64_t threads) {
+                 at::IntArrayRef tokens, int64_t layer, int64_t heads, int64_t kv_heads, int64_t thread,
+                 int64_t threads) {
   const int64_t total_heads = heads + 2 * kv_heads, dim = pass.queries[0].size(2);
   const auto [first, last] = cascade_kernels::thread_range(total_heads, thread, threads);
   for (int64_t h = first; h < last; ++h) {
@@ -465,17 +473,22 @@ void product_share(const at::Tensor& rows, const at::Tensor& weight, const std::
                    const at::Tensor& out, int64_t thread, int64_t threads) {
   if (!scales.has_value()) return cascade_kernels::rows_times_weight_share(rows, weight, out, thread, threads);
 #if defined(CASCADE_QUANTISED_KERNELS)
-  if (weight.scalar_type() == at::kByte) return cascade_kernels::rows_times_int4_share(rows, weight, *scales, out, thread, threads);
+  if (weight.scalar_type() == at::kByte) {
+    return cascade_kernels::rows_times_int4_share(rows, weight, *scales, out, thread, threads);
+  }
   cascade_kernels::rows_times_int8_share(rows, weight, *scales, out, thread, threads);
+#else
+  TORCH_INTERNAL_ASSERT(false, "decoder_layers: quantised weights in one region of a build without their kernels");
 #endif
 }
 
-// decoder_layers' work in one parallel region: each product split among the threads (product_share), the heads' rounding, rotation and cache writes too, then the
-// attention's key blocks and merges (SequencesAttention), with a barrier wherever a step reads what
-// all threads wrote; norms and residual sums, on a few rows, each thread computes whole. A pass pays
-// one fork and join, not six a layer: on a 2-core Zen 5 EPYC a SmolLM2 step took 6.5-6.6 ms at 1K
-// against 7.0-8.0 with a region per op, 11.5-12.2 at 8K against 12.6-14.1 (alternated processes).
-// The values are the same bits as the per-op path's.
+// decoder_layers' work in one parallel region: each product split among the threads (product_share),
+// the heads' rounding, rotation and cache writes too, then the attention's key blocks and merges
+// (SequencesAttention), with a barrier wherever a step reads what all threads wrote; norms and
+// residual sums, on a few rows, each thread computes whole. A pass pays one fork and join, not six a
+// layer: on a 2-core Zen 5 EPYC, old and new alternated call by call in one process, a SmolLM2 step's
+// layers took 1.02-1.06x less time (1K, 8K), an 8-token pass's 1.05-1.11x, an int8 draft's step
+// 1.06-1.12x. The values are the same bits as the per-op path's.
 at::Tensor layers_in_one_region(const at::Tensor& x, at::TensorList norms, at::TensorList weights,
                                 const c10::List<std::optional<at::Tensor>>& scales,
                                 const c10::List<std::optional<at::Tensor>>& biases, at::TensorList keys,
@@ -485,7 +498,7 @@ at::Tensor layers_in_one_region(const at::Tensor& x, at::TensorList norms, at::T
   const int64_t layers = keys[0].size(0), dim = keys[0].size(4), threads = at::get_num_threads();
   const RegionBuffers pass(x, (heads + 2 * kv_heads) * dim, outputs_of(weights[2], scales.get(2)) / 2, tokens, heads,
                            dim, threads);
-  std::vector<std::vector<at::Tensor>> layer_keys(layers), layer_values(layers);  // per layer, per sequence [H_kv, S_b, D]
+  std::vector<std::vector<at::Tensor>> layer_keys(layers), layer_values(layers);  // [l][b]: [H_kv, S_b, D]
   for (int64_t l = 0; l < layers; ++l) {
     for (size_t b = 0; b < keys.size(); ++b) {
       layer_keys[l].push_back(keys[b][l][0].narrow(1, 0, starts[b] + tokens[b]));
@@ -555,10 +568,11 @@ void check_weight(const at::Tensor& weight, const std::optional<at::Tensor>& sca
   }
   const bool int4 = weight.scalar_type() == at::kByte;
   const int64_t blocks = (inputs + 63) / 64;
-  TORCH_CHECK((int4 || weight.scalar_type() == at::kChar) && weight.dim() == 4 &&
-                  weight.size(0) == (outputs + 15) / 16 && weight.size(1) == blocks && scales->is_contiguous() &&
+  const std::vector<int64_t> packed{(outputs + 15) / 16, blocks, int4 ? 8 : 16, 64};  // [O' / 16, I' / 64, 8|16, 64]
+  TORCH_CHECK((int4 || weight.scalar_type() == at::kChar) && weight.sizes() == at::IntArrayRef(packed) &&
+                  scales->is_contiguous() &&
                   scales->scalar_type() == (int4 ? at::kHalf : at::kFloat) &&
-                  (!int4 || scales->sizes() == at::IntArrayRef({2 * blocks, 2, outputs})),
+                  (int4 ? scales->sizes() == at::IntArrayRef({2 * blocks, 2, outputs}) : scales->dim() == 1),
               "decoder_layers: layer ", layer, ": a ", name, " weight packed by cascade.quantise for ", outputs,
               " rows of ", inputs, " inputs; got ", weight.sizes(), " ", weight.scalar_type(), " and scales ",
               scales->sizes());
@@ -571,13 +585,15 @@ void check_region_operands(const at::Tensor& x, at::TensorList norms, at::Tensor
                            const c10::List<std::optional<at::Tensor>>& biases, const at::Tensor& keys,
                            const at::Tensor& cos, const at::Tensor& sin, int64_t heads, int64_t kv_heads) {
   const int64_t width = x.size(1), dim = keys.size(4), total = (heads + 2 * kv_heads) * dim;
-  TORCH_CHECK((dim == 16 || dim == 32 || dim == 64 || dim == 128) && heads % kv_heads == 0 &&
-                  keys.size(2) == kv_heads && keys.scalar_type() == at::kBFloat16,
-              "decoder_layers: bf16 caches of ", kv_heads, " KV heads of size 16, 32, 64 or 128 for ", heads,
-              " query heads; got ", keys.sizes(), " ", keys.scalar_type());
+  TORCH_CHECK(dim == 16 || dim == 32 || dim == 64 || dim == 128,
+              "decoder_layers: KV heads of size 16, 32, 64 or 128; got ", dim);
   TORCH_CHECK(cos.sizes() == at::IntArrayRef({x.size(0), dim}) && sin.sizes() == cos.sizes() &&
                   cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16,
               "decoder_layers: bf16 cos and sin [T, D] = [", x.size(0), ", ", dim, "]; got ", cos.sizes());
+  bool quantised = false;
+  for (size_t i = 0; i < scales.size(); ++i) quantised = quantised || scales.get(i).has_value();
+  TORCH_CHECK(!quantised || x.size(0) <= kQuantisedRows, "decoder_layers: a pass of at most ", kQuantisedRows,
+              " rows through quantised weights; got ", x.size(0));
   const int64_t hidden = outputs_of(weights[2], scales.get(2)) / 2;
   for (int64_t l = 0; l < keys.size(0); ++l) {
     check_pass(x, norms[2 * l]);
@@ -614,8 +630,8 @@ bool one_region_applies(const c10::List<std::optional<at::Tensor>>& scales) {
 // [L, 1, H_kv, slots, D] and its rows' attention over slots [0, starts[b] + tokens[b]), causal among
 // themselves; post_attention over every row. A row's result does not depend on the other rows (the
 // products' sums do not depend on how many rows a block holds), so a sequence gets the same bits in
-// a batch as alone. Operands per layer: norms (input, post-attention), weights and their int8 scales
-// (qkv, o, gate/up, down), the qkv bias.
+// a batch as alone. Operands per layer: norms (input, post-attention), weights and their int8 or
+// 4-bit scales (qkv, o, gate/up, down), the qkv bias.
 at::Tensor decoder_layers(const at::Tensor& x, at::TensorList norms, at::TensorList weights,
                           const c10::List<std::optional<at::Tensor>>& scales,
                           const c10::List<std::optional<at::Tensor>>& biases, at::TensorList keys,
@@ -627,6 +643,9 @@ at::Tensor decoder_layers(const at::Tensor& x, at::TensorList norms, at::TensorL
                   static_cast<int64_t>(scales.size()) == 4 * layers && static_cast<int64_t>(biases.size()) == layers,
               "decoder_layers: per layer 2 norms, 4 weights, 4 scales and 1 bias for ", layers, " layers; got ",
               norms.size(), ", ", weights.size(), ", ", scales.size(), " and ", biases.size());
+  TORCH_CHECK(kv_heads > 0 && heads > 0 && heads % kv_heads == 0 && keys[0].size(2) == kv_heads,
+              "decoder_layers: ", heads, " query heads, a multiple of the caches' KV heads (", keys[0].size(2),
+              "); got kv_heads ", kv_heads);
 #if defined(__AVX512BF16__)
   if (one_region_applies(scales)) {
     check_region_operands(x, norms, weights, scales, biases, keys[0], cos, sin, heads, kv_heads);

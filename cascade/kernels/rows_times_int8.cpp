@@ -276,7 +276,9 @@ at::Tensor rows_times_int8(const at::Tensor& rows, const at::Tensor& packed, con
   at::Tensor out = at::empty({source.size(0), outputs}, source.options().dtype(at::kFloat));
   const int64_t threads = at::get_num_threads();
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t thread = begin; thread < end; ++thread) rows_times_int8_share(source, packed, scales, out, thread, threads);
+    for (int64_t thread = begin; thread < end; ++thread) {
+      rows_times_int8_share(source, packed, scales, out, thread, threads);
+    }
   });
   return out;
 #else

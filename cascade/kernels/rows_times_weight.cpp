@@ -82,8 +82,8 @@ inline __mmask32 lanes_from(int64_t i, int64_t inner) {
 // horizontal sum (sum_each), which adds every lane's values in the same order: a product's value
 // does not depend on the block shape that computed it, so passes of any width agree bit for bit.
 // A block of a few sums (a decode step's 2) takes each one's _mm512_reduce_add_ps instead, which
-// adds its lanes in sum_each's order (halves, quarters, then lanes 0 + 2 and 1 + 3, then those
-// two) without folding 16 registers: SmolLM2's step went through 77,760 such blocks.
+// in GCC's definition adds its lanes in sum_each's order (halves, quarters, then lanes 0 + 2 and
+// 1 + 3, then those two) without folding 16 registers: SmolLM2's step went through 77,760 such blocks.
 // Always inlined: compiled on its own (as GCC 12 chose for the threads' copy of the caller), it
 // stored all 16 accumulators to the stack every step, and two threads multiplied at the speed of one.
 // The next block's lines are asked for into L1 (_MM_HINT_T0): on a 2-core Zen 5 EPYC passes of 2, 4
@@ -277,7 +277,7 @@ at::Tensor rows_times_weight(const at::Tensor& rows, const at::Tensor& weight) {
   TORCH_CHECK(!panels, "rows_times_weight: weights in panels are for AVX2 builds; this one has AVX512-BF16");
   const at::Tensor packed = rows.contiguous();
   at::Tensor out = at::empty({packed.size(0), weight.size(0)}, packed.options().dtype(at::kFloat));
-  const int64_t threads = at::get_num_threads();
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (weight.size(0) + 63) / 64);  // 64 rows or more each
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t thread = begin; thread < end; ++thread) rows_times_weight_share(packed, weight, out, thread, threads);
   });
