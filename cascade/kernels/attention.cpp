@@ -1288,13 +1288,8 @@ std::vector<at::Tensor> decode_attention_sequences(const std::vector<at::Tensor>
     outs.push_back(at::empty_like(query, query.options().memory_format(at::MemoryFormat::Contiguous)));
   }
   const std::unique_ptr<SequencesAttention> attention = sequences_attention(queries, keys, values, scale, outs);
-  const int64_t threads = at::get_num_threads();
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t thread = begin; thread < end; ++thread) attention->key_blocks(thread, threads);
-  });
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t thread = begin; thread < end; ++thread) attention->merge(thread, threads);
-  });
+  on_threads(at::get_num_threads(), [&](int64_t thread, int64_t team) { attention->key_blocks(thread, team); });
+  on_threads(at::get_num_threads(), [&](int64_t thread, int64_t team) { attention->merge(thread, team); });
   return outs;
 }
 

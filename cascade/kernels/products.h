@@ -2,6 +2,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <memory>
@@ -16,6 +17,15 @@ inline std::pair<int64_t, int64_t> thread_range(int64_t count, int64_t thread, i
   const int64_t per_thread = (count + threads - 1) / threads;
   const int64_t begin = std::min(count, thread * per_thread);
   return {begin, std::min(count, begin + per_thread)};
+}
+
+// share(thread, threads) for each of `threads` threads in one at::parallel_for: how an op runs the
+// thread shares that decoder_layers calls from inside its own parallel region.
+template <typename Share>
+void on_threads(int64_t threads, const Share& share) {
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t thread = begin; thread < end; ++thread) share(thread, threads);
+  });
 }
 
 // rows [T, I] bf16 (T <= 16) x weight [O, I] bf16 -> [T, O] float32 (rows_times_weight.cpp).

@@ -274,11 +274,8 @@ at::Tensor rows_times_int8(const at::Tensor& rows, const at::Tensor& packed, con
 #if defined(CASCADE_INT8_KERNEL)
   const at::Tensor source = rows.contiguous();
   at::Tensor out = at::empty({source.size(0), outputs}, source.options().dtype(at::kFloat));
-  const int64_t threads = at::get_num_threads();
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t thread = begin; thread < end; ++thread) {
-      rows_times_int8_share(source, packed, scales, out, thread, threads);
-    }
+  on_threads(at::get_num_threads(), [&](int64_t thread, int64_t team) {
+    rows_times_int8_share(source, packed, scales, out, thread, team);
   });
   return out;
 #else

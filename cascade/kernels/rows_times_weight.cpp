@@ -278,8 +278,8 @@ at::Tensor rows_times_weight(const at::Tensor& rows, const at::Tensor& weight) {
   const at::Tensor packed = rows.contiguous();
   at::Tensor out = at::empty({packed.size(0), weight.size(0)}, packed.options().dtype(at::kFloat));
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), (weight.size(0) + 63) / 64);  // 64 rows or more each
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t thread = begin; thread < end; ++thread) rows_times_weight_share(packed, weight, out, thread, threads);
+  on_threads(threads, [&](int64_t thread, int64_t team) {
+    rows_times_weight_share(packed, weight, out, thread, team);
   });
   return out;
 #elif defined(CASCADE_AVX2)
