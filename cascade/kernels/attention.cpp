@@ -116,7 +116,10 @@ using cascade_vector::exp2_16;
 constexpr int64_t kChunkRows = 16;  // rows of an AMX tile: the rows of a pass a tile takes at once
 constexpr int64_t kPairInputs = 32;  // bf16 inputs of one AMX tile row or one 512-bit register
 constexpr int64_t kGroupKeys = 16;  // keys scored together, one per float32 lane
-constexpr int kScoreRows = 4;  // query rows scored together: 8 chains of products in flight
+// Query rows scored together: 8 chains of products in flight. On a 2-core Zen 5, 8 rows (16 chains)
+// made passes whose keys were in cache faster (over 4K keys a SmolLM2 8-token pass 1.035x, a
+// Qwen2.5-1.5B step 1.095x) but a SmolLM2 8-token pass over 32K keys from memory 1.08x slower.
+constexpr int kScoreRows = 4;
 
 // acc + pairs . (*pair in every lane): an AVX512-BF16 product whose second operand is a bf16 pair
 // broadcast from memory (GCC does not fold the broadcast into the instruction by itself).
@@ -253,6 +256,16 @@ inline auto weights_into(at::BFloat16* weights) {
   };
 }
 
+// 32 values of a row from `source`, zeros past the head size D (16, 32, 64 or 128), in plain loads: GCC
+// takes a masked load for one that may read any memory, so the sums a loop feeds from masked loads
+// were stored to the stack at every key pair (a SmolLM2 step's attention ran 1.2x slower with them).
+template <int D>
+__attribute__((always_inline)) inline __m512i value_chunk(const at::BFloat16* source) {
+  static_assert(D % 32 == 0 || D == 16, "head sizes 16, 32, 64 or 128");
+  if constexpr (D == 16) return _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(source)));
+  return _mm512_loadu_si512(source);
+}
+
 // Keys k, k + 1 of the values as key pairs in registers: for each 32 dimensions c, the two rows
 // interleaved (unpacklo, unpackhi: dimensions 8L + i and 8L + 4 + i of 128-bit lane L, each with
 // both keys) into pair[2c], pair[2c + 1]; zeros stand for a key at or past k1. With `Ahead`, the
@@ -260,7 +273,6 @@ inline auto weights_into(at::BFloat16* weights) {
 template <int D, bool Ahead>
 __attribute__((always_inline)) inline void value_pair(const Operands& op, int64_t k, int64_t k1, __m512i* pair) {
   constexpr int kBlocks = (D + 31) / 32;
-  const __mmask32 lanes = D >= 32 ? (__mmask32)0xFFFFFFFF : (__mmask32)((1u << D) - 1);
   if constexpr (Ahead) {
     for (int j = 0; j < 2; ++j) prefetch_row<D, _MM_HINT_T1>(op.values + (k + kBlockKeys + j) * op.value_stride);
   }
@@ -268,8 +280,8 @@ __attribute__((always_inline)) inline void value_pair(const Operands& op, int64_
   const at::BFloat16* second = first + op.value_stride;
   const bool both = k + 1 < k1;
   for (int c = 0; c < kBlocks; ++c) {
-    const __m512i a = _mm512_maskz_loadu_epi16(lanes, first + 32 * c);
-    const __m512i b = both ? _mm512_maskz_loadu_epi16(lanes, second + 32 * c) : _mm512_setzero_si512();
+    const __m512i a = value_chunk<D>(first + 32 * c);
+    const __m512i b = both ? value_chunk<D>(second + 32 * c) : _mm512_setzero_si512();
     pair[2 * c] = _mm512_unpacklo_epi16(a, b);
     pair[2 * c + 1] = _mm512_unpackhi_epi16(a, b);
   }
