@@ -219,19 +219,45 @@ void vector_scores(const Operands& op, const int32_t* query_pairs, int64_t rows,
 // the row's largest score m and c = scale x log2 e (exp2_16; the scale is positive, so the largest
 // scaled score is the largest score scaled). Keys a row cannot see add exact zeros, so a row's figures
 // are those of a pass that ends at its last visible key.
+// How many of the block's keys [k0, k1) a row whose last visible key is `last` sees.
+inline int64_t visible_keys(int32_t last, int64_t k0, int64_t k1) {
+  return std::clamp<int64_t>(last + 1 - k0, 0, k1 - k0);
+}
+
+// Each row's largest score among the keys it sees (scores [rows, kBlockKeys]) -> largest[r], -inf for
+// a row that sees none; four chains of maxima a row (a maximum is the same in any order).
+inline void row_maxima(const float* scores, const int32_t* last_visible, int64_t rows, int64_t k0, int64_t k1,
+                       float* largest) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = scores + r * kBlockKeys;
+    const int64_t visible = visible_keys(last_visible[r], k0, k1);
+    __m512 best[4];
+    for (auto& b : best) b = _mm512_set1_ps(kNegativeInfinity);
+    int64_t k = 0;
+    for (; k + 64 <= visible; k += 64) {
+      for (int c = 0; c < 4; ++c) best[c] = _mm512_max_ps(best[c], _mm512_loadu_ps(row + k + 16 * c));
+    }
+    for (; k < visible; k += 16) {
+      const __mmask16 lanes = first_lanes(visible - k);
+      best[0] = _mm512_mask_max_ps(best[0], lanes, best[0], _mm512_maskz_loadu_ps(lanes, row + k));
+    }
+    const __m512 halves = _mm512_max_ps(_mm512_max_ps(best[0], best[1]), _mm512_max_ps(best[2], best[3]));
+    largest[r] = _mm512_reduce_max_ps(halves);
+  }
+}
+
 template <typename Store>
 void block_weights(const Operands& op, const int32_t* last_visible, int64_t rows, int64_t k0, int64_t k1,
                    const float* scores, float* maximum, float* total, Store store) {
   const float base_two = op.scale * 1.44269504088896341f;  // scores -> exponents of 2
+  // Every row's largest score first, then the rows' weights one after another with nothing between
+  // them: an 8-token SmolLM2 pass 1.01-1.02x faster over 32K keys, 1.03x over 4K keys in cache, than
+  // one row's maximum and weights after another's (2-core Zen 5).
+  row_maxima(scores, last_visible, rows, k0, k1, maximum);  // unscaled until each row's weights are done
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = scores + r * kBlockKeys;
-    const int64_t keys = k1 - k0, visible = std::clamp<int64_t>(last_visible[r] + 1 - k0, 0, keys);
-    __m512 best = _mm512_set1_ps(kNegativeInfinity);
-    for (int64_t k = 0; k < visible; k += 16) {
-      const __mmask16 lanes = first_lanes(visible - k);
-      best = _mm512_mask_max_ps(best, lanes, best, _mm512_maskz_loadu_ps(lanes, row + k));
-    }
-    const float largest = _mm512_reduce_max_ps(best);
+    const int64_t keys = k1 - k0, visible = visible_keys(last_visible[r], k0, k1);
+    const float largest = maximum[r];
     const __m512 slope = _mm512_set1_ps(base_two), offset = _mm512_set1_ps(-largest * base_two);
     const auto rounded_weights = [&](int64_t k) {  // keys [k, k + 16) -> float32 weights, rounded to bf16
       const __mmask16 seen = first_lanes(visible - k);
@@ -360,8 +386,9 @@ bool takes_tiles(int64_t group) {
 // out [Rows, D] for dimensions [32c, 32c + 32) = weights x values of keys [k0, k1) for Rows rows (at
 // most kValueRows<32>: more spill their sums; weight pairs [Rows, kBlockKeys / 2]): per key pair the
 // two keys' 64 bytes of those dimensions, interleaved as value_pair interleaves them, meet every row
-// at once, so each sum takes the same products in the same order as value_pair's would. With `Ahead`, the same bytes of the next
-// block's rows are asked for on the way: a block's chunks ask for each line of its successor once.
+// at once, so each sum takes the same products in the same order as value_pair's would. With `Ahead`,
+// the same bytes of the next block's rows are asked for on the way: a block's chunks ask for each line
+// of its successor once.
 template <int D, int Rows, bool Ahead>
 void chunk_values(const Operands& op, const int32_t* weight_pairs, int64_t k0, int64_t k1, int c, float* out) {
   static_assert(D % 32 == 0, "whole chunks of 32 dimensions");
@@ -474,7 +501,9 @@ inline void configure_attention_tiles(int64_t rows) {
 template <int D>
 void paired_keys(const Operands& op, int64_t k0, int64_t k1, __m512i* key_pairs) {
   static_assert(D >= 32, "a transposition fills 16 registers");
-  for (int64_t k = k0; k < k1; k += kGroupKeys) transposed_keys<D>(op, k, k1, key_pairs + (k - k0) / kGroupKeys * (D / 2));
+  for (int64_t k = k0; k < k1; k += kGroupKeys) {
+    transposed_keys<D>(op, k, k1, key_pairs + (k - k0) / kGroupKeys * (D / 2));
+  }
 }
 
 // Scores [rows, kBlockKeys] of `rows` query rows [rows, D] against a block's `num_keys` paired keys
@@ -908,7 +937,8 @@ void key_tile_block(const Operands& op, const std::vector<at::Tensor>& query_pai
                     float* partial, float* maxima, float* totals) {
   const int64_t groups = (k1 - k0 + kGroupKeys - 1) / kGroupKeys, chunks = (rows + kChunkRows - 1) / kChunkRows;
   const int64_t value_passes = (D + 2 * kPairInputs - 1) / (2 * kPairInputs), weight_stores = (k1 - k0 + 31) / 32;
-  NextBlockAsks<D> next(op, k0, chunks * groups * (1 + value_passes) * kGroupWork + rows * weight_stores * kWeightsWork);
+  const int64_t work = chunks * groups * (1 + value_passes) * kGroupWork + rows * weight_stores * kWeightsWork;
+  NextBlockAsks<D> next(op, k0, work);
   for (int64_t c0 = 0; c0 < rows; c0 += kChunkRows) {
     const int64_t count = std::min(kChunkRows, rows - c0);
     const at::BFloat16* chunk_pairs = query_pairs[c0 / kChunkRows].data_ptr<at::BFloat16>() + head * D * count;
@@ -965,7 +995,8 @@ void block_task(const Operands& op, const PassOperands<D>& pass, const at::BFloa
   if constexpr (D % kPairInputs == 0) {  // tiles take 32 dimensions at a time
     if (pass.tiles) return tile_block<D>(op, queries, last_visible, rows, k0, k1, scratch, partial, maxima, totals);
     if (!pass.query_pairs.empty()) {
-      return key_tile_block<D>(op, pass.query_pairs, head, last_visible, rows, k0, k1, scratch, partial, maxima, totals);
+      return key_tile_block<D>(op, pass.query_pairs, head, last_visible, rows, k0, k1, scratch, partial, maxima,
+                               totals);
     }
   }
 #endif
@@ -1252,7 +1283,8 @@ at::Tensor attention_pass(const at::Tensor& query, const at::Tensor& keys, const
   const at::Tensor grouped = grouped_rows(query, keys.size(0));
   const std::optional<at::Tensor> mask = tail_mask.has_value() ? std::optional(tail_mask->contiguous()) : std::nullopt;
   with_head_size(query.size(2), [&](auto dim) {
-    attend_pass<decltype(dim)::value>(grouped, keys, values, (float)scale, query.size(1), causal, mask, out.data_ptr<at::BFloat16>());
+    attend_pass<decltype(dim)::value>(grouped, keys, values, (float)scale, query.size(1), causal, mask,
+                                      out.data_ptr<at::BFloat16>());
   });
 #else
   TORCH_CHECK(false, "decode_attention: this build has neither AVX512-BF16 nor AVX2 with FMA (see features())");
