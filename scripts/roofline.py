@@ -1,7 +1,8 @@
 """Each stage's step cost next to its roofline on this machine (CPU or CUDA).
 
 Measures the memory bandwidth (reading a 1 GiB tensor) and the matmul peak (a large square
-product) in the chosen dtype, then times the passes the cascade runs at each context: a one-token
+product) in the chosen dtype, then times the passes the cascade runs at each context, the memory
+bandwidth measured again right before them (a VM's memory can change speed within minutes): a one-token
 step under the full cache (autoregressive decoding), a one-token step under the retrieval cache
 (the self-speculating stage's proposals), a (gamma + 1)-token verification pass under the full
 cache, and one under the retrieval cache (the middle stage of ``triforce`` verifying the draft).
@@ -415,16 +416,20 @@ def context_figures(
     args,
     path: Path | None,
     context: int,
-    bandwidth: float,
+    bandwidth: float | None,
     peak: float,
     acceptance: float | None,
     draft_acceptance: float | None,
     speculative_acceptance: float | None,
 ) -> dict:
+    """The passes' figures at ``context``; their memory roofline from ``bandwidth``, or where it is
+    None from the bandwidth measured once the caches are filled, right before the passes run."""
     model, scaling = load_target(args, path, context)
     layout = model.cache_layout(context + 64, args.gamma + 2)
     full = filled_cache(FullCache(layout), context)
     retrieval = build_policy(RetrievalCacheConfig(budget=args.budget), layout, full)
+    if bandwidth is None:
+        bandwidth = memory_bandwidth(args.repeats, model.device)
     verify = args.gamma + 1
     step = pass_figures(model, full, 1, args, bandwidth, peak)
     proposal = pass_figures(model, retrieval, 1, args, bandwidth, peak)
@@ -478,6 +483,7 @@ def context_figures(
         draft_step = pass_figures(draft, streaming, 1, args, bandwidth, peak)
         passes[f"draft {args.draft_shape}, streaming {4 + args.draft_window}, 1 token"] = draft_step
     figures = {"context": context, "rope_scaling": scaling, "fused_tokens": model.fused_tokens, "passes": passes}
+    figures["bandwidth_bytes_per_s"] = bandwidth
     del model, full, retrieval
     torch.cuda.empty_cache() if args.device == "cuda" else None
     if acceptance is not None:
@@ -514,8 +520,9 @@ def main(argv: list[str] | None = None) -> int:
     print("|---:|---|---:|---:|---:|---:|")
     acceptances = zip(args.contexts, args.acceptance, args.draft_acceptance, args.speculative_acceptance, strict=True)
     for context, acceptance, draft_acceptance, speculative_acceptance in acceptances:
+        context_bandwidth = bandwidth if args.roofline_of else None  # else measured again there
         figures = context_figures(
-            args, path, context, bandwidth, peak, acceptance, draft_acceptance, speculative_acceptance
+            args, path, context, context_bandwidth, peak, acceptance, draft_acceptance, speculative_acceptance
         )
         rows.append(figures)
         for name, row in figures["passes"].items():
@@ -523,6 +530,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"| {context} | {name} | {row['ms']:.1f} | {row['memory_ms']:.1f} | {row['compute_ms']:.1f} | "
                 f"{row['measured_over_roofline']:.1f}x |"
             )
+        measured_bandwidth = figures["bandwidth_bytes_per_s"] / 1e9
+        print(f"| {context} | (the memory read {measured_bandwidth:.1f} GB/s right before these passes) | | | | |")
     for figures in rows:
         ceilings = {
             "": figures.get("self_spec_ceiling"),

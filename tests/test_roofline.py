@@ -136,6 +136,7 @@ def test_roofline_times_every_pass_of_a_random_shape(tmp_path):
     )
     assert "re-selecting every round (mean_key) (acceptance 0.60)" in printed
     assert report["bandwidth_bytes_per_s"] == 2e12 and report["rooflines_of"] == str(rooflines)
+    assert report["contexts"][0]["bandwidth_bytes_per_s"] == 2e12  # taken as given, not measured again
     assert full_step["memory_ms"] == pytest.approx(full_step["bytes_read"] / 2e12 * 1000)
     assert printed.startswith("CPU, ") and "rooflines of a GPU" in printed.splitlines()[0]
     tree_verification = passes["full, a tree of 6 tokens after one (verification)"]
@@ -155,6 +156,22 @@ def test_roofline_times_every_pass_of_a_random_shape(tmp_path):
     weight_bytes = 2 * (layers + 768 + 32000 * 768 + 768)  # the final norm, the output projection, one embedding row
     assert (full_step["bytes_read"] - weight_bytes) % token_bytes == 0  # the weights a pass reads, then whole tokens
     assert 300 * token_bytes <= full_step["bytes_read"] - weight_bytes <= 301 * token_bytes
+
+
+def test_each_contexts_rooflines_take_the_bandwidth_measured_right_before_its_passes(tmp_path, monkeypatch):
+    roofline = load_roofline_script()
+    probes = iter([1e9, 2e9, 3e9])  # the start's, then one per context
+    monkeypatch.setattr(roofline, "memory_bandwidth", lambda repeats, device: next(probes))
+    monkeypatch.setattr(roofline, "matmul_peak", lambda dtype, repeats, device: 1e12)
+    out = tmp_path / "roofline.json"
+    arguments = ["--shape", "llama-68m", "--contexts", "200", "300", "--budget", "64", "--gamma", "3"]
+    roofline.main([*arguments, "--repeats", "1", "--device", "cpu", "--kernels", "eager", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert report["bandwidth_bytes_per_s"] == 1e9
+    for figures, bandwidth in zip(report["contexts"], (2e9, 3e9), strict=True):
+        assert figures["bandwidth_bytes_per_s"] == bandwidth
+        for row in figures["passes"].values():
+            assert row["memory_ms"] == pytest.approx(row["bytes_read"] / bandwidth * 1000)
 
 
 def test_the_self_spec_ceiling_is_the_best_gamma_of_the_cost_model():
