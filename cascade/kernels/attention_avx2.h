@@ -194,7 +194,8 @@ void tile_rows_values(const Operands& op, int64_t k0, const float* weights, cons
   const int64_t shared = std::clamp(*std::min_element(visible, visible + Rows), ka, kb);
   for (int d0 = 0; d0 < D; d0 += 8 * kChunks) {
     if (shared > ka) {
-      tile_values<D, Rows, kChunks>(weights, op.values + (k0 + ka) * op.value_stride, op.value_stride, ka, shared, d0, out);
+      const at::BFloat16* values = op.values + (k0 + ka) * op.value_stride;
+      tile_values<D, Rows, kChunks>(weights, values, op.value_stride, ka, shared, d0, out);
     }
     for (int r = 0; r < Rows; ++r) {
       const int64_t end = std::min(visible[r], kb);

@@ -237,7 +237,9 @@ at::Tensor add_rounded(const at::Tensor& residual, const at::Tensor& update) {
 // gates, ups [F] (float32 projections, or bf16) -> SiLU(gate) * up [F] bf16, each rounded to bf16 first
 // as a projection is.
 #if defined(__AVX512BF16__)
-inline __m512 rounded_floats(const float* source, __mmask16 lanes) { return rounded(_mm512_maskz_loadu_ps(lanes, source)); }
+inline __m512 rounded_floats(const float* source, __mmask16 lanes) {
+  return rounded(_mm512_maskz_loadu_ps(lanes, source));
+}
 inline __m512 rounded_floats(const BFloat16* source, __mmask16 lanes) { return load_floats(source, lanes); }
 
 template <typename Source>
@@ -246,7 +248,8 @@ void gated_row(const Source* gates, const Source* ups, BFloat16* target, int64_t
   for (int64_t f = 0; f < width; f += 16) {
     const __mmask16 lanes = lanes_left(width - f);
     const __m512 gate = rounded_floats(gates + f, lanes), up = rounded_floats(ups + f, lanes);
-    const __m512 silu = _mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate))));
+    const __m512 denominator = _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate)));
+    const __m512 silu = _mm512_div_ps(gate, denominator);
     store_rounded(target + f, _mm512_mul_ps(silu, up), lanes);
   }
 }
@@ -260,7 +263,8 @@ void gated_row(const Source* gates, const Source* ups, BFloat16* target, int64_t
   const int64_t whole = width / 8 * 8;
   for (int64_t f = 0; f < whole; f += 8) {
     const __m256 gate = rounded_floats8(gates + f), up = rounded_floats8(ups + f);
-    const __m256 silu = _mm256_div_ps(gate, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), gate))));
+    const __m256 denominator = _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), gate)));
+    const __m256 silu = _mm256_div_ps(gate, denominator);
     store_rounded8(target + f, _mm256_mul_ps(silu, up));
   }
   for (int64_t f = whole; f < width; ++f) {

@@ -160,7 +160,8 @@ inline __m256 exp8(__m256 x) {
   // n in [-126, 128]: 2^n as exponent bits, n = 128 as 2^127 * 2
   const __m256i n_int = _mm256_cvtps_epi32(_mm256_min_ps(n, _mm256_set1_ps(127.f)));
   const __m256 power = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n_int, _mm256_set1_epi32(127)), 23));
-  const __m256 carry = _mm256_blendv_ps(_mm256_set1_ps(1.f), _mm256_set1_ps(2.f), _mm256_cmp_ps(n, _mm256_set1_ps(127.f), _CMP_GT_OQ));
+  const __m256 above = _mm256_cmp_ps(n, _mm256_set1_ps(127.f), _CMP_GT_OQ);
+  const __m256 carry = _mm256_blendv_ps(_mm256_set1_ps(1.f), _mm256_set1_ps(2.f), above);
   const __m256 out = _mm256_mul_ps(_mm256_mul_ps(p, power), carry);
   return _mm256_blendv_ps(out, _mm256_setzero_ps(), _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ));
 }
