@@ -98,6 +98,11 @@ inline void with_count(int64_t count, Run run) {
   }
 }
 
+// How many of the block's keys [k0, k1) a row whose last visible key is `last` sees.
+inline int64_t visible_keys(int32_t last, int64_t k0, int64_t k1) {
+  return std::clamp<int64_t>(last + 1 - k0, 0, k1 - k0);
+}
+
 // run(first row, rows as a compile-time constant) over rows [0, rows): groups of Group, then the last
 // rows % Group together, so each group's sums can stay in registers.
 template <int Group, typename Run>
@@ -212,18 +217,6 @@ void vector_scores(const Operands& op, const int32_t* query_pairs, int64_t rows,
   }
 }
 
-// Softmax weights of a block, row by row (keys in the vector lanes), rounded to bf16: a row's keys past
-// its last visible one get weight 0; each 32 keys' weights, float32 as rounded, go to store(r, k, low,
-// high) (keys k to k + 15, k + 16 to k + 31) -> the rows' block maxima (scaled scores; -inf for a row
-// that sees no key here) and the sums of the rounded weights. A weight is 2^(s c - m c) for score s,
-// the row's largest score m and c = scale x log2 e (exp2_16; the scale is positive, so the largest
-// scaled score is the largest score scaled). Keys a row cannot see add exact zeros, so a row's figures
-// are those of a pass that ends at its last visible key.
-// How many of the block's keys [k0, k1) a row whose last visible key is `last` sees.
-inline int64_t visible_keys(int32_t last, int64_t k0, int64_t k1) {
-  return std::clamp<int64_t>(last + 1 - k0, 0, k1 - k0);
-}
-
 // Each row's largest score among the keys it sees (scores [rows, kBlockKeys]) -> largest[r], -inf for
 // a row that sees none; four chains of maxima a row (a maximum is the same in any order).
 inline void row_maxima(const float* scores, const int32_t* last_visible, int64_t rows, int64_t k0, int64_t k1,
@@ -246,6 +239,13 @@ inline void row_maxima(const float* scores, const int32_t* last_visible, int64_t
   }
 }
 
+// Softmax weights of a block, row by row (keys in the vector lanes), rounded to bf16: a row's keys past
+// its last visible one get weight 0; each 32 keys' weights, float32 as rounded, go to store(r, k, low,
+// high) (keys k to k + 15, k + 16 to k + 31) -> the rows' block maxima (scaled scores; -inf for a row
+// that sees no key here) and the sums of the rounded weights. A weight is 2^(s c - m c) for score s,
+// the row's largest score m and c = scale x log2 e (exp2_16; the scale is positive, so the largest
+// scaled score is the largest score scaled). Keys a row cannot see add exact zeros, so a row's figures
+// are those of a pass that ends at its last visible key.
 template <typename Store>
 void block_weights(const Operands& op, const int32_t* last_visible, int64_t rows, int64_t k0, int64_t k1,
                    const float* scores, float* maximum, float* total, Store store) {

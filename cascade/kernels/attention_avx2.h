@@ -212,13 +212,12 @@ template <int D>
 void block_task(const Operands& op, const PassOperands<D>&, const at::BFloat16* queries, int64_t,
                 const int32_t* last_visible, int64_t rows, int64_t k0, int64_t k1, const Scratch& scratch,
                 float* partial, float* maxima, float* totals) {
-  const int64_t keys = k1 - k0;
   for (int64_t i = 0; i < rows * D; i += 8) _mm256_storeu_ps(scratch.queries + i, cascade_vector::widen8(queries + i));
   block_scores<D>(op, scratch.queries, rows, k0, k1, scratch.scores);
   std::vector<int64_t> visible(rows);
   int64_t most_visible = 0;
   for (int64_t r = 0; r < rows; ++r) {
-    visible[r] = std::clamp<int64_t>(last_visible[r] + 1 - k0, 0, keys);
+    visible[r] = visible_keys(last_visible[r], k0, k1);
     most_visible = std::max(most_visible, visible[r]);
     std::tie(maxima[r], totals[r]) = row_weights(scratch.scores + r * kBlockKeys, visible[r]);
   }

@@ -81,7 +81,6 @@ using cascade_vector::widen8;
 #endif
 
 constexpr int64_t kRowsPerTask = 32;  // rows of an elementwise op per thread's task: a short pass's run inline
-constexpr int64_t kQuantisedRows = 16;  // the most activation rows the int8 and 4-bit products take
 
 // row [C] bf16 -> row / rms(row) * gain, bf16: the squares summed in float32 lanes, then across them.
 #if defined(__AVX512BF16__)
@@ -596,7 +595,8 @@ void check_region_operands(const at::Tensor& x, at::TensorList norms, at::Tensor
               "decoder_layers: bf16 cos and sin [T, D] = [", x.size(0), ", ", dim, "]; got ", cos.sizes());
   bool quantised = false;
   for (size_t i = 0; i < scales.size(); ++i) quantised = quantised || scales.get(i).has_value();
-  TORCH_CHECK(!quantised || x.size(0) <= kQuantisedRows, "decoder_layers: a pass of at most ", kQuantisedRows,
+  using cascade_quantised::kMaxRows;
+  TORCH_CHECK(!quantised || x.size(0) <= kMaxRows, "decoder_layers: a pass of at most ", kMaxRows,
               " rows through quantised weights; got ", x.size(0));
   const int64_t hidden = outputs_of(weights[2], scales.get(2)) / 2;
   for (int64_t l = 0; l < keys.size(0); ++l) {

@@ -31,6 +31,7 @@
 namespace cascade_quantised {
 
 constexpr int64_t kBlockInputs = 64;  // inputs per quantised activation block (one AMX int8 tile row)
+constexpr int64_t kMaxRows = 16;  // the most activation rows an int8 or 4-bit product takes
 
 // Quantised activations 4k..4k+3 of a row as one int32, to broadcast against a weight quad's lanes.
 inline int32_t activation_quad(const int8_t* row, int64_t k) {

@@ -44,11 +44,11 @@ namespace {
 
 using cascade_quantised::activation_quad;
 using cascade_quantised::kBlockInputs;
+using cascade_quantised::kMaxRows;
 constexpr int64_t kBlockOutputs = 16;  // output rows per packed block (int32 lanes of a register)
 constexpr int64_t kGroupInputs = 32;  // inputs per scale and low
 constexpr int64_t kLineBytes = 64;
 constexpr int64_t kGroupLines = kGroupInputs / 8;  // 4 lines: 16 outputs x 32 nibbles
-constexpr int64_t kMaxRows = 16;
 constexpr int64_t kAheadGroups = 4;  // AVX2: how far ahead of its reads a stream asks for its weight lines
 
 #if defined(CASCADE_QUANTISED_KERNELS)

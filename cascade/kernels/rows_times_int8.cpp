@@ -50,7 +50,7 @@ namespace {
 constexpr int64_t kBlockOutputs = 16;  // output rows per packed block (int32 columns of a tile)
 using cascade_quantised::activation_quad;
 using cascade_quantised::kBlockInputs;  // inputs per packed block (int8 bytes of a tile row)
-constexpr int64_t kMaxRows = 16;
+using cascade_quantised::kMaxRows;
 
 #if defined(CASCADE_QUANTISED_VNNI)
 
