@@ -153,6 +153,8 @@ def test_decode_attention_equals_float64_reference(path, heads, kv_heads, tokens
         (4, 2, 5, 33, 16),
         (4, 4, 3, 520, 32),
         (4, 2, 9, 700, 128),
+        (4, 2, 9, 270, 16),  # 18 rows a KV head: scored two groups of 16 keys at a time
+        (8, 2, 5, 300, 32),
     ],
 )
 def test_each_token_of_a_causal_pass_equals_its_one_token_step_bit_for_bit(

@@ -16,7 +16,8 @@
 //   scratch (heads up to 64 dimensions), or 32 dimensions at a time as the sums use them (128);
 // - scores: 16 keys at a time transposed into pairs of head dimensions (pair p of key j in lane j),
 //   shared by every row; a row's 16 scores are one chain of products over the even pairs and one
-//   over the odd pairs against its own query pair, broadcast;
+//   over the odd pairs against its own query pair, broadcast (passes of 16 rows or more transpose
+//   two groups of 16 keys and score both against each broadcast: the same chains, fewer loads);
 // - softmax in float32 in base 2 (exp2_16), the weights rounded to bf16 (as flash attention's P) and
 //   summed as rounded;
 // - each row's output: its weight pairs times the value pairs, 16 dimensions per accumulator.
@@ -125,6 +126,9 @@ constexpr int64_t kGroupKeys = 16;  // keys scored together, one per float32 lan
 // made passes whose keys were in cache faster (over 4K keys a SmolLM2 8-token pass 1.035x, a
 // Qwen2.5-1.5B step 1.095x) but a SmolLM2 8-token pass over 32K keys from memory 1.08x slower.
 constexpr int kScoreRows = 4;
+// Passes of this many rows or more score two groups of keys at a time (scores_by_two_groups): on a
+// 2-core Zen 5, 16-48 rows 1.02-1.11x faster, 9-12 rows 0.95-0.98x where their keys were in cache.
+constexpr int64_t kTwoGroupRows = 4 * kScoreRows;
 
 // acc + pairs . (*pair in every lane): an AVX512-BF16 product whose second operand is a bf16 pair
 // broadcast from memory (GCC does not fold the broadcast into the instruction by itself).
@@ -138,7 +142,8 @@ inline __mmask16 first_lanes(int64_t count) {
 }
 
 // 16 rows of 16 32-bit values -> 16 columns in place: afterwards v[p] holds value p of row j in lane j.
-inline void transpose16(__m512i (&v)[16]) {
+// Always inlined: scoring two groups of keys at a time, GCC called it, 8% of the scores' time.
+__attribute__((always_inline)) inline void transpose16(__m512i (&v)[16]) {
   __m512i t[16];
   for (int i = 0; i < 8; ++i) {  // per 128-bit lane: rows 2i, 2i + 1 interleaved
     t[2 * i] = _mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
@@ -164,10 +169,14 @@ inline void transpose16(__m512i (&v)[16]) {
   }
 }
 
-// Keys [k, k + 16) as pairs of head dimensions: pairs[p] holds dimensions 2p, 2p + 1 of key k + j in
-// lane j (zeros for keys at or past k1); `pairs` has room for max(D / 2, 16) registers. Each 64 bytes
-// loaded asks for the same 64 bytes of the key a block further on.
+// The registers a group of 16 transposed keys takes: max(D / 2, 16) (a transposition of 8 pairs takes 16).
 template <int D>
+constexpr int kPairRegisters = std::max(D / 2, 16);
+
+// Keys [k, k + 16) as pairs of head dimensions: pairs[p] holds dimensions 2p, 2p + 1 of key k + j in
+// lane j (zeros for keys at or past k1); `pairs` has room for kPairRegisters<D> registers. With `Ask`,
+// each 64 bytes loaded asks for the same 64 bytes of the key a block further on.
+template <int D, bool Ask = true>
 inline void transposed_keys(const Operands& op, int64_t k, int64_t k1, __m512i* pairs) {
   constexpr int kPairs = D / 2;
   const int64_t count = std::min(kGroupKeys, k1 - k);
@@ -179,42 +188,111 @@ inline void transposed_keys(const Operands& op, int64_t k, int64_t k1, __m512i* 
     for (int j = 0; j < 16; ++j) {
       rows[j] = j < count ? _mm512_maskz_loadu_epi32(lanes, op.keys + (k + j) * op.key_stride + 2 * p0)
                           : _mm512_setzero_si512();
-      _mm_prefetch(reinterpret_cast<const char*>(op.keys + (k + kBlockKeys + j) * op.key_stride + 2 * p0), _MM_HINT_T1);
+      if constexpr (Ask) {
+        _mm_prefetch(reinterpret_cast<const char*>(op.keys + (k + kBlockKeys + j) * op.key_stride + 2 * p0),
+                     _MM_HINT_T1);
+      }
     }
     transpose16(rows);
   }
 }
 
-// Scores of Rows query rows (pairs [Rows, D / 2]) against 16 transposed keys -> scores[r * kBlockKeys
-// + j]: per row, the products over the even pairs and over the odd pairs in two chains, added last.
-template <int D, int Rows>
-inline void group_scores(const int32_t* query_pairs, const __m512i* pairs, float* scores) {
+// Scores of Rows query rows (pairs [Rows, D / 2]) against Groups groups of 16 transposed keys (group g
+// from pairs + g * kPairRegisters<D>) -> scores[r * kBlockKeys + 16 g + j]: per row and group, the
+// products over the even pairs and over the odd pairs in two chains, added last; `ask()` once a step.
+// Two vector loads a cycle bound these products on a Zen 5: one group loads a query pair for each
+// product, two share it (a wide pass's scores 1.3x faster in a scratch loop).
+template <int D, int Rows, int Groups, typename Ask>
+inline void group_scores(const int32_t* query_pairs, const __m512i* pairs, float* scores, Ask ask) {
   constexpr int kPairs = D / 2;
-  __m512 even[Rows], odd[Rows];
-  for (int r = 0; r < Rows; ++r) even[r] = odd[r] = _mm512_setzero_ps();
+  __m512 even[Groups][Rows], odd[Groups][Rows];
+  for (int g = 0; g < Groups; ++g) {
+    for (int r = 0; r < Rows; ++r) even[g][r] = odd[g][r] = _mm512_setzero_ps();
+  }
   for (int p = 0; p < kPairs; p += 2) {
+    ask();
     for (int r = 0; r < Rows; ++r) {
-      even[r] = dot_broadcast(even[r], (__m512bh)pairs[p], query_pairs + r * kPairs + p);
-      odd[r] = dot_broadcast(odd[r], (__m512bh)pairs[p + 1], query_pairs + r * kPairs + p + 1);
+      const int32_t* pair = query_pairs + r * kPairs + p;
+      if constexpr (Groups == 1) {
+        even[0][r] = dot_broadcast(even[0][r], (__m512bh)pairs[p], pair);
+        odd[0][r] = dot_broadcast(odd[0][r], (__m512bh)pairs[p + 1], pair + 1);
+      } else {
+        const __m512bh even_pair = (__m512bh)_mm512_set1_epi32(pair[0]);
+        const __m512bh odd_pair = (__m512bh)_mm512_set1_epi32(pair[1]);
+        for (int g = 0; g < Groups; ++g) {
+          const __m512i* group = pairs + g * kPairRegisters<D>;
+          even[g][r] = _mm512_dpbf16_ps(even[g][r], (__m512bh)group[p], even_pair);
+          odd[g][r] = _mm512_dpbf16_ps(odd[g][r], (__m512bh)group[p + 1], odd_pair);
+        }
+      }
     }
   }
-  for (int r = 0; r < Rows; ++r) _mm512_storeu_ps(scores + r * kBlockKeys, _mm512_add_ps(even[r], odd[r]));
+  for (int g = 0; g < Groups; ++g) {
+    for (int r = 0; r < Rows; ++r) {
+      _mm512_storeu_ps(scores + r * kBlockKeys + g * kGroupKeys, _mm512_add_ps(even[g][r], odd[g][r]));
+    }
+  }
 }
 
-// Scores [rows, kBlockKeys] of keys [k0, k1) against `rows` query rows (pairs [rows, D / 2]),
-// unscaled; the next block's keys are asked for on the way (transposed_keys).
+// Scores [rows, kBlockKeys] of keys [k0, k1), 16 at a time, against `rows` query rows (pairs [rows,
+// D / 2]), unscaled; the next block's keys are asked for as they load (transposed_keys).
 template <int D>
-void vector_scores(const Operands& op, const int32_t* query_pairs, int64_t rows, int64_t k0, int64_t k1,
-                   float* scores) {
+void scores_by_group(const Operands& op, const int32_t* query_pairs, int64_t rows, int64_t k0, int64_t k1,
+                     float* scores) {
   constexpr int kPairs = D / 2;
-  alignas(64) __m512i pairs[std::max(kPairs, 16)];  // 16: the rows a transposition of 8 pairs takes
+  alignas(64) __m512i pairs[kPairRegisters<D>];
   for (int64_t k = k0; k < k1; k += kGroupKeys) {
     transposed_keys<D>(op, k, k1, pairs);
     float* out = scores + (k - k0);
     in_row_groups<kScoreRows>(rows, [&](int64_t r, auto count) {
-      group_scores<D, decltype(count)::value>(query_pairs + r * kPairs, pairs, out + r * kBlockKeys);
+      group_scores<D, decltype(count)::value, 1>(query_pairs + r * kPairs, pairs, out + r * kBlockKeys, [] {});
     });
   }
+}
+
+// Asks for line i of the keys 32 keys from `first` holds, a block further on (key i / L, its line i % L,
+// L lines a key).
+template <int D>
+inline void ask_key_line(const Operands& op, int64_t first, int i) {
+  constexpr int kLines = (2 * D + 63) / 64;
+  const at::BFloat16* line = op.keys + (first + kBlockKeys + i / kLines) * op.key_stride + i % kLines * 32;
+  _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T1);
+}
+
+// scores_by_group's scores, two groups of 16 keys at a time (group_scores), for passes of at least
+// kTwoGroupRows rows. The asks for the next block's 32 keys are spread over the steps of every row
+// group: asked while the keys load (as scores_by_group does), they came in bursts that held the
+// core's outstanding misses, and an 8-token SmolLM2 pass over 32K keys took 1.07x the time.
+template <int D>
+void scores_by_two_groups(const Operands& op, const int32_t* query_pairs, int64_t rows, int64_t k0, int64_t k1,
+                          float* scores) {
+  constexpr int kPairs = D / 2, kLines = 2 * kGroupKeys * ((2 * D + 63) / 64);
+  const int64_t steps = (rows + kScoreRows - 1) / kScoreRows * (kPairs / 2);
+  const int per_step = (int)((kLines + steps - 1) / steps);
+  alignas(64) __m512i pairs[2 * kPairRegisters<D>];
+  for (int64_t k = k0; k < k1; k += 2 * kGroupKeys) {
+    const bool two = k + kGroupKeys < k1;
+    transposed_keys<D, false>(op, k, k1, pairs);
+    if (two) transposed_keys<D, false>(op, k + kGroupKeys, k1, pairs + kPairRegisters<D>);
+    int asked = 0;
+    const auto ask = [&] {
+      for (int n = 0; n < per_step && asked < kLines; ++n) ask_key_line<D>(op, k, asked++);
+    };
+    float* out = scores + (k - k0);
+    in_row_groups<kScoreRows>(rows, [&](int64_t r, auto count) {
+      constexpr int kRows = decltype(count)::value;
+      if (two) return group_scores<D, kRows, 2>(query_pairs + r * kPairs, pairs, out + r * kBlockKeys, ask);
+      group_scores<D, kRows, 1>(query_pairs + r * kPairs, pairs, out + r * kBlockKeys, ask);
+    });
+  }
+}
+
+// Scores [rows, kBlockKeys] of keys [k0, k1) against `rows` query rows (pairs [rows, D / 2]), unscaled.
+template <int D>
+void vector_scores(const Operands& op, const int32_t* query_pairs, int64_t rows, int64_t k0, int64_t k1,
+                   float* scores) {
+  if (rows >= kTwoGroupRows) return scores_by_two_groups<D>(op, query_pairs, rows, k0, k1, scores);
+  scores_by_group<D>(op, query_pairs, rows, k0, k1, scores);
 }
 
 // Each row's largest score among the keys it sees (scores [rows, kBlockKeys]) -> largest[r], -inf for
