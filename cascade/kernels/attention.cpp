@@ -37,10 +37,11 @@
 // block the tree's keys begin in, each token reads a copy of just the keys its decode step would
 // (keys that a mask merely zeroed would pair and fill blocks otherwise). While a block is read, the
 // next block's rows are asked for (into L2): a thread's blocks follow each other in memory. The asks
-// are spread evenly through the work that reads the block (a line of a next key as each line of a
-// key is loaded, two value rows per step of the weighted sums), not issued in bursts: a burst
-// outruns the core's outstanding-miss slots, and a one-token pass over 32K keys of head size 128
-// then read its KV at 12-16 GB/s while its arithmetic alone ran at 32. Blocks from tiles of the
+// are spread through the work that reads the block (the next block's 16 keys once a group of 16 is
+// loaded, or a few lines a step of a wide pass's scores; two value rows per step of the weighted
+// sums), not issued in bursts of a block: a burst outruns the core's outstanding-miss slots, and a
+// one-token pass over 32K keys of head size 128 then read its KV at 12-16 GB/s while its arithmetic
+// alone ran at 32. Blocks from tiles of the
 // cache's rows pace their asks by the whole block's work, its softmax and its chunks of rows
 // included (NextBlockAsks), so a pass of many rows reads memory while it computes.
 
@@ -234,24 +235,8 @@ inline void group_scores(const int32_t* query_pairs, const __m512i* pairs, float
   }
 }
 
-// Scores [rows, kBlockKeys] of keys [k0, k1), 16 at a time, against `rows` query rows (pairs [rows,
-// D / 2]), unscaled; the next block's keys are asked for as they load (transposed_keys).
-template <int D>
-void scores_by_group(const Operands& op, const int32_t* query_pairs, int64_t rows, int64_t k0, int64_t k1,
-                     float* scores) {
-  constexpr int kPairs = D / 2;
-  alignas(64) __m512i pairs[kPairRegisters<D>];
-  for (int64_t k = k0; k < k1; k += kGroupKeys) {
-    transposed_keys<D>(op, k, k1, pairs);
-    float* out = scores + (k - k0);
-    in_row_groups<kScoreRows>(rows, [&](int64_t r, auto count) {
-      group_scores<D, decltype(count)::value, 1>(query_pairs + r * kPairs, pairs, out + r * kBlockKeys, [] {});
-    });
-  }
-}
-
-// Asks for line i of the keys 32 keys from `first` holds, a block further on (key i / L, its line i % L,
-// L lines a key).
+// Asks for line i of the keys from `first` on a block further on (key first + i / L, its line i % L, L
+// lines a key).
 template <int D>
 inline void ask_key_line(const Operands& op, int64_t first, int i) {
   constexpr int kLines = (2 * D + 63) / 64;
@@ -259,10 +244,29 @@ inline void ask_key_line(const Operands& op, int64_t first, int i) {
   _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T1);
 }
 
+// Scores [rows, kBlockKeys] of keys [k0, k1), 16 at a time, against `rows` query rows (pairs [rows,
+// D / 2]), unscaled. Once a group's keys are loaded, the same keys of the next block are asked for,
+// all together: asked line by line as the keys loaded, a one-token SmolLM2 pass over 32K keys from
+// memory took 1.13-1.21x the time (over 4K keys in cache 0.89x; 2-core Zen 5).
+template <int D>
+void scores_by_group(const Operands& op, const int32_t* query_pairs, int64_t rows, int64_t k0, int64_t k1,
+                     float* scores) {
+  constexpr int kPairs = D / 2, kLines = kGroupKeys * ((2 * D + 63) / 64);
+  alignas(64) __m512i pairs[kPairRegisters<D>];
+  for (int64_t k = k0; k < k1; k += kGroupKeys) {
+    transposed_keys<D, false>(op, k, k1, pairs);
+    for (int i = 0; i < kLines; ++i) ask_key_line<D>(op, k, i);
+    float* out = scores + (k - k0);
+    in_row_groups<kScoreRows>(rows, [&](int64_t r, auto count) {
+      group_scores<D, decltype(count)::value, 1>(query_pairs + r * kPairs, pairs, out + r * kBlockKeys, [] {});
+    });
+  }
+}
+
 // scores_by_group's scores, two groups of 16 keys at a time (group_scores), for passes of at least
 // kTwoGroupRows rows. The asks for the next block's 32 keys are spread over the steps of every row
-// group: asked while the keys load (as scores_by_group does), they came in bursts that held the
-// core's outstanding misses, and an 8-token SmolLM2 pass over 32K keys took 1.07x the time.
+// group: asked line by line as the keys loaded, an 8-token SmolLM2 pass over 32K keys took 1.07x the
+// time.
 template <int D>
 void scores_by_two_groups(const Operands& op, const int32_t* query_pairs, int64_t rows, int64_t k0, int64_t k1,
                           float* scores) {
