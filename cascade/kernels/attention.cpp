@@ -1143,24 +1143,24 @@ std::vector<int32_t> last_visible_keys(int64_t rows, int64_t tokens, int64_t num
 }
 
 // A pass's (KV head, key block) tasks, task = head * blocks + block: rows `grouped` [H_kv, R, D] over
-// keys / values [H_kv, S, D], row r seeing keys up to last_visible[r]; each task's partial sums,
-// maximum and total go to its own part of `results`, so the tasks may run on any threads in any order.
+// the keys / values [H_kv, S, D] of any one of layers [L, H_kv, S, D], row r seeing keys up to
+// last_visible[r]; each task's partial sums, maximum and total go to its own part of `results`, so the
+// tasks may run on any threads in any order. The rows are read when a task runs (`grouped` is a view of
+// buffers a pass refills layer by layer), and so are what they share (`operands`, from them).
 template <int D>
 struct KeyBlocks {
-  const at::Tensor& grouped;
-  const at::Tensor& keys;
-  const at::Tensor& values;
+  at::Tensor grouped, keys, values;  // [H_kv, R, D], [L, H_kv, S, D], [L, H_kv, S, D]
   float scale;
   std::vector<int32_t> last_visible;
-  PassOperands<D> pass;
+  int64_t group;  // query heads per KV head
   BlockResults results;
   int64_t tasks;
 
   KeyBlocks(const at::Tensor& grouped_, const at::Tensor& keys_, const at::Tensor& values_, float scale_,
-            std::vector<int32_t> last_visible_, int64_t group)
+            std::vector<int32_t> last_visible_, int64_t group_)
       : grouped(grouped_), keys(keys_), values(values_), scale(scale_), last_visible(std::move(last_visible_)),
-        pass(grouped_, group) {
-    const int64_t kv_heads = grouped.size(0), rows = grouped.size(1), num_keys = keys.size(1);
+        group(group_) {
+    const int64_t kv_heads = grouped.size(0), rows = grouped.size(1), num_keys = keys.size(2);
     const int64_t blocks = (num_keys + kBlockKeys - 1) / kBlockKeys;
     tasks = kv_heads * blocks;
     const at::Tensor storage = at::empty({tasks * rows * (D + 2)}, grouped.options().dtype(at::kFloat));
@@ -1168,13 +1168,15 @@ struct KeyBlocks {
     results = {storage, partial, partial + tasks * rows * D, partial + tasks * rows * (D + 1), blocks, rows, D};
   }
 
-  void run(int64_t task, const Scratch& scratch) const {
+  PassOperands<D> operands() const { return PassOperands<D>(grouped, group); }
+
+  void run(int64_t task, int64_t layer, const PassOperands<D>& pass, const Scratch& scratch) const {
     const int64_t rows = results.rows, head = task / results.blocks, block = task % results.blocks;
-    const int64_t k0 = block * kBlockKeys, k1 = std::min(keys.size(1), k0 + kBlockKeys);
+    const int64_t k0 = block * kBlockKeys, k1 = std::min(keys.size(2), k0 + kBlockKeys);
     const at::BFloat16* queries = grouped.data_ptr<at::BFloat16>() + head * rows * D;  // [rows, D]
-    const Operands op{keys.data_ptr<at::BFloat16>() + head * keys.stride(0),
-                      values.data_ptr<at::BFloat16>() + head * values.stride(0), keys.stride(1), values.stride(1),
-                      scale};
+    const Operands op{keys.data_ptr<at::BFloat16>() + layer * keys.stride(0) + head * keys.stride(1),
+                      values.data_ptr<at::BFloat16>() + layer * values.stride(0) + head * values.stride(1),
+                      keys.stride(2), values.stride(2), scale};
     float *maxima = results.maxima + task * rows, *totals = results.totals + task * rows;
     float* partial = results.partial + task * rows * D;
     block_task<D>(op, pass, queries, head, last_visible.data(), rows, k0, k1, scratch, partial, maxima, totals);
@@ -1186,10 +1188,11 @@ struct KeyBlocks {
 template <int D>
 BlockResults key_blocks(const at::Tensor& grouped, const at::Tensor& keys, const at::Tensor& values, float scale,
                         const std::vector<int32_t>& last_visible, int64_t group) {
-  const KeyBlocks<D> job(grouped, keys, values, scale, last_visible, group);
+  const KeyBlocks<D> job(grouped, keys.unsqueeze(0), values.unsqueeze(0), scale, last_visible, group);
+  const PassOperands<D> pass = job.operands();
   at::parallel_for(0, job.tasks, 1, [&](int64_t begin, int64_t end) {
     const Scratch scratch = thread_scratch<D>(job.results.rows);
-    for (int64_t task = begin; task < end; ++task) job.run(task, scratch);
+    for (int64_t task = begin; task < end; ++task) job.run(task, 0, pass, scratch);
   });
   return job.results;
 }
@@ -1268,38 +1271,38 @@ at::Tensor grouped_rows(const at::Tensor& query, int64_t kv_heads) {
   return query.contiguous().view({kv_heads, query.size(0) / kv_heads * query.size(1), query.size(2)});
 }
 
-// Each sequence's pass (queries[b] [H, T_b, D] over keys[b] / values[b] [H_kv, S_b, D], causal among its
-// tokens) into outs[b]: the key blocks of every sequence split among the threads (a batch's passes
-// share the region, and its threads' work evens out across the sequences), then the rows' merges.
+// Each sequence's pass (queries[b] [H, T_b, D] over keys[b] / values[b] [H_kv, S_b, D] of one of the
+// layers [L, H_kv, S_b, D], causal among its tokens) into outs[b]: the key blocks of every sequence split
+// among the threads (a batch's passes share the region, and its threads' work evens out across the
+// sequences), then the rows' merges. Built once for a pass's layers: each layer's attention is then
+// its threads' work alone, without one thread setting it up while the others wait.
 template <int D>
 class SequencesAttentionOf final : public cascade_kernels::SequencesAttention {
  public:
-  SequencesAttentionOf(const SequencesAttentionOf&) = delete;  // its jobs refer to its own grouped rows
-  SequencesAttentionOf& operator=(const SequencesAttentionOf&) = delete;
-
   SequencesAttentionOf(const std::vector<at::Tensor>& queries, at::TensorList keys, at::TensorList values, float scale,
                        const std::vector<at::Tensor>& outs)
       : outs_(outs) {
-    grouped_.reserve(queries.size());  // the jobs keep references to them
     jobs_.reserve(queries.size());
     for (size_t b = 0; b < queries.size(); ++b) {
       const int64_t tokens = queries[b].size(1);
-      const at::Tensor& grouped = grouped_.emplace_back(grouped_rows(queries[b], keys[b].size(0)));  // [H_kv, R_b, D]
+      const at::Tensor grouped = grouped_rows(queries[b], keys[b].size(1));  // [H_kv, R_b, D]: a view
       jobs_.emplace_back(grouped, keys[b], values[b], scale,
-                         last_visible_keys(grouped.size(1), tokens, keys[b].size(1), true), grouped.size(1) / tokens);
+                         last_visible_keys(grouped.size(1), tokens, keys[b].size(2), true), grouped.size(1) / tokens);
       first_task_.push_back(first_task_.back() + jobs_.back().tasks);
       first_row_.push_back(first_row_.back() + grouped.size(0) * grouped.size(1));
       rows_ = std::max(rows_, grouped.size(1));
     }
   }
 
-  void key_blocks(int64_t thread, int64_t threads) const override {
+  void key_blocks(int64_t thread, int64_t threads, int64_t layer) const override {
     const auto [begin, end] = cascade_kernels::thread_range(first_task_.back(), thread, threads);
     if (begin >= end) return;
     const Scratch scratch = thread_scratch<D>(rows_);
+    std::vector<PassOperands<D>> passes;  // each sequence's, from this layer's queries
+    for (const KeyBlocks<D>& job : jobs_) passes.push_back(job.operands());
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = sequence_of(first_task_, task);
-      jobs_[b].run(task - first_task_[b], scratch);
+      jobs_[b].run(task - first_task_[b], layer, passes[b], scratch);
     }
   }
 
@@ -1319,7 +1322,7 @@ class SequencesAttentionOf final : public cascade_kernels::SequencesAttention {
     return std::upper_bound(firsts.begin(), firsts.end(), i) - firsts.begin() - 1;
   }
 
-  std::vector<at::Tensor> outs_, grouped_;
+  std::vector<at::Tensor> outs_;
   std::vector<KeyBlocks<D>> jobs_;
   std::vector<int64_t> first_task_{0}, first_row_{0};  // each sequence's first task and first merged row
   int64_t rows_ = 0;  // the most rows a KV head has in any sequence
@@ -1396,10 +1399,13 @@ std::unique_ptr<SequencesAttention> sequences_attention(const std::vector<at::Te
               "decode_attention: keys, values and outputs for each of ", queries.size(), " sequences; got ",
               keys.size(), ", ", values.size(), " and ", outs.size());
   for (size_t b = 0; b < queries.size(); ++b) {
-    check_attention(queries[b], keys[b], values[b], std::nullopt);
+    TORCH_CHECK(keys[b].dim() == 4 && keys[b].sizes() == values[b].sizes() && keys[b].size(0) == keys[0].size(0),
+                "decode_attention: every layer's keys and values [L, H_kv, S, D], L that of the first sequence; got ",
+                keys[b].sizes(), " and ", values[b].sizes());
+    check_attention(queries[b], keys[b][0], values[b][0], std::nullopt);
     TORCH_CHECK(queries[b].size(2) == queries[0].size(2), "decode_attention: one head size for every sequence");
-    TORCH_CHECK(outs[b].is_contiguous() && outs[b].sizes() == queries[b].sizes(),
-                "decode_attention: a contiguous output of the query's shape ", queries[b].sizes());
+    TORCH_CHECK(queries[b].is_contiguous() && outs[b].is_contiguous() && outs[b].sizes() == queries[b].sizes(),
+                "decode_attention: a contiguous query and an output of its shape ", queries[b].sizes());
   }
   std::unique_ptr<SequencesAttention> attention;
 #if defined(CASCADE_KERNELS)
@@ -1414,12 +1420,16 @@ std::unique_ptr<SequencesAttention> sequences_attention(const std::vector<at::Te
 
 std::vector<at::Tensor> decode_attention_sequences(const std::vector<at::Tensor>& queries, at::TensorList keys,
                                                    at::TensorList values, double scale) {
-  std::vector<at::Tensor> outs;
-  for (const at::Tensor& query : queries) {
-    outs.push_back(at::empty_like(query, query.options().memory_format(at::MemoryFormat::Contiguous)));
+  std::vector<at::Tensor> contiguous, outs, one_layer_keys, one_layer_values;
+  for (size_t b = 0; b < queries.size(); ++b) {
+    contiguous.push_back(queries[b].contiguous());
+    outs.push_back(at::empty_like(contiguous.back()));
+    one_layer_keys.push_back(keys[b].unsqueeze(0));
+    one_layer_values.push_back(values[b].unsqueeze(0));
   }
-  const std::unique_ptr<SequencesAttention> attention = sequences_attention(queries, keys, values, scale, outs);
-  on_threads(at::get_num_threads(), [&](int64_t thread, int64_t team) { attention->key_blocks(thread, team); });
+  const std::unique_ptr<SequencesAttention> attention =
+      sequences_attention(contiguous, one_layer_keys, one_layer_values, scale, outs);
+  on_threads(at::get_num_threads(), [&](int64_t thread, int64_t team) { attention->key_blocks(thread, team, 0); });
   on_threads(at::get_num_threads(), [&](int64_t thread, int64_t team) { attention->merge(thread, team); });
   return outs;
 }

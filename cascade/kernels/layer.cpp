@@ -36,7 +36,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <exception>
 #include <memory>
 #include <optional>
 #include <tuple>
@@ -491,7 +490,10 @@ void product_share(const at::Tensor& rows, const at::Tensor& weight, const std::
 // residual sums, on a few rows, each thread computes whole. A pass pays one fork and join, not six a
 // layer: on a 2-core Zen 5 EPYC, old and new alternated call by call in one process, a SmolLM2 step's
 // layers took 1.02-1.06x less time (1K, 8K), an 8-token pass's 1.05-1.11x, an int8 draft's step
-// 1.06-1.12x. The values are the same bits as the per-op path's.
+// 1.06-1.12x. The attention is set up once for every layer, before the region: set up by one thread
+// per layer while the other waited (4-5 us and a barrier a layer), SmolLM2's step took 1.03x (8K keys)
+// to 1.07x (64 keys) the time, a 4- or 8-token pass 1.02-1.05x. The values are the same bits as the
+// per-op path's.
 at::Tensor layers_in_one_region(const at::Tensor& x, at::TensorList norms, at::TensorList weights,
                                 const c10::List<std::optional<at::Tensor>>& scales,
                                 const c10::List<std::optional<at::Tensor>>& biases, at::TensorList keys,
@@ -501,15 +503,13 @@ at::Tensor layers_in_one_region(const at::Tensor& x, at::TensorList norms, at::T
   const int64_t layers = keys[0].size(0), dim = keys[0].size(4), threads = at::get_num_threads();
   const RegionBuffers pass(x, (heads + 2 * kv_heads) * dim, outputs_of(weights[2], scales.get(2)) / 2, tokens, heads,
                            dim, threads);
-  std::vector<std::vector<at::Tensor>> layer_keys(layers), layer_values(layers);  // [l][b]: [H_kv, S_b, D]
-  for (int64_t l = 0; l < layers; ++l) {
-    for (size_t b = 0; b < keys.size(); ++b) {
-      layer_keys[l].push_back(keys[b][l][0].narrow(1, 0, starts[b] + tokens[b]));
-      layer_values[l].push_back(values[b][l][0].narrow(1, 0, starts[b] + tokens[b]));
-    }
+  std::vector<at::Tensor> every_layer_keys, every_layer_values;  // [b]: [L, H_kv, S_b, D]
+  for (size_t b = 0; b < keys.size(); ++b) {
+    every_layer_keys.push_back(keys[b].select(1, 0).narrow(2, 0, starts[b] + tokens[b]));
+    every_layer_values.push_back(values[b].select(1, 0).narrow(2, 0, starts[b] + tokens[b]));
   }
-  std::unique_ptr<cascade_kernels::SequencesAttention> attention;
-  std::exception_ptr failure;
+  const std::unique_ptr<cascade_kernels::SequencesAttention> attention =
+      cascade_kernels::sequences_attention(pass.queries, every_layer_keys, every_layer_values, scale, pass.attended);
 #pragma omp parallel num_threads(threads)
   {
     const int64_t me = omp_get_thread_num(), team = omp_get_num_threads();
@@ -522,17 +522,7 @@ at::Tensor layers_in_one_region(const at::Tensor& x, at::TensorList norms, at::T
 #pragma omp barrier
       place_heads(pass, biases.get(l), cos, sin, keys, values, starts, tokens, l, heads, kv_heads, me, team);
 #pragma omp barrier
-      if (me == 0) {
-        try {
-          attention = cascade_kernels::sequences_attention(pass.queries, layer_keys[l], layer_values[l], scale,
-                                                           pass.attended);
-        } catch (...) {
-          failure = std::current_exception();
-        }
-      }
-#pragma omp barrier
-      if (failure) break;  // every thread sees it after the barrier and leaves the loop
-      attention->key_blocks(me, team);
+      attention->key_blocks(me, team, l);
 #pragma omp barrier
       attention->merge(me, team);
 #pragma omp barrier
@@ -552,7 +542,6 @@ at::Tensor layers_in_one_region(const at::Tensor& x, at::TensorList norms, at::T
                        stream.numel());
     }
   }
-  if (failure) std::rethrow_exception(failure);
   return pass.streams[0];
 }
 

@@ -70,18 +70,19 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, con
 std::vector<at::Tensor> decode_attention_sequences(const std::vector<at::Tensor>& queries, at::TensorList keys,
                                                    at::TensorList values, double scale);
 
-// decode_attention_sequences' work for threads that already run in one parallel region: built by one of
-// them, then each runs its share of every sequence's key blocks and, once all have, its share of the
-// rows' merges into outs[b] [H, T_b, D] (attention.cpp).
+// decode_attention_sequences' work for threads that already run in one parallel region, over any of a
+// pass's layers: built once, then for layer l each thread runs its share of every sequence's key blocks
+// and, once all have, its share of the rows' merges into outs[b] [H, T_b, D] (attention.cpp).
 class SequencesAttention {
  public:
   virtual ~SequencesAttention() = default;
-  virtual void key_blocks(int64_t thread, int64_t threads) const = 0;
+  virtual void key_blocks(int64_t thread, int64_t threads, int64_t layer) const = 0;
   virtual void merge(int64_t thread, int64_t threads) const = 0;
 };
 
-// queries[b] [H, T_b, D] (contiguous) over keys[b] / values[b] [H_kv, S_b, D], causal among each
-// sequence's tokens, into outs[b] [H, T_b, D] (contiguous); the lists and tensors outlive the result.
+// queries[b] [H, T_b, D] (contiguous; read as each layer's attention runs) over keys[b] / values[b]
+// [L, H_kv, S_b, D] (every layer's), causal among each sequence's tokens, into outs[b] [H, T_b, D]
+// (contiguous); the lists and tensors outlive the result.
 std::unique_ptr<SequencesAttention> sequences_attention(const std::vector<at::Tensor>& queries, at::TensorList keys,
                                                         at::TensorList values, double scale,
                                                         const std::vector<at::Tensor>& outs);
