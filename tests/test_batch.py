@@ -64,6 +64,27 @@ def test_a_batched_pass_gives_each_sequence_the_bits_of_its_own_pass(tmp_path, w
     assert [cache.length for cache in together_caches] == [n + w for n, w in zip(lengths, widths, strict=True)]
 
 
+@needs_layer_kernels
+def test_threads_that_take_one_anothers_key_blocks_compute_what_one_thread_does(tmp_path):
+    """A batch over caches of several 256-key blocks each: on 3 threads (more than the cores, so their
+    shares end apart and the first done takes the others' last blocks) the logits are one thread's."""
+    model = load_model(make_checkpoint(tmp_path / "m", "qwen2-bias"), torch.bfloat16, CPU)
+    fused.use_cpu_kernels()
+    model.options = PassOptions(kernels.MAX_KERNEL_ROWS)
+    lengths, widths = [700, 300, 1100], (1, 3, 2)
+    fed = [torch.randint(0, model.spec.vocab_size, (width,)) for width in widths]
+    threads = torch.get_num_threads()
+    logits = []
+    try:
+        for count in (1, 3, 3):
+            torch.set_num_threads(count)
+            caches = prefilled(model, lengths)
+            logits.append(torch.cat(model.forward_batch([SequencePass(ids, c) for ids, c in zip(fed, caches)])))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(logits[1], logits[0]) and torch.equal(logits[2], logits[0])
+
+
 def test_a_pass_the_kernels_do_not_take_runs_each_sequence_alone_with_the_same_logits(tmp_path):
     model = load_model(make_checkpoint(tmp_path / "m", "llama-gqa-tied"), torch.float32, CPU)
     fed = [torch.tensor([5]), torch.tensor([9, 2])]

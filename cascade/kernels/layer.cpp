@@ -509,7 +509,8 @@ at::Tensor layers_in_one_region(const at::Tensor& x, at::TensorList norms, at::T
     every_layer_values.push_back(values[b].select(1, 0).narrow(2, 0, starts[b] + tokens[b]));
   }
   const std::unique_ptr<cascade_kernels::SequencesAttention> attention =
-      cascade_kernels::sequences_attention(pass.queries, every_layer_keys, every_layer_values, scale, pass.attended);
+      cascade_kernels::sequences_attention(pass.queries, every_layer_keys, every_layer_values, scale, pass.attended,
+                                           threads);
 #pragma omp parallel num_threads(threads)
   {
     const int64_t me = omp_get_thread_num(), team = omp_get_num_threads();

@@ -82,9 +82,9 @@ class SequencesAttention {
 
 // queries[b] [H, T_b, D] (contiguous; read as each layer's attention runs) over keys[b] / values[b]
 // [L, H_kv, S_b, D] (every layer's), causal among each sequence's tokens, into outs[b] [H, T_b, D]
-// (contiguous); the lists and tensors outlive the result.
+// (contiguous), run by at most `threads` threads; the lists and tensors outlive the result.
 std::unique_ptr<SequencesAttention> sequences_attention(const std::vector<at::Tensor>& queries, at::TensorList keys,
                                                         at::TensorList values, double scale,
-                                                        const std::vector<at::Tensor>& outs);
+                                                        const std::vector<at::Tensor>& outs, int64_t threads);
 
 }  // namespace cascade_kernels
