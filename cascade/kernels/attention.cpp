@@ -1463,13 +1463,13 @@ std::unique_ptr<SequencesAttention> sequences_attention(const std::vector<at::Te
 
 std::vector<at::Tensor> decode_attention_sequences(const std::vector<at::Tensor>& queries, at::TensorList keys,
                                                    at::TensorList values, double scale) {
-  std::vector<at::Tensor> contiguous, outs, one_layer_keys, one_layer_values;
-  for (size_t b = 0; b < queries.size(); ++b) {
-    contiguous.push_back(queries[b].contiguous());
+  std::vector<at::Tensor> contiguous, outs, one_layer_keys, one_layer_values;  // sequences_attention checks them
+  for (const at::Tensor& query : queries) {
+    contiguous.push_back(query.contiguous());
     outs.push_back(at::empty_like(contiguous.back()));
-    one_layer_keys.push_back(keys[b].unsqueeze(0));
-    one_layer_values.push_back(values[b].unsqueeze(0));
   }
+  for (const at::Tensor& layer_keys : keys) one_layer_keys.push_back(layer_keys.unsqueeze(0));
+  for (const at::Tensor& layer_values : values) one_layer_values.push_back(layer_values.unsqueeze(0));
   const std::unique_ptr<SequencesAttention> attention =
       sequences_attention(contiguous, one_layer_keys, one_layer_values, scale, outs, at::get_num_threads());
   on_threads(at::get_num_threads(), [&](int64_t thread, int64_t team) { attention->key_blocks(thread, team, 0); });
