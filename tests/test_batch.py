@@ -46,13 +46,19 @@ def prefilled(model, lengths: list[int]) -> list[FullCache]:
     return caches
 
 
+def on_layer_kernels(tmp_path: Path):
+    """A small bf16 Qwen2-shaped model whose short passes run through ``decoder_layers``."""
+    model = load_model(make_checkpoint(tmp_path / "m", "qwen2-bias"), torch.bfloat16, CPU)
+    fused.use_cpu_kernels()
+    model.options = PassOptions(kernels.MAX_KERNEL_ROWS)
+    return model
+
+
 @needs_layer_kernels
 @pytest.mark.parametrize("widths", [(1, 1, 1), (1, 3, 2)], ids=["steps", "mixed-widths"])
 def test_a_batched_pass_gives_each_sequence_the_bits_of_its_own_pass(tmp_path, widths, torch_threads):
     """One ``decoder_layers`` call for the whole batch; each sequence's logits equal its own pass's."""
-    model = load_model(make_checkpoint(tmp_path / "m", "qwen2-bias"), torch.bfloat16, CPU)
-    fused.use_cpu_kernels()
-    model.options = PassOptions(kernels.MAX_KERNEL_ROWS)
+    model = on_layer_kernels(tmp_path)
     lengths = [23, 7, 40]
     fed = [torch.randint(0, model.spec.vocab_size, (width,)) for width in widths]
     alone = [model(ids[None], cache, 1)[0, -1] for ids, cache in zip(fed, prefilled(model, lengths), strict=True)]
@@ -68,9 +74,7 @@ def test_a_batched_pass_gives_each_sequence_the_bits_of_its_own_pass(tmp_path, w
 def test_threads_that_take_one_anothers_key_blocks_compute_what_one_thread_does(tmp_path):
     """A batch over caches of several 256-key blocks each: on 3 threads (more than the cores, so their
     shares end apart and the first done takes the others' last blocks) the logits are one thread's."""
-    model = load_model(make_checkpoint(tmp_path / "m", "qwen2-bias"), torch.bfloat16, CPU)
-    fused.use_cpu_kernels()
-    model.options = PassOptions(kernels.MAX_KERNEL_ROWS)
+    model = on_layer_kernels(tmp_path)
     lengths, widths = [700, 300, 1100], (1, 3, 2)
     fed = [torch.randint(0, model.spec.vocab_size, (width,)) for width in widths]
     threads = torch.get_num_threads()
