@@ -265,6 +265,8 @@ class Pipeline:
         if gamma == 0 and (held or not (level == 1 and self._proposes_free(proposer, 0, room))):
             stepping = self.clock.mark()
             drawn = self._draw_from_logits(stage.extend(context, 1))
+            if proposer:
+                proposer.stats.plain_rounds += 1
             if proposer and clean and self._captured_graphs(level) == captured:  # timing it waits for it (CUDA)
                 proposer.stats.record_plain_step(self.clock.seconds(stepping, self.clock.mark()))
             return drawn

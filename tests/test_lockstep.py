@@ -214,6 +214,7 @@ def test_a_sequence_proposes_while_the_draft_runs_for_another_and_emits_the_same
     first, second = (result.stats.stages[0] for result in together)
     assert second.proposed == sum(gamma * rounds for gamma, rounds in second.gamma_choices.items())
     assert first.gamma_choices == {first_gamma: first.rounds + first.plain_steps}
+    assert first.plain_rounds == first.plain_steps  # a round proposing for free is not a plain one
     assert first.rounds >= second.rounds and first.proposed > first_gamma * first.rounds
     assert first.accepted == first.proposed
 

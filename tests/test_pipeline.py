@@ -184,6 +184,10 @@ def test_a_stage_bypassed_for_long_catches_up_within_its_room(tiny_dir, tiny_dra
     result = generate(runtime_for("speculative", tiny_dir, tiny_draft_dir, overrides), PROMPT, 120)
     draft = result.stats.stages[0]
     assert draft.gamma_choices.get(0, 0) > 16  # bypassed for longer than a probe interval
+    assert draft.plain_rounds == draft.gamma_choices[0]  # each a plain step of the target
+    # the prediction is the generation's: its bypassed rounds pull it from the speculating rounds' towards 1
+    speculating = draft.expected_speedup(draft.mean_gamma)
+    assert speculating != 1.0 and abs(result.stats.predicted_speedup - 1) < abs(speculating - 1)
     expected = generate(runtime_for("autoregressive", tiny_dir, tiny_draft_dir), PROMPT, 120).token_ids
     assert result.token_ids == expected
 

@@ -77,13 +77,16 @@ def test_with_verification_as_cheap_as_a_step_the_speedup_is_the_textbook_one():
     assert expected_speedup(acceptance, 0.01, 0.2, 0.1, gamma) == pytest.approx(textbook / 2 * 1.4 / 1.2)
 
 
-def test_rounds_a_lookup_found_nothing_in_count_as_plain_steps_in_the_overall_speedup():
+def test_rounds_the_verifier_decoded_alone_count_as_plain_steps_in_the_overall_speedup():
     """Every round proposes 4 and keeps all 4 at the cost of one step: 5 tokens a step; 3 rounds
-    of 5 tokens and 2 unmatched rounds of 1 token take 3 + 2 steps."""
+    of 5 tokens and 2 plain rounds (a lookup that found nothing) of 1 token take 3 + 2 steps, and
+    with 51 rounds bypassed the generation is predicted barely faster than decoding alone."""
     stats = measured([(4, 4)] * 3, propose_s=0.0, verify_s=0.1, step_s=0.1)
     assert stats.overall_speedup(4) == pytest.approx(stats.expected_speedup(4)) == pytest.approx(5.0)
-    stats.unmatched = 2
+    stats.plain_rounds = 2
     assert stats.overall_speedup(4) == pytest.approx((3 * 5 + 2) / (3 + 2))
+    stats.plain_rounds = 51
+    assert stats.overall_speedup(4) == pytest.approx((3 * 5 + 51) / (3 + 51))  # 1.22x
 
 
 def test_fixed_and_heuristic_schedules():
