@@ -92,7 +92,7 @@ class Attention(nn.Module):
         query, keys = rotated.split([spec.num_heads, spec.num_kv_heads], dim=1)
         values = qkv[:, spec.num_heads + spec.num_kv_heads :]
         view = cache.update(self.layer, keys, values, query)
-        out = attend(query, view, self.scale)  # [B, H, T, D]
+        out = fused.attend_prefill(query, view, self.scale, attend)  # [B, H, T, D]
         return self.o_proj(rearrange(out, "b h t d -> b t (h d)"))
 
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cache.base import AttentionView
 from cache.full import FullCache
 from cache.registry import POLICIES, build_policy
 from cascade import fused, kernels
+from cascade.attention import FOLD_MAX_QUERIES, attend_cpu
 from cascade.checkpoint import load_model
 from cascade.graphs import MAX_GRAPH_TOKENS
 from cascade.model import PassOptions
@@ -349,3 +351,36 @@ def test_a_prefill_chunks_norms_and_silu_products_run_on_the_layer_ops_row_by_ro
     monkeypatch.setattr(fused, "cpu_layers", False)
     torchs = model(ids, FullCache(model.cache_layout(PROMPT)))
     assert (ours.float() - float32).abs().mean() <= 1.25 * (torchs.float() - float32).abs().mean()
+
+
+@pytest.mark.skipif(not kernels.attention_kernel_available(), reason="cascade's CPU attention op does not run here")
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_prefill_chunk_through_the_kernel_equals_one_call_over_it_whatever_its_slices(monkeypatch, causal):
+    """A chunk of 100 tokens (three slices of 32 and a part) over 700 keys, causal or every token
+    reading every key: its rows are the bits one kernel call over the whole chunk gives, and within
+    bf16 rounding of PyTorch's flash kernel (the ``cpu`` family's prefill path)."""
+    monkeypatch.setattr(fused, "prefill_kernel", True)
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(1, 6, 100, 64, generator=generator).bfloat16()  # [1, H, T, D]
+    keys, values = (torch.randn(1, 2, 700, 64, generator=generator).bfloat16() for _ in range(2))  # [1, H_kv, S, D]
+    view = AttentionView(keys, values, None, causal=causal)
+    sliced = fused.attend_prefill(query, view, 0.125, attend_cpu)
+    whole = torch.ops.cascade_kernels.decode_attention(query[0], keys[0], values[0], 0.125, causal)
+    assert torch.equal(sliced[0], whole)
+    torch.testing.assert_close(sliced.float(), attend_cpu(query, view, 0.125).float(), atol=2e-2, rtol=0)
+
+
+def test_only_long_unmasked_bfloat16_passes_take_the_prefill_kernel(monkeypatch):
+    """Passes of up to FOLD_MAX_QUERIES tokens, masked views, float32 and a build without the
+    prefill kernel keep the model's attention family."""
+    monkeypatch.setattr(fused, "prefill_kernel", True)
+    calls = []
+    family = lambda query, view, scale: calls.append(query.shape[2]) or query  # noqa: E731
+    keys = torch.zeros(1, 2, 200, 64, dtype=torch.bfloat16)
+    short, long = (torch.zeros(1, 6, tokens, 64, dtype=torch.bfloat16) for tokens in (FOLD_MAX_QUERIES, 100))
+    fused.attend_prefill(short, AttentionView(keys, keys, None, causal=True), 0.125, family)
+    fused.attend_prefill(long, AttentionView(keys, keys, torch.zeros(100, 200, dtype=torch.bfloat16)), 0.125, family)
+    fused.attend_prefill(long.float(), AttentionView(keys.float(), keys.float(), None, causal=True), 0.125, family)
+    monkeypatch.setattr(fused, "prefill_kernel", False)
+    fused.attend_prefill(long, AttentionView(keys, keys, None, causal=True), 0.125, family)
+    assert calls == [FOLD_MAX_QUERIES, 100, 100, 100]
