@@ -79,7 +79,8 @@ def use_cpu_kernels() -> bool:
     cpu_layers = kernels.weight_kernel_available()
     quantised_kernels = kernels.quantised_kernels_available()
     attention_kernel = kernels.attention_kernel_available()
-    prefill_kernel = attention_kernel and {"avx512_bf16"} <= kernels.compiled_features() - {"amx_bf16"}
+    features = kernels.compiled_features() if attention_kernel else frozenset()
+    prefill_kernel = "avx512_bf16" in features and "amx_bf16" not in features
     return cpu_layers
 
 
@@ -284,22 +285,27 @@ def attention_rows(attended: torch.Tensor) -> torch.Tensor:
     return attended[0].transpose(0, 1).reshape(-1).view(attended.shape[2], -1)
 
 
+def kernel_takes(query: torch.Tensor) -> bool:
+    """Whether cascade's attention kernel takes queries [B, H, T, D]: bf16 on CPU, one sequence, a
+    head size it was built for."""
+    on_cpu, one = query.device.type == "cpu", query.shape[0] == 1
+    return on_cpu and one and query.dtype == torch.bfloat16 and query.shape[-1] in kernels.ATTENTION_HEAD_SIZES
+
+
 def attend(query: torch.Tensor, view: AttentionView, scale: float, family: AttentionKernel) -> torch.Tensor:
     """Queries [1, H, T, D] over the view -> [1, H, T, D]: on CPU, bf16 over an unmasked, causal or
     token-tree view (masked in its tail alone: each node reads what its decode step would, so the
     verifier's logits equal the steps' bit for bit) through cascade's flash-decoding kernel, else one
     query per head over a short unmasked cache through the compiled kernel; everything else through
     the model's attention ``family``."""
-    on_cpu = query.device.type == "cpu"
-    ours = attention_kernel and on_cpu and query.dtype == torch.bfloat16 and query.shape[0] == 1
-    if ours and query.shape[-1] in kernels.ATTENTION_HEAD_SIZES:
+    if attention_kernel and kernel_takes(query):
         keys, values = view.keys[0], view.values[0]
         if view.mask is None:
             return torch.ops.cascade_kernels.decode_attention(query[0], keys, values, scale, view.causal)[None]
         if view.masked_tail:  # a token tree's pass: each node reads what its decode step would, bit for bit
             tail = view.mask[:, -view.masked_tail :] == 0  # [T, M]
             return torch.ops.cascade_kernels.decode_attention_tree(query[0], keys, values, scale, tail)[None]
-    one_query = query.shape[2] == 1 and on_cpu
+    one_query = query.shape[2] == 1 and query.device.type == "cpu"
     if one_query and view.mask is None and view.keys.shape[2] <= MAX_COMPILED_ATTENTION_KEYS:
         return compiled_attention(query, view.keys, view.values, scale)
     return family(query, view, scale)
@@ -312,9 +318,8 @@ def attend_prefill(query: torch.Tensor, view: AttentionView, scale: float, famil
     everything else through the model's attention ``family``. A token's row is the same bits however
     the chunk is sliced (the kernel's key blocks start at key 0, and keys past a row's last visible
     one weigh exact zeros): the row its decode step would compute."""
-    takes = prefill_kernel and query.shape[2] > FOLD_MAX_QUERIES and query.device.type == "cpu"
-    takes = takes and query.dtype == torch.bfloat16 and query.shape[0] == 1 and view.mask is None
-    if not (takes and query.shape[-1] in kernels.ATTENTION_HEAD_SIZES):
+    long_pass = query.shape[2] > FOLD_MAX_QUERIES and view.mask is None
+    if not (prefill_kernel and long_pass and kernel_takes(query)):
         return family(query, view, scale)
     tokens, num_keys = query.shape[2], view.keys.shape[2]
     out = torch.empty_like(query[0])  # [H, T, D]

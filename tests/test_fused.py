@@ -384,3 +384,18 @@ def test_only_long_unmasked_bfloat16_passes_take_the_prefill_kernel(monkeypatch)
     monkeypatch.setattr(fused, "prefill_kernel", False)
     fused.attend_prefill(long, AttentionView(keys, keys, None, causal=True), 0.125, family)
     assert calls == [FOLD_MAX_QUERIES, 100, 100, 100]
+
+
+@pytest.mark.parametrize(
+    "features, takes",
+    [({"avx512_bf16"}, True), ({"avx512_bf16", "amx_bf16"}, False), ({"avx2"}, False)],
+)
+def test_the_prefill_kernel_is_used_on_avx512_bf16_builds_without_amx(monkeypatch, features, takes):
+    """Where it was timed against PyTorch's CPU flash kernel; AMX and AVX2 builds keep PyTorch's."""
+    monkeypatch.setattr(kernels, "attention_kernel_available", lambda: True)
+    monkeypatch.setattr(kernels, "compiled_features", lambda: frozenset(features))
+    for flag in ("cpu_layers", "quantised_kernels", "attention_kernel"):
+        monkeypatch.setattr(fused, flag, getattr(fused, flag))  # restored after use_cpu_kernels sets them
+    monkeypatch.setattr(fused, "prefill_kernel", not takes)
+    fused.use_cpu_kernels()
+    assert fused.prefill_kernel is takes
